@@ -1,0 +1,1 @@
+"""Verifiable task families and their reward functions."""
