@@ -1,0 +1,251 @@
+"""Typed node configuration: dataclasses with help text, YAML presets, env and CLI overrides.
+
+Precedence, lowest first: dataclass defaults, the YAML file, ``HIVESPEC_<SECTION>__<FIELD>``
+environment variables, then ``--set section.field=value`` on the command line. Unknown keys are
+errors at every layer, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+ENV_PREFIX = "HIVESPEC_"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the key and the fix."""
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A dataclass field carrying its help text (shown by ``hivespec config``)."""
+    if default is dataclasses.MISSING:
+        return field(metadata={"help": text}, **kwargs)
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class ModelConfig:
+    name: str = _help("'smollm2-135m-instruct' (embedded GGUF), 'tiny' (random init, tests) or a local HF folder", "smollm2-135m-instruct")
+    engine_dtype: Literal["bfloat16", "float32", "float64"] = _help("dtype of the rollout engine's weight copy", "bfloat16")
+    train_dtype: Literal["float32", "float64"] = _help("dtype of the trainer's master weights", "float32")
+    autocast: bool = _help("bf16 autocast for trainer forwards (fp32 master weights keep small updates)", True)
+    device: str = _help("torch device for engine and trainer", "cpu")
+    threads: int | None = _help("torch threads per node; default: cores / local nodes", None)
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"model.threads must be >= 1 or null, got {self.threads}")
+
+
+@dataclass
+class TaskMix:
+    family: str = _help("task family: 'arith', 'count' or 'jsonl'", "arith")
+    difficulty: int = _help("difficulty knob of the family", 1)
+    weight: float = _help("relative sampling weight", 1.0)
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ConfigError(f"tasks.mix weight must be > 0, got {self.weight} for {self.family}")
+
+
+@dataclass
+class TaskConfig:
+    mix: list[TaskMix] = _help("task families to draw prompts from", default_factory=lambda: [TaskMix("arith", 1), TaskMix("count", 1)])
+    jsonl_path: str | None = _help("JSONL file of {question, answer} lines for the 'jsonl' family", None)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_round: int = _help("prompts this node draws each round", 4)
+    num_generations: int = _help("completions per prompt (the GRPO group size)", 4)
+    max_completion_length: int = _help("maximum new tokens per completion", 64)
+    temperature: float = _help("sampling temperature (0 = greedy)", 1.0)
+    top_p: float = _help("nucleus sampling mass", 1.0)
+    max_batch_size: int = _help("sequences decoded together", 16)
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_round", "num_generations", "max_completion_length", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class TrainConfig:
+    learning_rate: float = _help("AdamW learning rate", 2e-5)
+    weight_decay: float = _help("AdamW weight decay", 0.0)
+    max_grad_norm: float = _help("gradient norm clip", 1.0)
+    tis_clip: float = _help("truncated importance sampling cap C: weight = min(pi/mu, C)", 2.0)
+    foreign_fraction: float = _help("at most this share of a step's samples come from peers", 0.5)
+    staleness_rounds: int = _help("accept foreign rollouts at most this many rounds old", 2)
+    micro_batch_size: int = _help("sequences per forward/backward", 8)
+
+    def __post_init__(self) -> None:
+        if self.tis_clip < 1:
+            raise ConfigError(f"train.tis_clip must be >= 1 (weights are truncated at C), got {self.tis_clip}")
+        if not 0 <= self.foreign_fraction < 1:
+            raise ConfigError(f"train.foreign_fraction must be in [0, 1), got {self.foreign_fraction}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass
+class SwarmConfig:
+    swarm: str = _help("swarm name; nodes only see records of the same swarm", "local")
+    host: str = _help("address to listen on", "127.0.0.1")
+    port: int = _help("TCP port (0 = any free port)", 0)
+    initial_peers: list[str] = _help("multiaddrs to bootstrap from", default_factory=list)
+    expected_peers: int = _help("peers whose rollouts a round waits for (0 = do not wait)", 0)
+    round_timeout: float = _help("seconds a round waits for peers' rollouts", 120.0)
+
+
+@dataclass
+class NodeConfig:
+    name: str | None = _help("display name (default: derived from the identity key)", None)
+    home: str | None = _help("data directory for identity, store and logs (default: user data dir)", None)
+    seed: int | None = _help("seed for prompts and sampling (null: derived from the identity)", None)
+    rounds: int = _help("rounds to run (0 = forever)", 5)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tasks: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def preset_path(name: str) -> Path:
+    """Path of a bundled preset (``demo`` -> ``configs/demo.yaml``); a path with a suffix is used as is."""
+    candidate = Path(name)
+    if candidate.suffix in (".yaml", ".yml"):
+        return candidate
+    return CONFIG_DIR / f"{name}.yaml"
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    overrides: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> NodeConfig:
+    """Build a NodeConfig from defaults, a YAML file, HIVESPEC_* env vars and dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = preset_path(str(path))
+        if not file.is_file():
+            raise ConfigError(f"config file {file} not found; presets: {sorted(p.stem for p in CONFIG_DIR.glob('*.yaml'))}")
+        loaded = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: the top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    env = os.environ if environ is None else environ
+    for key, raw in env.items():
+        if key.startswith(ENV_PREFIX) and "__" in key:
+            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            _set_dotted(data, dotted, yaml.safe_load(raw), source=f"env {key}")
+    for dotted, raw in (overrides or {}).items():
+        _set_dotted(data, dotted, yaml.safe_load(raw), source=f"--set {dotted}")
+    return _build(NodeConfig, data, "")
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """Split ``section.field=value`` as given to ``--set``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects section.field=value, got {text!r}")
+    return key.strip(), value
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, *, source: str) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(f"unknown config key(s) {unknown} in {where}; valid keys: {sorted(fields)}")
+    kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from None
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def describe(cls: type = NodeConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every field: the documented flag list."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows.extend(describe(hint, f"{prefix}{f.name}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,183 @@
+"""``hivespec demo``: N real node processes on 127.0.0.1, one table row per node per round.
+
+The parent prepares the model cache once (the first run converts the embedded GGUF), starts the
+first node, reads its multiaddrs from its event log, starts the others bootstrapped from it, and
+tails every node's JSON-lines events. Each node is a separate process with its own hivemind
+DHT, identity, SQLite journal, engine and trainer; they share nothing but loopback sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from hivespec.node.cli import REPORT_HEADER, format_report_line
+from hivespec.node.config import NodeConfig
+
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass
+class _Child:
+    name: str
+    home: Path
+    process: subprocess.Popen
+    events_path: Path
+    offset: int = 0
+    ready: dict | None = None
+    done: bool = False
+    reports: list[dict] = field(default_factory=list)
+
+    def poll_events(self) -> list[dict]:
+        if not self.events_path.exists():
+            return []
+        with self.events_path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def log_tail(self, lines: int = 20) -> str:
+        log = self.home / "node.log"
+        if not log.exists():
+            return "(no log)"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_demo(
+    config: NodeConfig,
+    *,
+    nodes: int,
+    preset: str,
+    overrides: Mapping[str, str],
+    workdir: str | None = None,
+) -> int:
+    """Run the local swarm to completion; returns a process exit code."""
+    if nodes < 1:
+        print("hivespec demo: --nodes must be >= 1", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    root = Path(workdir) if workdir else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"hivespec demo: {nodes} nodes x {config.rounds} rounds, model {config.model.name}, data in {root}/", flush=True)
+    _prepare_model(config.model.name)
+
+    children: list[_Child] = []
+    try:
+        first = _spawn(0, root, preset, overrides, nodes, initial_peers=[])
+        children.append(first)
+        maddrs = _wait_ready(first)
+        for index in range(1, nodes):
+            children.append(_spawn(index, root, preset, overrides, nodes, initial_peers=maddrs))
+        for child in children[1:]:
+            _wait_ready(child)
+        print(f"all {nodes} nodes up after {time.perf_counter() - started:.1f}s; bootstrap {maddrs[0]}", flush=True)
+        print(REPORT_HEADER, flush=True)
+        _tail(children, config.rounds)
+    except _DemoFailure as failure:
+        print(f"hivespec demo: {failure}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hivespec demo: interrupted, stopping nodes", file=sys.stderr)
+        return 130
+    finally:
+        for child in children:
+            if child.process.poll() is None:
+                child.process.terminate()
+        for child in children:
+            try:
+                child.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+    _summary(children, time.perf_counter() - started)
+    return 0
+
+
+class _DemoFailure(RuntimeError):
+    pass
+
+
+def _prepare_model(name: str) -> None:
+    """Load once in the parent so the N nodes find the converted cache instead of racing for it."""
+    from hivespec.node.model import load_model, load_tokenizer
+
+    mark = time.perf_counter()
+    print(f"preparing model {name} (the first run converts the embedded GGUF, ~30 s) ...", flush=True)
+    load_tokenizer(name)
+    load_model(name)
+    print(f"model ready in {time.perf_counter() - mark:.1f}s", flush=True)
+
+
+def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], nodes: int, *, initial_peers: list[str]) -> _Child:
+    name = f"node-{index}"
+    home = root / name
+    home.mkdir(parents=True, exist_ok=True)
+    events = home / "events.jsonl"
+    command = [
+        sys.executable, "-m", "hivespec.node.cli", "-v", "join",
+        "--config", preset, "--home", str(home), "--name", name,
+        "--events", str(events), "--local-nodes", str(nodes),
+        "--set", f"swarm.expected_peers={nodes - 1}",
+    ]
+    for key, value in overrides.items():
+        if key not in ("home", "name", "swarm.initial_peers"):
+            command += ["--set", f"{key}={value}"]
+    for maddr in initial_peers:
+        command += ["--initial-peer", maddr]
+    log = (home / "node.log").open("ab")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return _Child(name=name, home=home, process=process, events_path=events)
+
+
+def _wait_ready(child: _Child) -> list[str]:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for event in child.poll_events():
+            if event["event"] == "ready":
+                child.ready = event
+        if child.ready:
+            return child.ready["maddrs"]
+        if child.process.poll() is not None:
+            raise _DemoFailure(f"{child.name} exited with code {child.process.returncode} before it was ready:\n{child.log_tail()}")
+        time.sleep(0.2)
+    raise _DemoFailure(f"{child.name} not ready after {READY_TIMEOUT_S:.0f}s; log:\n{child.log_tail()}")
+
+
+def _tail(children: list[_Child], rounds: int) -> None:
+    """Print rows as nodes report; a progress line shows which nodes are still in the round."""
+    while not all(child.done for child in children):
+        for child in children:
+            for event in child.poll_events():
+                if event["event"] == "round":
+                    child.reports.append(event)
+                    print("\r" + " " * 78 + "\r" + format_report_line(event), flush=True)
+                elif event["event"] == "done":
+                    child.done = True
+            if not child.done and child.process.poll() is not None:
+                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}")
+        progress = "  ".join(f"{c.name}: {len(c.reports)}/{rounds or '∞'}" for c in children)
+        print(f"\r[rounds done] {progress}", end="", flush=True)
+        time.sleep(0.25)
+    print("\r" + " " * 78 + "\r", end="", flush=True)
+
+
+def _summary(children: list[_Child], wall: float) -> None:
+    if not children or not any(c.reports for c in children):
+        return
+    rounds = max(len(c.reports) for c in children)
+    print(f"\ndemo finished in {wall:.1f}s")
+    for index in range(rounds):
+        rows = [c.reports[index] for c in children if len(c.reports) > index]
+        slowest = max(r["seconds"]["round"] for r in rows)
+        accepted = all(r["accepted"] > 0 for r in rows)
+        reward = sum(r["reward_mean"] for r in rows) / len(rows)
+        print(
+            f"  round {index}: {slowest:6.1f}s  mean reward {reward:.2f}  "
+            f"foreign rollouts accepted by every node: {'yes' if accepted else 'no'}"
+        )

@@ -1,0 +1,101 @@
+"""The node's key file: created on first run with mode 0600, loaded on every later run.
+
+File format (48 bytes): the 16-byte magic ``b"hivespec-key-v1\\n"`` followed by the raw 32-byte
+Ed25519 private key. The magic lets a future format coexist and makes a wrong file (a hivemind
+key, a truncated copy) fail loudly instead of becoming a different identity.
+
+Location: `$HIVESPEC_HOME/identity.key` when HIVESPEC_HOME is set (tests, several nodes on one
+machine), else `platformdirs.user_data_dir("hivespec")/identity.key`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+import platformdirs
+
+from hivespec.protocol.identity import PRIVATE_KEY_BYTES, Identity
+
+KEY_FILE_MAGIC = b"hivespec-key-v1\n"
+KEY_FILE_BYTES = len(KEY_FILE_MAGIC) + PRIVATE_KEY_BYTES
+KEY_FILE_NAME = "identity.key"
+HOME_ENV = "HIVESPEC_HOME"
+
+
+def default_identity_path() -> Path:
+    """Where the node keeps its key: $HIVESPEC_HOME/identity.key, else the user data dir."""
+    home = os.environ.get(HOME_ENV)
+    base = Path(home).expanduser() if home else Path(platformdirs.user_data_dir("hivespec"))
+    return base / KEY_FILE_NAME
+
+
+def load_or_create_identity(path: Path) -> Identity:
+    """Load the identity at `path`, or create one there (mode 0600) if the file does not exist.
+
+    Raises ValueError when the file exists but is not a hivespec key file, or is readable by
+    group or others (the message says how to fix it). Two processes racing to create the same
+    file end up with the same key: the first complete file wins and the other process loads it.
+    """
+    path = Path(path).expanduser()
+    if path.exists():
+        return _load(path)
+    return _create(path)
+
+
+def _load(path: Path) -> Identity:
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"identity path {path} is not a regular file; point the node at a key file or remove it")
+    if os.name == "posix" and st.st_mode & 0o077:
+        raise ValueError(
+            f"identity file {path} has mode {stat.S_IMODE(st.st_mode):04o}: the private key is readable by "
+            f"other users; run `chmod 600 {path}` (and consider the key leaked if the machine is shared)"
+        )
+    data = path.read_bytes()
+    if len(data) != KEY_FILE_BYTES or not data.startswith(KEY_FILE_MAGIC):
+        raise ValueError(
+            f"identity file {path} is not a hivespec key file ({len(data)} bytes, expected {KEY_FILE_BYTES} "
+            f"starting with {KEY_FILE_MAGIC!r}); restore it from a backup, or move it away to create a new "
+            "identity (the node will then have a new peer id)"
+        )
+    return Identity.from_private_bytes(data[len(KEY_FILE_MAGIC) :])
+
+
+def _create(path: Path) -> Identity:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    identity = Identity.generate()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # O_EXCL + 0600 from the start: the key is never on disk with wider permissions.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.write(fd, KEY_FILE_MAGIC + identity.private_bytes())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            # link() refuses to overwrite, so a concurrent creator's key is never replaced.
+            os.link(tmp, path)
+        except FileExistsError:
+            return _load(path)
+        except OSError:
+            # Filesystems without hard links: an atomic replace is the next best thing.
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return identity
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the new directory entry durable; not possible (nor needed) on every platform.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

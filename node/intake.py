@@ -1,0 +1,173 @@
+"""Admission of foreign rollout envelopes: every check runs before anything touches torch.
+
+A peer's bytes pass, in order: envelope size, decode, signature and clock (protocol), announcing
+peer == author, replay (author, seq), batch schema with the vocabulary bound (protocol), model
+fingerprint, staleness, then per rollout: the task is one we can regenerate from its prompt id,
+the prompt tokens are exactly our chat prompt for it, and the claimed reward equals the reward
+our own verifier computes. The outcome follows gossipsub v1.1: ``accept``; ``ignore`` (honest
+but useless: stale, duplicate) with no penalty; ``reject`` (provably wrong) for the sender's score.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal, Sequence
+
+import numpy as np
+
+from hivespec.node.store import RolloutStore, StoredRollout
+from hivespec.node.tasks.source import TaskSource
+from hivespec.protocol.envelope import Kind, open_envelope
+from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
+from hivespec.protocol.rollout import Rollout, decode_batch, encode_rollout, rollout_content_hash
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["accept", "ignore", "reject"]
+
+
+class AdmissionReason(StrEnum):
+    """Application-level reasons, on top of protocol's wire-level ``Reason`` values."""
+
+    AUTHOR_MISMATCH = "author_mismatch"  # announced by one peer, signed by another
+    REPLAY = "replay"  # (author, seq) seen before
+    FINGERPRINT = "fingerprint_mismatch"  # another model or tokenizer
+    STALE = "stale"  # older than the staleness window
+    FUTURE = "future_round"  # claims a round we cannot have reached
+    UNKNOWN_TASK = "unknown_task"  # prompt id we cannot regenerate
+    PROMPT_MISMATCH = "prompt_mismatch"  # prompt tokens differ from our chat prompt for the task
+    REWARD_MISMATCH = "reward_mismatch"  # claimed reward differs from our verifier's
+    DUPLICATE = "duplicate"  # every rollout already stored
+
+
+@dataclass(frozen=True)
+class Admission:
+    outcome: Outcome
+    reason: str
+    detail: str = ""
+    author: str = ""
+    rollouts: tuple[Rollout, ...] = ()
+    policy_version: int = -1
+
+
+@dataclass
+class IntakeCounters:
+    accepted_rollouts: int = 0
+    outcomes: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+
+
+class Intake:
+    """Validates foreign envelopes and journals the rollouts that pass."""
+
+    def __init__(
+        self,
+        *,
+        fingerprint: str,
+        vocab_size: int,
+        tasks: TaskSource,
+        tokenizer,
+        store: RolloutStore,
+        staleness_rounds: int,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+        self.tasks = tasks
+        self.tokenizer = tokenizer
+        self.store = store
+        self.staleness_rounds = staleness_rounds
+        self.limits = limits
+        self.counters = IntakeCounters()
+        self._prompt_cache: dict[str, tuple[int, ...]] = {}
+
+    def admit(self, announced_by: str, data: bytes, *, current_round: int) -> Admission:
+        """Run every check on one envelope; never raises on bad input."""
+        try:
+            admission = self._admit(announced_by, data, current_round)
+        except Exception as exc:  # a bug here must not take the receive loop down
+            log.exception("intake failed on an envelope from %s", announced_by)
+            admission = Admission("reject", "internal_error", repr(exc), announced_by)
+        self.counters.outcomes[admission.outcome] += 1
+        self.counters.reasons[admission.reason] += 1
+        self.counters.accepted_rollouts += len(admission.rollouts)
+        if admission.outcome != "accept":
+            log.debug("%s envelope from %s: %s %s", admission.outcome, announced_by, admission.reason, admission.detail)
+        return admission
+
+    def _admit(self, announced_by: str, data: bytes, current_round: int) -> Admission:
+        verdict, envelope = open_envelope(data, limits=self.limits, expected_kind=Kind.ROLLOUTS)
+        if not verdict.ok or envelope is None:
+            return Admission("reject", verdict.reason.value, verdict.detail, announced_by)
+        author = envelope.peer_id
+        if author != announced_by:
+            return Admission("reject", AdmissionReason.AUTHOR_MISMATCH, f"signed by {author}", announced_by)
+        verdict, batch = decode_batch(envelope.body, limits=self.limits, vocab_size=self.vocab_size)
+        if not verdict.ok or batch is None:
+            return Admission("reject", verdict.reason.value, verdict.detail, author)
+        if batch.fingerprint != self.fingerprint:
+            return Admission("ignore", AdmissionReason.FINGERPRINT, f"{batch.fingerprint} != ours {self.fingerprint}", author)
+        if batch.round > current_round + 1:
+            return Admission("reject", AdmissionReason.FUTURE, f"round {batch.round} while we are at {current_round}", author)
+        if batch.round < current_round - self.staleness_rounds:
+            return Admission("ignore", AdmissionReason.STALE, f"round {batch.round} < {current_round} - {self.staleness_rounds}", author)
+        for rollout in batch.rollouts:
+            failure = self._check_rollout(rollout)
+            if failure is not None:
+                reason, detail = failure
+                return Admission("reject", reason, f"{rollout.prompt_id}#{rollout.sample_index}: {detail}", author)
+        # Replay is checked last so a rejected forgery cannot burn an honest (author, seq).
+        if not self.store.remember_envelope(author, envelope.seq):
+            return Admission("ignore", AdmissionReason.REPLAY, f"seq {envelope.seq}", author)
+        now = time.time()
+        rows = [
+            StoredRollout(
+                content_hash=rollout_content_hash(r),
+                author=author,
+                round=batch.round,
+                prompt_id=r.prompt_id,
+                policy_version=batch.policy_version,
+                reward=r.reward,
+                own=False,
+                n_tokens=len(r.completion_ids),
+                payload=encode_rollout(r),
+                received_at=now,
+            )
+            for r in batch.rollouts
+        ]
+        fresh = [r for r, row in zip(batch.rollouts, rows) if not self.store.has(row.content_hash)]
+        self.store.add_rollouts(rows)
+        if not fresh:
+            return Admission("ignore", AdmissionReason.DUPLICATE, "", author)
+        return Admission("accept", "ok", "", author, tuple(fresh), batch.policy_version)
+
+    def _check_rollout(self, rollout: Rollout) -> tuple[str, str] | None:
+        task = self.tasks.lookup(rollout.prompt_id)
+        if task is None:
+            return AdmissionReason.UNKNOWN_TASK, "prompt id not regenerable"
+        expected = self._prompt_ids(task)
+        if tuple(int(t) for t in rollout.prompt_ids) != expected:
+            return AdmissionReason.PROMPT_MISMATCH, "prompt tokens differ from our chat prompt"
+        text = self.tokenizer.decode(np.asarray(rollout.completion_ids).tolist(), skip_special_tokens=True)
+        reward = self.tasks.reward(task, text)
+        if not np.isclose(reward, rollout.reward, atol=1e-6):
+            return AdmissionReason.REWARD_MISMATCH, f"claimed {rollout.reward}, verified {reward}"
+        return None
+
+    def _prompt_ids(self, task) -> tuple[int, ...]:
+        cached = self._prompt_cache.get(task.prompt_id)
+        if cached is None:
+            cached = tuple(self.tasks.chat_prompt_ids(self.tokenizer, task))
+            if len(self._prompt_cache) > 4096:
+                self._prompt_cache.clear()
+            self._prompt_cache[task.prompt_id] = cached
+        return cached
+
+
+def admitted_counts(admissions: Sequence[Admission]) -> Counter:
+    """Outcome counts of a round's admissions, for reports."""
+    return Counter(a.outcome for a in admissions)

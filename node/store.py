@@ -1,0 +1,211 @@
+"""SQLite (WAL) journal of own and accepted foreign rollouts, plus the envelope replay log.
+
+One connection shared by every thread, guarded by a lock: SQLite serialises writers anyway, and a
+single connection keeps ":memory:" stores coherent across threads. WAL lets a second process (a
+dashboard, a debugging shell) read while the node writes.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 10.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    content_hash   BLOB PRIMARY KEY,
+    author         TEXT NOT NULL,
+    round          INTEGER NOT NULL,
+    prompt_id      TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    reward         REAL NOT NULL,
+    own            INTEGER NOT NULL,
+    n_tokens       INTEGER NOT NULL,
+    payload        BLOB NOT NULL,
+    received_at    REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollouts_round ON rollouts(round);
+CREATE INDEX IF NOT EXISTS rollouts_prompt ON rollouts(prompt_id);
+CREATE TABLE IF NOT EXISTS envelopes (
+    author TEXT NOT NULL,
+    seq    INTEGER NOT NULL,
+    PRIMARY KEY (author, seq)
+) WITHOUT ROWID;
+"""
+
+_COLUMNS = "content_hash, author, round, prompt_id, policy_version, reward, own, n_tokens, payload, received_at"
+
+
+@dataclass(frozen=True)
+class StoredRollout:
+    """One journaled rollout; `payload` is opaque bytes (an encoded rollout), `own` marks our own."""
+
+    content_hash: bytes
+    author: str
+    round: int
+    prompt_id: str
+    policy_version: int
+    reward: float
+    own: bool
+    n_tokens: int
+    payload: bytes
+    received_at: float
+
+    def _row(self) -> tuple:
+        return (
+            bytes(self.content_hash),
+            self.author,
+            int(self.round),
+            self.prompt_id,
+            int(self.policy_version),
+            float(self.reward),
+            int(bool(self.own)),
+            int(self.n_tokens),
+            bytes(self.payload),
+            float(self.received_at),
+        )
+
+    @classmethod
+    def _from_row(cls, row: tuple) -> StoredRollout:
+        h, author, rnd, prompt_id, version, reward, own, n_tokens, payload, received_at = row
+        return cls(h, author, rnd, prompt_id, version, reward, bool(own), n_tokens, payload, received_at)
+
+
+class StoreSchemaError(RuntimeError):
+    """The database was written by a newer hivespec than this one."""
+
+
+class RolloutStore:
+    """Thread-safe rollout journal over one SQLite connection.
+
+    `path` is a file path or ":memory:". Opening a database written by a newer schema raises
+    `StoreSchemaError` instead of guessing at its layout.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves so a batch is exactly one transaction.
+        self._conn = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            self._open_schema()
+        except BaseException:
+            self._conn.close()
+            self._closed = True
+            raise
+
+    def _open_schema(self) -> None:
+        conn = self._conn
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreSchemaError(
+                f"rollout store {self.path!r} has schema version {version}, but this hivespec reads up to "
+                f"version {SCHEMA_VERSION}: upgrade hivespec, or point the store at a new file"
+            )
+        self.journal_mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        # NORMAL is durable across application crashes in WAL mode; only an OS crash can drop the last commits.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"rollout store {self.path!r} is closed; open a new RolloutStore")
+
+    def add_rollouts(self, rows: Sequence[StoredRollout]) -> int:
+        """Insert rows in one transaction; returns how many were new (duplicate content_hash is ignored)."""
+        values = [row._row() for row in rows]
+        if not values:
+            return 0
+        with self._lock:
+            self._check_open()
+            before = self._conn.total_changes
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.executemany(
+                    f"INSERT OR IGNORE INTO rollouts ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values
+                )
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            return self._conn.total_changes - before
+
+    def has(self, content_hash: bytes) -> bool:
+        """Whether a rollout with this content hash is already journaled."""
+        with self._lock:
+            self._check_open()
+            row = self._conn.execute(
+                "SELECT 1 FROM rollouts WHERE content_hash = ?", (bytes(content_hash),)
+            ).fetchone()
+        return row is not None
+
+    def remember_envelope(self, author: str, seq: int) -> bool:
+        """Record (author, seq); returns False if it was seen before, i.e. the envelope is a replay."""
+        with self._lock:
+            self._check_open()
+            cursor = self._conn.execute("INSERT OR IGNORE INTO envelopes (author, seq) VALUES (?, ?)", (author, seq))
+            return cursor.rowcount == 1
+
+    def rollouts_for_round(self, round: int) -> list[StoredRollout]:
+        """All rollouts of a round, own and foreign, in arrival order."""
+        with self._lock:
+            self._check_open()
+            rows = self._conn.execute(
+                f"SELECT {_COLUMNS} FROM rollouts WHERE round = ? ORDER BY received_at, rowid", (round,)
+            ).fetchall()
+        return [StoredRollout._from_row(r) for r in rows]
+
+    def recent(self, limit: int, prompt_id: str | None = None) -> list[StoredRollout]:
+        """The `limit` most recently received rollouts, newest first, optionally for one prompt."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        query = f"SELECT {_COLUMNS} FROM rollouts"
+        params: tuple = ()
+        if prompt_id is not None:
+            query += " WHERE prompt_id = ?"
+            params = (prompt_id,)
+        query += " ORDER BY received_at DESC, rowid DESC LIMIT ?"
+        with self._lock:
+            self._check_open()
+            rows = self._conn.execute(query, (*params, limit)).fetchall()
+        return [StoredRollout._from_row(r) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        """Rollout counts: {"own", "foreign", "total"}."""
+        with self._lock:
+            self._check_open()
+            total, own = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(own), 0) FROM rollouts").fetchone()
+        return {"own": own, "foreign": total - own, "total": total}
+
+    def close(self) -> None:
+        """Close the connection (idempotent); later calls raise RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._conn.close()
+
+    def __enter__(self) -> RolloutStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

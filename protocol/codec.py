@@ -1,0 +1,99 @@
+"""msgpack with hard limits: size before decoding, no ext types, no trailing bytes, bounded depth, finite floats.
+
+`safe_unpack` is the only way bytes from a peer become Python objects. It never raises;
+it returns a `Verdict` and, when accepted, the decoded object, which contains only
+None, bool, int, float (finite), str, bytes, list and dict with str/bytes keys.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+
+from .verdict import Reason, Verdict
+
+_SCALARS = (type(None), bool, int, str, bytes)
+
+
+def pack(obj: Any) -> bytes:
+    """Encode `obj` as msgpack (bytes as bin, str as str); floats are always float64."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    # No message of ours uses ext types; refusing them keeps decoded objects to plain types.
+    raise _ExtTypeRefused(f"msgpack ext type {code} is not allowed")
+
+
+class _ExtTypeRefused(Exception):
+    pass
+
+
+def safe_unpack(data: bytes, *, max_size: int, max_depth: int) -> tuple[Verdict, object | None]:
+    """Decode untrusted msgpack under limits; returns (verdict, obj), obj is None when rejected.
+
+    `max_depth` counts containers: a scalar is depth 0, `[1]` depth 1, `{"a": [1]}` depth 2.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return Verdict.reject(Reason.BAD_TYPE, f"expected bytes, got {type(data).__name__}"), None
+    n = len(data) if not isinstance(data, memoryview) else data.nbytes
+    if n > max_size:
+        return Verdict.reject(Reason.TOO_LARGE, f"{n} bytes > limit {max_size}"), None
+    if n == 0:
+        return Verdict.reject(Reason.MALFORMED, "empty message"), None
+    try:
+        # Every length header is bounded by the buffer size, so a forged header that claims
+        # 2**32 elements cannot make msgpack allocate before it runs out of input.
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_reject_ext,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=n,
+        )
+    except _ExtTypeRefused as exc:
+        return Verdict.reject(Reason.BAD_TYPE, str(exc)), None
+    except msgpack.ExtraData as exc:
+        return Verdict.reject(Reason.MALFORMED, f"trailing bytes after the message ({exc})"), None
+    except msgpack.StackError:
+        return Verdict.reject(Reason.TOO_DEEP, "nesting exceeds msgpack's stack"), None
+    except RecursionError:
+        return Verdict.reject(Reason.TOO_DEEP, "nesting exceeds the interpreter's recursion limit"), None
+    except UnicodeDecodeError as exc:
+        return Verdict.reject(Reason.MALFORMED, f"invalid UTF-8 in a str ({exc.reason})"), None
+    except Exception as exc:  # noqa: BLE001 - msgpack raises ValueError, TypeError, FormatError, ...
+        return Verdict.reject(Reason.MALFORMED, f"invalid msgpack: {type(exc).__name__}: {exc}"), None
+    verdict = check_tree(obj, max_depth=max_depth)
+    return (verdict, obj) if verdict.ok else (verdict, None)
+
+
+def check_tree(obj: object, *, max_depth: int) -> Verdict:
+    """Check that `obj` holds only plain msgpack types, nests at most `max_depth`, and floats are finite."""
+    # Iterative walk: a recursive one could hit the interpreter's limit on a hostile message.
+    stack: list[tuple[object, int]] = [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return Verdict.reject(Reason.NOT_FINITE, f"float {item!r} at depth {depth}")
+        elif isinstance(item, (list, dict)):
+            if depth + 1 > max_depth:
+                return Verdict.reject(Reason.TOO_DEEP, f"nesting deeper than {max_depth}")
+            if isinstance(item, dict):
+                for key, value in item.items():
+                    if not isinstance(key, (str, bytes)):
+                        return Verdict.reject(Reason.BAD_TYPE, f"map key of type {type(key).__name__}")
+                    stack.append((value, depth + 1))
+            else:
+                stack.extend((value, depth + 1) for value in item)
+        elif not isinstance(item, _SCALARS):
+            # msgpack decodes ext type -1 to a Timestamp without calling ext_hook.
+            return Verdict.reject(Reason.BAD_TYPE, f"value of type {type(item).__name__} is not allowed")
+    return Verdict.accept()
