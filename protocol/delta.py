@@ -252,7 +252,8 @@ def _tensor_from_wire(obj: object, expected: ExpectedTensors, limits: Limits, wh
         raise _Reject(Reason.BAD_LENGTH, f"{where}: {indices.size} indices but {values.size} values")
     if not _all_finite(values, dtype):
         raise _Reject(Reason.NOT_FINITE, f"{where}: values contain NaN or infinity")
-    return TensorDelta(name, tuple(shape), dtype, indices, values)
+    # Owned, writable copies: torch.from_numpy warns on read-only views of message bytes.
+    return TensorDelta(name, tuple(shape), dtype, np.array(indices, dtype=_I64), values.copy())
 
 
 def _all_finite(bits: np.ndarray, dtype: str) -> bool:
@@ -269,7 +270,8 @@ def decode_delta(
     `expected` maps each tensor name to its (shape, dtype) in the local model. A delta may
     cover any subset of it. Rejects unknown tensors, wrong shape or dtype, out-of-range,
     unsorted or duplicate indices, count mismatches and non-finite values; an accepted delta
-    can be scattered as is. Whether `base_version` matches local weights is the caller's check.
+    can be scattered as is; its arrays are writable copies (int64 indices, uint16/uint32 bits).
+    Whether `base_version` matches the local weights is the caller's check.
     """
     verdict, outer = safe_unpack(data, max_size=limits.max_delta_bytes, max_depth=limits.max_depth)
     if not verdict.ok:
