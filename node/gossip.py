@@ -111,6 +111,7 @@ class Gossip:
                 f"timeouts must be positive, got request_timeout={request_timeout}, "
                 f"record_ttl={record_ttl}, start_timeout={start_timeout}"
             )
+        rollout_round_key(swarm, 0)  # raises ValueError on an invalid swarm name, before anything starts
         self.identity = identity
         self.swarm = swarm
         self.host, self.port = host, port
@@ -151,7 +152,7 @@ class Gossip:
     def start(self) -> None:
         """Spawn p2pd and join the DHT; raises GossipError if that fails within `start_timeout`."""
         with self._state_lock:
-            if self._thread is not None:
+            if self._thread is not None or self._stopped.is_set():
                 raise GossipError("Gossip.start() was already called; create a new Gossip to restart")
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="hivespec-gossip", daemon=True)
@@ -160,10 +161,12 @@ class Gossip:
             self._call(self._astart(), self.start_timeout)
         except BaseException as exc:
             self.shutdown()
+            if not isinstance(exc, Exception):  # KeyboardInterrupt and friends pass through as they are
+                raise
             where = f"/ip4/{self.host}/tcp/{self.port}"
             raise GossipError(
-                f"could not start hivemind on {where} within {self.start_timeout:g} s "
-                f"(initial_peers={self.initial_peers}): {type(exc).__name__}: {exc}. "
+                f"could not start hivemind on {where} (start_timeout={self.start_timeout:g} s, "
+                f"initial_peers={self.initial_peers}): {type(exc).__name__}: {exc}. "
                 "Check that the port is free and that the initial peers are running and reachable."
             ) from exc
         logger.info("gossip up: swarm %r, peer %s, maddrs %s", self.swarm, self.identity.peer_id, self._maddrs)
@@ -180,7 +183,8 @@ class Gossip:
         self._dht = await DHTNode.create(
             p2p=self._p2p,
             initial_peers=self.initial_peers,
-            wait_timeout=self.request_timeout,
+            # Per-RPC timeout: a dead peer must cost a fraction of one publish/fetch budget.
+            wait_timeout=min(3.0, self.request_timeout / 3),
         )
         self._maddrs = [str(m) for m in await self._p2p.get_visible_maddrs()]
 

@@ -1,0 +1,53 @@
+"""The command line as a user runs it (a real subprocess each)."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+HIVESPEC = str(Path(sys.executable).with_name("hivespec"))
+
+
+def _run(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if home is not None:
+        env["HIVESPEC_HOME"] = str(home)
+    return subprocess.run([HIVESPEC, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_identity_show_creates_then_reuses_the_key(tmp_path):
+    first = _run("identity", "show", "--json", home=tmp_path)
+    assert first.returncode == 0, first.stderr
+    info = json.loads(first.stdout)
+    assert info["created_now"] is True and info["peer_id"].startswith("hs")
+    key = Path(info["key_file"])
+    assert key.parent == tmp_path and stat.S_IMODE(key.stat().st_mode) == 0o600
+    second = json.loads(_run("identity", "show", "--json", home=tmp_path).stdout)
+    assert second["created_now"] is False
+    assert (second["peer_id"], second["name"], second["public_key"]) == (info["peer_id"], info["name"], info["public_key"])
+    human = _run("identity", "show", home=tmp_path).stdout
+    assert info["name"] in human and info["peer_id"] in human
+
+
+def test_identity_show_refuses_a_world_readable_key(tmp_path):
+    _run("identity", "show", home=tmp_path)
+    (tmp_path / "identity.key").chmod(0o644)
+    result = _run("identity", "show", home=tmp_path)
+    assert result.returncode != 0
+    assert "chmod 600" in result.stderr
+
+
+def test_config_prints_resolved_values_and_documents_every_key():
+    resolved = _run("config", "--config", "demo", "--set", "rollout.num_generations=6")
+    assert resolved.returncode == 0, resolved.stderr
+    assert json.loads(resolved.stdout)["rollout"]["num_generations"] == 6
+    keys = _run("config", "--keys").stdout
+    assert "train.tis_clip" in keys and "truncated importance sampling" in keys
+
+
+def test_config_errors_are_one_clear_line():
+    result = _run("config", "--set", "train.lr=1")
+    assert result.returncode == 2
+    assert result.stderr.startswith("hivespec: config error: unknown config key(s) ['lr'] in train")

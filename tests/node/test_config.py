@@ -1,0 +1,72 @@
+import pytest
+
+from hivespec.node.config import CONFIG_DIR, ConfigError, NodeConfig, describe, load_config, parse_override
+
+
+def test_defaults_build_without_a_file():
+    config = load_config(None, environ={})
+    assert isinstance(config, NodeConfig)
+    assert config.train.tis_clip == 2.0
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_shipped_preset_loads(preset):
+    load_config(preset, environ={})
+
+
+def test_precedence_file_then_env_then_cli():
+    config = load_config(
+        "tiny",
+        environ={"HIVESPEC_TRAIN__LEARNING_RATE": "0.5", "HIVESPEC_ROLLOUT__TOP_P": "0.9"},
+        overrides={"train.learning_rate": "1e-4"},
+    )
+    assert config.model.name == "tiny"  # from the file
+    assert config.rollout.top_p == 0.9  # from env
+    assert config.train.learning_rate == 1e-4  # CLI beats env; "1e-4" is a YAML string, still a number
+
+
+def test_unknown_keys_are_errors_naming_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['lr'\] in train; valid keys: .*learning_rate"):
+        load_config(None, overrides={"train.lr": "1"}, environ={})
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_config(None, environ={"HIVESPEC_NOPE__X": "1"})
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("rollout.top_p", "1.5", "top_p must be in"),
+        ("rollout.num_generations", "0", "num_generations must be >= 1"),
+        ("train.tis_clip", "0.5", "tis_clip must be >= 1"),
+        ("model.engine_dtype", "int8", "must be one of"),
+        ("rounds", "three", "must be an integer"),
+        ("model.autocast", "maybe", "true or false"),
+    ],
+)
+def test_bad_values_say_what_is_wrong(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides={key: value}, environ={})
+
+
+def test_list_of_task_mixes_and_peers():
+    config = load_config(
+        None,
+        overrides={"tasks.mix": "[{family: count, difficulty: 2}]", "swarm.initial_peers": '["/ip4/127.0.0.1/tcp/1/p2p/Qm"]'},
+        environ={},
+    )
+    assert config.tasks.mix[0].family == "count" and config.tasks.mix[0].difficulty == 2
+    assert config.swarm.initial_peers == ["/ip4/127.0.0.1/tcp/1/p2p/Qm"]
+
+
+def test_parse_override_and_describe():
+    assert parse_override("a.b=c=d") == ("a.b", "c=d")
+    with pytest.raises(ConfigError):
+        parse_override("novalue")
+    keys = {row[0] for row in describe()}
+    assert {"train.learning_rate", "rollout.num_generations", "swarm.initial_peers"} <= keys
+    assert all(row[2] for row in describe()), "every key documents itself"
+
+
+def test_missing_file_lists_presets():
+    with pytest.raises(ConfigError, match="presets"):
+        load_config("no-such-preset", environ={})

@@ -1,0 +1,35 @@
+"""End to end: three real node processes (real hivemind on loopback, tiny model, SQLite, signatures)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(600)
+def test_three_nodes_two_rounds_every_node_accepts_foreign_rollouts(tmp_path):
+    command = [
+        sys.executable, "-m", "hivespec.node.cli", "demo",
+        "--config", "tiny", "--nodes", "3", "--rounds", "2", "--dir", str(tmp_path),
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=580)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    reports = {}
+    for events in sorted(tmp_path.glob("node-*/events.jsonl")):
+        lines = [json.loads(line) for line in events.read_text().splitlines()]
+        reports[events.parent.name] = [e for e in lines if e["event"] == "round"]
+        assert lines[-1]["event"] == "done"
+    assert sorted(reports) == ["node-0", "node-1", "node-2"]
+    for name, rounds in reports.items():
+        assert [r["round"] for r in rounds] == [0, 1], name
+        for report in rounds:
+            assert report["made"] == 8
+            assert report["accepted"] > 0, f"{name} accepted no foreign rollouts in round {report['round']}"
+            assert report["rejected"] == 0
+            assert report["engine_mismatch"] == 0
+            assert 0 < report["delta_bytes"] < report["dense_bytes"]
+    assert "foreign rollouts accepted by every node: yes" in result.stdout
