@@ -77,8 +77,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_identity_show(args: argparse.Namespace) -> int:
+    from hivespec.node.config import node_home
     from hivespec.node.identity import load_or_create_identity
-    from hivespec.node.runtime import node_home
 
     config = load_config(None, overrides={"home": args.home} if args.home else None)
     path = node_home(config) / "identity.key"

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+import platformdirs
 import yaml
 
 ENV_PREFIX = "HIVESPEC_"
+HOME_ENV = "HIVESPEC_HOME"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -125,6 +127,15 @@ class NodeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def node_home(config: NodeConfig) -> Path:
+    """The node's data directory: ``config.home``, else ``$HIVESPEC_HOME``, else the user data dir."""
+    if config.home:
+        return Path(config.home).expanduser()
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    return Path(platformdirs.user_data_dir("hivespec"))
 
 
 def preset_path(name: str) -> Path:

@@ -12,18 +12,15 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import platformdirs
 import torch
 
-from hivespec.node.config import NodeConfig
+from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
 from hivespec.node.gossip import Gossip
 from hivespec.node.identity import load_or_create_identity
@@ -302,15 +299,6 @@ def _to_train_sample(rollout: Rollout, source: str) -> TrainSample:
         group=rollout.prompt_id,
         source=source,
     )
-
-
-def node_home(config: NodeConfig) -> Path:
-    """The node's data directory: config.home, else $HIVESPEC_HOME, else the user data dir."""
-    if config.home:
-        return Path(config.home).expanduser()
-    if os.environ.get("HIVESPEC_HOME"):
-        return Path(os.environ["HIVESPEC_HOME"]).expanduser()
-    return Path(platformdirs.user_data_dir("hivespec"))
 
 
 def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:

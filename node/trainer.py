@@ -99,24 +99,32 @@ class Trainer:
         )
 
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
-        """One optimizer step over ``samples``; samples with zero advantage cost no compute."""
+        """One optimizer step over ``samples``.
+
+        Samples with zero advantage (a group whose rewards are all equal) carry no gradient: they
+        get a forward pass without autograd, only so the importance-weight statistics cover every
+        sample, own and foreign.
+        """
         started = time.perf_counter()
         advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
-        trained = [(s, a) for s, a in zip(samples, advantages) if a != 0.0 and len(s.completion_ids) > 0]
+        usable = [(s, a) for s, a in zip(samples, advantages) if len(s.completion_ids) > 0]
+        trained = [(s, a) for s, a in usable if a != 0.0]
+        idle = [(s, a) for s, a in usable if a == 0.0]
         total_tokens = sum(len(s.completion_ids) for s, _ in trained)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         logps: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         behaviours: dict[bool, list[torch.Tensor]] = {True: [], False: []}
-        for start in range(0, len(trained), self.micro_batch_size):
-            chunk = trained[start : start + self.micro_batch_size]
-            logp, behaviour, advantage, is_own = self._micro_batch_logprobs(chunk)
-            mask = torch.ones_like(logp, dtype=torch.bool)
-            weights, _ = truncated_importance_weights(logp.detach(), behaviour, mask, clip=self.tis_clip)
-            loss = -(weights * advantage * logp).sum() / total_tokens
-            loss.backward()
-            loss_sum += float(loss.detach())
+        for chunk, with_grad in self._micro_batches(trained, idle):
+            with torch.set_grad_enabled(with_grad):
+                logp, behaviour, advantage, is_own = self._micro_batch_logprobs(chunk)
+            if with_grad:
+                mask = torch.ones_like(logp, dtype=torch.bool)
+                weights, _ = truncated_importance_weights(logp.detach(), behaviour, mask, clip=self.tis_clip)
+                loss = -(weights * advantage * logp).sum() / total_tokens
+                loss.backward()
+                loss_sum += float(loss.detach())
             for own in (True, False):
                 selected = is_own == own
                 logps[own].append(logp.detach()[selected])
@@ -140,6 +148,13 @@ class Trainer:
             foreign=self._stats(logps[False], behaviours[False]),
             seconds=time.perf_counter() - started,
         )
+
+    def _micro_batches(self, trained, idle):
+        size = self.micro_batch_size
+        for start in range(0, len(trained), size):
+            yield trained[start : start + size], True
+        for start in range(0, len(idle), size):
+            yield idle[start : start + size], False
 
     def _micro_batch_logprobs(
         self, chunk: Sequence[tuple[TrainSample, float]]

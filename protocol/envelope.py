@@ -145,9 +145,9 @@ def open_envelope(
         return Verdict.reject(
             Reason.BAD_VERSION, f"envelope version {version}, this node speaks {ENVELOPE_VERSION}; upgrade hivespec"
         ), None
-    for field, value in (("author", author), ("body", body), ("sig", sig)):
+    for name, value in (("author", author), ("body", body), ("sig", sig)):
         if not isinstance(value, bytes):
-            return Verdict.reject(Reason.BAD_TYPE, f"{field} must be bin, got {type(value).__name__}"), None
+            return Verdict.reject(Reason.BAD_TYPE, f"{name} must be bin, got {type(value).__name__}"), None
     if not isinstance(kind, str):
         return Verdict.reject(Reason.BAD_TYPE, f"kind must be str, got {type(kind).__name__}"), None
     if not _is_int(seq):
