@@ -1,0 +1,75 @@
+"""Sparse bitwise weight deltas: which elements changed, and writing them back bit for bit.
+
+Elements are compared and copied as integers of the same width, never as floats: float
+comparison calls -0.0 equal to 0.0 and NaN unequal to itself, and a float copy may quiet a
+signalling NaN, any of which would let engine and trainer weights drift apart silently.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["apply_delta", "extract_delta"]
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """A flat integer view of the tensor's bytes, one element per element."""
+    width = tensor.element_size()
+    if width not in _INT_OF_WIDTH or tensor.is_complex():
+        raise ValueError(f"unsupported dtype {tensor.dtype} for a bitwise delta; use a real 1/2/4/8-byte dtype")
+    return tensor.reshape(-1).view(_INT_OF_WIDTH[width])
+
+
+def extract_delta(base: Tensor, new: Tensor) -> tuple[Tensor, Tensor]:
+    """Flat indices (int64, ascending) where new's bits differ from base's, and new's values there.
+
+    Values keep new's dtype. Non-contiguous inputs are read in row-major order, the order
+    apply_delta writes in.
+    """
+    if base.shape != new.shape or base.dtype != new.dtype:
+        raise ValueError(
+            f"base and new must match in shape and dtype, got {tuple(base.shape)} {base.dtype} "
+            f"and {tuple(new.shape)} {new.dtype}; a delta only describes a same-shaped update"
+        )
+    if base.device != new.device:
+        raise ValueError(f"base is on {base.device} and new on {new.device}; move both to one device")
+    new_bits = _bits(new.detach())
+    indices = torch.nonzero(_bits(base.detach()) != new_bits, as_tuple=True)[0]
+    return indices, new_bits[indices].view(new.dtype)
+
+
+def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> None:
+    """Write values into target at flat indices, in place and bit-exact (no autograd record).
+
+    target must be contiguous; indices int64, 1-D, strictly ascending (hence unique) and inside
+    target; values 1-D of target's dtype and device, one per index. Raises ValueError otherwise,
+    before writing anything.
+    """
+    if not target.is_contiguous():
+        raise ValueError("target must be contiguous; apply the delta to the contiguous parameter it came from")
+    if indices.dtype != torch.int64 or indices.dim() != 1:
+        raise ValueError(f"indices must be a 1-D int64 tensor, got {indices.dim()}-D {indices.dtype}")
+    if values.dim() != 1 or values.numel() != indices.numel():
+        raise ValueError(
+            f"values must be 1-D with one value per index; got shape {tuple(values.shape)} "
+            f"for {indices.numel()} indices"
+        )
+    if values.dtype != target.dtype:
+        raise ValueError(f"values are {values.dtype} but target is {target.dtype}; cast on the sender, not here")
+    if indices.device != target.device or values.device != target.device:
+        raise ValueError(
+            f"target is on {target.device}, indices on {indices.device}, values on {values.device}; "
+            "move indices and values to target's device"
+        )
+    if indices.numel() == 0:
+        return
+    first, last = int(indices[0]), int(indices[-1])
+    if first < 0 or last >= target.numel():
+        raise ValueError(f"indices span [{first}, {last}] but target has {target.numel()} elements")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError("indices must be strictly ascending (sorted, no repeats), as extract_delta makes them")
+    with torch.no_grad():
+        _bits(target)[indices] = _bits(values)
