@@ -64,9 +64,18 @@ def cmd_join(args: argparse.Namespace) -> int:
         node.run(on_report)
         if events:
             events.write({"event": "done", "name": node.name})
+        _linger(args.linger)
     finally:
         node.close()
     return 0
+
+
+def _linger(seconds: float) -> None:
+    """Keep gossip serving after the last round, so peers still fetching our last batch get it."""
+    if seconds < 0:
+        signal.pause()  # until the demo parent (or the user) stops us
+    elif seconds > 0:
+        time.sleep(seconds)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -167,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--home", help="data directory (identity, store); default $HIVESPEC_HOME or the user data dir")
     join.add_argument("--name", help="display name")
     join.add_argument("--events", help="append JSON-lines events (ready, round, done) to this file")
+    join.add_argument("--linger", type=float, default=15.0, help="seconds to keep serving after the last round (-1: until stopped)")
     join.add_argument("--local-nodes", type=int, default=1, help="nodes sharing this machine (sets torch threads)")
     join.set_defaults(func=cmd_join)
 

@@ -124,6 +124,8 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
         "--config", preset, "--home", str(home), "--name", name,
         "--events", str(events), "--local-nodes", str(nodes),
         "--set", f"swarm.expected_peers={nodes - 1}",
+        # Keep serving our last batch until every node is done; the parent stops us then.
+        "--linger", "-1",
     ]
     for key, value in overrides.items():
         if key not in ("home", "name", "swarm.initial_peers"):
@@ -150,21 +152,29 @@ def _wait_ready(child: _Child) -> list[str]:
 
 
 def _tail(children: list[_Child], rounds: int) -> None:
-    """Print rows as nodes report; a progress line shows which nodes are still in the round."""
+    """Print rows as nodes report; on a terminal, a progress line shows rounds done per node."""
+    interactive = sys.stdout.isatty()
+    last_progress = ""
     while not all(child.done for child in children):
         for child in children:
             for event in child.poll_events():
                 if event["event"] == "round":
                     child.reports.append(event)
-                    print("\r" + " " * 78 + "\r" + format_report_line(event), flush=True)
+                    if interactive:
+                        print("\r\033[K", end="")
+                        last_progress = ""
+                    print(format_report_line(event), flush=True)
                 elif event["event"] == "done":
                     child.done = True
             if not child.done and child.process.poll() is not None:
                 raise _DemoFailure(f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}")
-        progress = "  ".join(f"{c.name}: {len(c.reports)}/{rounds or '∞'}" for c in children)
-        print(f"\r[rounds done] {progress}", end="", flush=True)
+        progress = "rounds done: " + "  ".join(f"{c.name} {len(c.reports)}/{rounds or '-'}" for c in children)
+        if interactive and progress != last_progress:
+            print(f"\r\033[K{progress}", end="", flush=True)
+            last_progress = progress
         time.sleep(0.25)
-    print("\r" + " " * 78 + "\r", end="", flush=True)
+    if interactive:
+        print("\r\033[K", end="", flush=True)
 
 
 def _summary(children: list[_Child], wall: float) -> None:

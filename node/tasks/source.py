@@ -1,0 +1,112 @@
+"""TaskSource: the node's prompt supply (a weighted mix of families), the lookup that verifies peers'
+prompt ids, and the chat-template encoding of a task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+from hivespec.node.tasks.arithmetic import ArithmeticFamily
+from hivespec.node.tasks.base import MAX_PROMPT_ID_LENGTH, MAX_SEED, Task, TaskFamily
+from hivespec.node.tasks.counting import CountingFamily
+from hivespec.node.tasks.jsonl import JsonlFamily
+
+log = logging.getLogger(__name__)
+
+# Asking for "The answer is N." gave more correct, extractable answers from SmolLM2-135M than its
+# default system prompt (see bench/base_rates.py); the reward does not depend on the wording.
+SYSTEM_PROMPT = "Solve the problem. End your reply with 'The answer is N.' where N is a number."
+
+# Defaults chosen from measured base rates so groups see both successes and failures.
+DEFAULT_MIX: tuple[tuple[str, int, float], ...] = (("arith", 1, 1.0), ("count", 1, 1.0))
+
+
+class TaskSource:
+    """Draws prompts from a weighted mix of ``(family, difficulty, weight)`` and resolves prompt ids.
+
+    The built-in families (``arith``, ``count``) are always available to ``lookup``, at any of
+    their difficulties; ``jsonl`` is available when a ``jsonl_path`` is given.
+    """
+
+    def __init__(
+        self,
+        mix: Sequence[tuple[str, int, float]] = DEFAULT_MIX,
+        jsonl_path: str | Path | None = None,
+        system_prompt: str | None = SYSTEM_PROMPT,
+    ) -> None:
+        self.families: dict[str, TaskFamily] = {"arith": ArithmeticFamily(), "count": CountingFamily()}
+        if jsonl_path is not None:
+            self.families["jsonl"] = JsonlFamily(jsonl_path)
+        self.system_prompt = system_prompt
+        if not mix:
+            raise ValueError("the task mix is empty; give at least one (family, difficulty, weight)")
+        self.mix: list[tuple[TaskFamily, int]] = []
+        self.weights: list[float] = []
+        for family_name, difficulty, weight in mix:
+            family = self.families.get(family_name)
+            if family is None:
+                hint = " (set a jsonl_path for it)" if family_name == "jsonl" else ""
+                raise ValueError(f"unknown task family {family_name!r}{hint}; known: {', '.join(sorted(self.families))}")
+            if not 1 <= difficulty <= family.max_difficulty:
+                raise ValueError(f"{family_name}: difficulty must be in 1..{family.max_difficulty}, got {difficulty}")
+            if not weight > 0:
+                raise ValueError(f"{family_name}: weight must be > 0, got {weight}")
+            self.mix.append((family, difficulty))
+            self.weights.append(float(weight))
+
+    @classmethod
+    def from_config(cls, tasks_config: Any, system_prompt: str | None = SYSTEM_PROMPT) -> TaskSource:
+        """Build from a ``TaskConfig``-shaped object: ``.mix`` entries with family/difficulty/weight and ``.jsonl_path``."""
+        mix = [(entry.family, entry.difficulty, entry.weight) for entry in tasks_config.mix]
+        return cls(mix, tasks_config.jsonl_path, system_prompt)
+
+    def prompts(self, seed: int, round: int, count: int) -> list[Task]:
+        """``count`` tasks for (``seed``, ``round``); the same arguments give the same tasks in any process."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        # Hash rather than combine arithmetically so nearby (seed, round) pairs share nothing.
+        key = hashlib.sha256(f"hivespec-prompts:{seed}:{round}".encode()).digest()
+        rng = random.Random(int.from_bytes(key[:8], "big"))
+        tasks = []
+        for _ in range(count):
+            family, difficulty = rng.choices(self.mix, weights=self.weights)[0]
+            tasks.append(family.make(rng.randint(0, MAX_SEED), difficulty))
+        return tasks
+
+    def lookup(self, prompt_id: object) -> Task | None:
+        """The task a (possibly hostile) prompt id names, or None; never raises."""
+        if not isinstance(prompt_id, str) or len(prompt_id) > MAX_PROMPT_ID_LENGTH:
+            return None
+        family = self.families.get(prompt_id.partition(":")[0])
+        if family is None:
+            return None
+        try:
+            return family.from_prompt_id(prompt_id)
+        except Exception:  # a peer's bytes must never crash the receive loop
+            log.debug("prompt id %r made %s.from_prompt_id fail", prompt_id, family.name, exc_info=True)
+            return None
+
+    def reward(self, task: Task, completion: str) -> float:
+        """The reward of ``completion`` for ``task`` under its family's rule (1.0 or 0.0)."""
+        return self.families[task.family].reward(task, completion)
+
+    def chat_prompt_ids(self, tokenizer: Any, task: Task) -> list[int]:
+        """Token ids of ``task`` in the tokenizer's chat template, ending with the assistant turn opener."""
+        return chat_prompt_ids(tokenizer, task, self.system_prompt)
+
+
+def chat_prompt_ids(tokenizer: Any, task: Task, system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
+    """Encode ``task`` with the chat template (``add_generation_prompt=True``); None keeps the template's own system prompt.
+
+    Rendering to text and encoding without extra special tokens is what ``apply_chat_template``
+    does internally, and returns a plain list in every transformers version.
+    """
+    messages = [{"role": "user", "content": task.question}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
