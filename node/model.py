@@ -20,17 +20,18 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 # Set before transformers is imported so huggingface_hub never tries the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import platformdirs  # noqa: E402
-import torch  # noqa: E402
-from transformers import (  # noqa: E402
+import platformdirs
+import torch
+from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -170,6 +171,9 @@ def ensure_embedded_cache() -> Path:
     with _exclusive_lock(target.parent / f"{target.name}.lock"):
         # Another process may have finished the export while this one waited for the lock.
         if not _cache_is_current(target, identity):
+            # Staging folders seen while holding the lock belong to exporters that died mid-way.
+            for leftover in target.parent.glob(f".{target.name}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
             log.info("first use of the embedded model: converting %s (takes ~20 s)", gguf)
             _export_embedded(gguf, target, identity)
     return target

@@ -15,13 +15,13 @@ from hivespec.node.tasks.source import DEFAULT_MIX, SYSTEM_PROMPT, TaskSource, c
 GSM_MINI_PATH = Path(__file__).resolve().parent / "data" / "gsm_mini.jsonl"
 
 __all__ = [
-    "ArithmeticFamily",
-    "CountingFamily",
     "DEFAULT_MIX",
     "GSM_MINI_PATH",
+    "SYSTEM_PROMPT",
+    "ArithmeticFamily",
+    "CountingFamily",
     "JsonlFamily",
     "JsonlTaskError",
-    "SYSTEM_PROMPT",
     "Task",
     "TaskFamily",
     "TaskSource",

@@ -11,9 +11,10 @@ else 0.0. There is no format bonus: it would pay for the form of an answer, not 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Iterable, Protocol
+from typing import Protocol
 
 # A prompt id longer than this is garbage; checked before any regex runs on peer input.
 MAX_PROMPT_ID_LENGTH = 128
@@ -96,9 +97,12 @@ _NUMBER_WORDS = {
 }
 # A signed number with optional thousands commas and decimals ("-1,234.5"), or a number word.
 # "\$?" lets "$12" count; the lookarounds keep "12" out of "a12" or "3.14.15".
+# A number followed by an operator and another operand ("= 3 * 4 = 12", "the answer is 4 + 8") or
+# by "=" is a step, not a result. "3 - so" is a dash and "**12**" markdown bold, not operators.
 NUMBER = (
     r"(?P<num>[-\u2212]?\$?(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\w]|\.\d)"
     r"|\b(?:" + "|".join(sorted(_NUMBER_WORDS, key=len, reverse=True)) + r")\b)"
+    r"(?!\s*(?:=|(?:[-+/x\u00d7\u00f7^\u2212]|\*(?!\*))\s*[\d(]))"
 )
 
 # Ordered from most to least explicit; the first rule that matches anywhere decides, and within
@@ -107,13 +111,15 @@ NUMBER = (
 DEFAULT_ANSWER_PATTERNS: tuple[str, ...] = (
     r"\\boxed\{\s*" + NUMBER + r"\s*\}",
     r"answer\s*(?:is|:|=)\s*:?\s*(?:\*\*)?\s*" + NUMBER,
-    # A completion that opens with its answer: "12", "15 is the answer.", "**12**". Not "7 + 5 = 12":
-    # the number must end the text, its line or its clause.
-    r"^\s*(?:\*\*)?" + NUMBER + r"(?:\*\*)?(?=\s*(?:$|[.,;!\n]|\bis\b))",
-    # The natural SmolLM2 form: "7 + 5 = 12", "... which is 12", "34 - 18 equals 16".
-    r"(?:=|\bequals|\bis|\bare|\bgives|\bget)\s*(?:\*\*)?\s*" + NUMBER,
+    # A completion that opens with its answer: "12", "15 is the answer", "**12**.". The number must
+    # end the text or its line, or be followed by "is": "1. First, ..." is a list, not an answer.
+    r"^\s*(?:\*\*)?" + NUMBER + r"(?:\*\*)?(?=[ \t]*(?:$|\n|\bis\b)|[.!][ \t]*(?:$|\n))",
+    # The natural SmolLM2 form: "7 + 5 = 12", "... which is 12", "34 - 18 equals 16", "is equal to 16".
+    r"(?:=|\bequals|\bequal to|\bis|\bare|\bgives|\bget)\s*(?:\*\*)?\s*" + NUMBER,
 )
 
+_BLANK_RUN = re.compile(r"[^\S\n]+")
+_NEWLINE_RUN = re.compile(r"\s*\n\s*")
 _RULES_CACHE: dict[tuple[str, ...], list[re.Pattern[str]]] = {}
 
 
@@ -143,8 +149,11 @@ def extract_answer(completion: str, patterns: Iterable[str] = DEFAULT_ANSWER_PAT
     match is the answer. Rambling after the answer is ignored, which suits SmolLM2-135M,
     which writes "7 + 5 = 12" and then keeps talking.
     """
+    # Runs of whitespace become one character, so the patterns' neighbouring \s* cannot backtrack
+    # polynomially on a peer's completion full of spaces; a run with a newline stays a newline.
+    text = _NEWLINE_RUN.sub("\n", _BLANK_RUN.sub(" ", completion))
     for rule in _compiled(tuple(patterns)):
-        match = rule.search(completion)
+        match = rule.search(text)
         if match is not None:
             return parse_number(match.group("num"))
     return None

@@ -27,7 +27,7 @@ LIST_LENGTHS = (3, 5, 7, 10, 14)
 # Counting answers also come as "appears 3 times", "appears twice".
 COUNT_ANSWER_PATTERNS: tuple[str, ...] = (
     *DEFAULT_ANSWER_PATTERNS[:3],
-    r"\b(?:appears|occurs|shows up|is listed|is mentioned)\s+(?:exactly\s+)?" + NUMBER,
+    r"\b(?:appears|occurs|shows up|is listed|is mentioned)\s+(?:exactly\s+|only\s+|just\s+)?" + NUMBER,
     *DEFAULT_ANSWER_PATTERNS[3:],
 )
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hivespec.node.tasks.arithmetic import ArithmeticFamily
 from hivespec.node.tasks.base import MAX_PROMPT_ID_LENGTH, MAX_SEED, Task, TaskFamily
@@ -17,11 +18,13 @@ from hivespec.node.tasks.jsonl import JsonlFamily
 
 log = logging.getLogger(__name__)
 
-# Asking for "The answer is N." gave more correct, extractable answers from SmolLM2-135M than its
-# default system prompt (see bench/base_rates.py); the reward does not depend on the wording.
-SYSTEM_PROMPT = "Solve the problem. End your reply with 'The answer is N.' where N is a number."
+# None keeps the chat template's own system prompt. Measured with bench/base_rates.py (32 samples
+# per cell, arith:d1/d2, count:d1, gsm_mini) it did as well as prompts asking for "The answer is N."
+# (which SmolLM2-135M often copied literally, "N" included) or for "only the final number".
+SYSTEM_PROMPT: str | None = None
 
-# Defaults chosen from measured base rates so groups see both successes and failures.
+# The only cells inside the useful 10-60% base-rate window (bench/base_rates.py, 48 samples each,
+# T=1.0): arith:d1 35%, count:d1 19%. Every harder cell measured at or below 8%.
 DEFAULT_MIX: tuple[tuple[str, int, float], ...] = (("arith", 1, 1.0), ("count", 1, 1.0))
 
 
