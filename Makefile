@@ -24,11 +24,11 @@ demo: $(STAMP)
 	$(BIN)/hivespec demo
 
 test: $(STAMP)
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -120,7 +120,7 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
     home.mkdir(parents=True, exist_ok=True)
     events = home / "events.jsonl"
     command = [
-        sys.executable, "-m", "hivespec.node.cli", "-v", "join",
+        sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join",
         "--config", preset, "--home", str(home), "--name", name,
         "--events", str(events), "--local-nodes", str(nodes),
         "--set", f"swarm.expected_peers={nodes - 1}",

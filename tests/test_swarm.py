@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(600)
 def test_three_nodes_two_rounds_every_node_accepts_foreign_rollouts(tmp_path):
     command = [
-        sys.executable, "-m", "hivespec.node.cli", "demo",
+        sys.executable, "-P", "-m", "hivespec.node.cli", "demo",
         "--config", "tiny", "--nodes", "3", "--rounds", "2", "--dir", str(tmp_path),
     ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=580)
