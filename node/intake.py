@@ -23,7 +23,7 @@ from hivespec.node.store import RolloutStore, StoredRollout
 from hivespec.node.tasks.source import TaskSource
 from hivespec.protocol.envelope import Kind, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
-from hivespec.protocol.rollout import Rollout, decode_batch, encode_rollout, rollout_content_hash
+from hivespec.protocol.rollout import Rollout, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +125,8 @@ class Intake:
             return Admission("ignore", AdmissionReason.REPLAY, f"seq {envelope.seq}", author)
         now = time.time()
         rows = [
-            StoredRollout(
-                content_hash=rollout_content_hash(r),
-                author=author,
-                round=batch.round,
-                prompt_id=r.prompt_id,
-                policy_version=batch.policy_version,
-                reward=r.reward,
-                own=False,
-                n_tokens=len(r.completion_ids),
-                payload=encode_rollout(r),
-                received_at=now,
+            StoredRollout.from_rollout(
+                r, author=author, round=batch.round, policy_version=batch.policy_version, own=False, received_at=now
             )
             for r in batch.rollouts
         ]

@@ -32,7 +32,7 @@ from hivespec.node.tasks.source import TaskSource
 from hivespec.node.trainer import OWN, Trainer, TrainSample
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
-from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch, encode_rollout, rollout_content_hash
+from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -230,17 +230,9 @@ class Node:
         now = time.time()
         self.store.add_rollouts(
             [
-                StoredRollout(
-                    content_hash=rollout_content_hash(r),
-                    author=self.identity.peer_id,
-                    round=round_index,
-                    prompt_id=r.prompt_id,
-                    policy_version=self.trainer.version,
-                    reward=r.reward,
-                    own=True,
-                    n_tokens=len(r.completion_ids),
-                    payload=encode_rollout(r),
-                    received_at=now,
+                StoredRollout.from_rollout(
+                    r, author=self.identity.peer_id, round=round_index, policy_version=self.trainer.version,
+                    own=True, received_at=now,
                 )
                 for r in rollouts
             ]

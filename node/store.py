@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hivespec.protocol.rollout import Rollout, encode_rollout, rollout_content_hash
+
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 10.0
 
@@ -55,6 +57,24 @@ class StoredRollout:
     n_tokens: int
     payload: bytes
     received_at: float
+
+    @classmethod
+    def from_rollout(
+        cls, rollout: Rollout, *, author: str, round: int, policy_version: int, own: bool, received_at: float
+    ) -> StoredRollout:
+        """Journal row for a validated rollout; the payload is protocol's rollout encoding."""
+        return cls(
+            content_hash=rollout_content_hash(rollout),
+            author=author,
+            round=round,
+            prompt_id=rollout.prompt_id,
+            policy_version=policy_version,
+            reward=rollout.reward,
+            own=own,
+            n_tokens=len(rollout.completion_ids),
+            payload=encode_rollout(rollout),
+            received_at=received_at,
+        )
 
     def _row(self) -> tuple:
         return (

@@ -97,3 +97,22 @@ def check_tree(obj: object, *, max_depth: int) -> Verdict:
             # msgpack decodes ext type -1 to a Timestamp without calling ext_hook.
             return Verdict.reject(Reason.BAD_TYPE, f"value of type {type(item).__name__} is not allowed")
     return Verdict.accept()
+
+
+class Reject(Exception):
+    """Carries a rejecting verdict out of nested validation; decoders catch it, it never escapes them."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(detail)
+        self.verdict = Verdict.reject(reason, detail)
+
+
+def check_keys(obj: object, expected: frozenset[str], what: str) -> dict:
+    """``obj`` as a map with exactly the ``expected`` keys, else ``Reject`` naming missing and extra keys."""
+    if not isinstance(obj, dict):
+        raise Reject(Reason.BAD_TYPE, f"{what} must be a map, got {type(obj).__name__}")
+    if obj.keys() != expected:
+        keys = set(obj)
+        missing, extra = sorted(map(str, expected - keys)), sorted(map(str, keys - expected))
+        raise Reject(Reason.BAD_KEYS, f"{what} keys: missing {missing}, unexpected {extra}")
+    return obj

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import pack, safe_unpack
+from .codec import Reject, check_keys, pack, safe_unpack
 from .limits import DEFAULT_LIMITS, Limits
 from .verdict import Reason, Verdict
 
@@ -144,114 +144,98 @@ def encode_delta(delta: WeightDelta, *, compress: bool = True) -> bytes:
     return pack({"format": DELTA_FORMAT_VERSION, "compression": "none", "payload": payload})
 
 
-class _Reject(Exception):
-    """Internal: carries a rejecting verdict out of nested validation; never escapes this module."""
-
-    def __init__(self, reason: Reason, detail: str) -> None:
-        super().__init__(detail)
-        self.verdict = Verdict.reject(reason, detail)
-
-
-def _check_keys(obj: object, expected: frozenset[str], what: str) -> dict:
-    if not isinstance(obj, dict):
-        raise _Reject(Reason.BAD_TYPE, f"{what} must be a map, got {type(obj).__name__}")
-    if obj.keys() != expected:
-        keys = set(obj)
-        missing, extra = sorted(map(str, expected - keys)), sorted(map(str, keys - expected))
-        raise _Reject(Reason.BAD_KEYS, f"{what} keys: missing {missing}, unexpected {extra}")
-    return obj
 
 
 def _int(value: object, what: str, limits: Limits) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _Reject(Reason.BAD_TYPE, f"{what} must be int, got {type(value).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{what} must be int, got {type(value).__name__}")
     if not 0 <= value <= limits.max_uint64:
-        raise _Reject(Reason.BAD_VALUE, f"{what} = {value} is negative or too large")
+        raise Reject(Reason.BAD_VALUE, f"{what} = {value} is negative or too large")
     return value
 
 
 def _decompress(compression: object, payload: object, limits: Limits) -> bytes:
     if not isinstance(compression, str):
-        raise _Reject(Reason.BAD_TYPE, f"compression must be str, got {type(compression).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"compression must be str, got {type(compression).__name__}")
     if not isinstance(payload, bytes):
-        raise _Reject(Reason.BAD_TYPE, f"payload must be bin, got {type(payload).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"payload must be bin, got {type(payload).__name__}")
     if compression == "none":
         if len(payload) > limits.max_delta_raw_bytes:
-            raise _Reject(Reason.TOO_LARGE, f"payload {len(payload)} bytes > limit {limits.max_delta_raw_bytes}")
+            raise Reject(Reason.TOO_LARGE, f"payload {len(payload)} bytes > limit {limits.max_delta_raw_bytes}")
         return payload
     if compression != "zlib":
-        raise _Reject(Reason.BAD_VALUE, f"compression {compression[:32]!r} is not 'zlib' or 'none'")
+        raise Reject(Reason.BAD_VALUE, f"compression {compression[:32]!r} is not 'zlib' or 'none'")
     try:
         inflater = zlib.decompressobj()
         # Bounded output: a small zip bomb cannot expand past the raw limit.
         raw = inflater.decompress(payload, limits.max_delta_raw_bytes + 1)
     except zlib.error as exc:
-        raise _Reject(Reason.MALFORMED, f"zlib payload does not inflate: {exc}") from None
+        raise Reject(Reason.MALFORMED, f"zlib payload does not inflate: {exc}") from None
     if len(raw) > limits.max_delta_raw_bytes:
-        raise _Reject(Reason.TOO_LARGE, f"payload inflates past the limit of {limits.max_delta_raw_bytes} bytes")
+        raise Reject(Reason.TOO_LARGE, f"payload inflates past the limit of {limits.max_delta_raw_bytes} bytes")
     if not inflater.eof:
-        raise _Reject(Reason.MALFORMED, "zlib payload is truncated")
+        raise Reject(Reason.MALFORMED, "zlib payload is truncated")
     if inflater.unused_data:
-        raise _Reject(Reason.MALFORMED, f"{len(inflater.unused_data)} trailing bytes after the zlib stream")
+        raise Reject(Reason.MALFORMED, f"{len(inflater.unused_data)} trailing bytes after the zlib stream")
     return raw
 
 
 def _packed(value: object, what: str, dtype: np.dtype) -> np.ndarray:
     if not isinstance(value, bytes):
-        raise _Reject(Reason.BAD_TYPE, f"{what} must be bin, got {type(value).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{what} must be bin, got {type(value).__name__}")
     if len(value) % dtype.itemsize:
-        raise _Reject(Reason.BAD_LENGTH, f"{what} is {len(value)} bytes, not a multiple of {dtype.itemsize}")
+        raise Reject(Reason.BAD_LENGTH, f"{what} is {len(value)} bytes, not a multiple of {dtype.itemsize}")
     return np.frombuffer(value, dtype=dtype)
 
 
 def _tensor_from_wire(obj: object, expected: ExpectedTensors, limits: Limits, where: str) -> TensorDelta:
-    m = _check_keys(obj, _TENSOR_KEYS, where)
+    m = check_keys(obj, _TENSOR_KEYS, where)
     name = m["name"]
     if not isinstance(name, str):
-        raise _Reject(Reason.BAD_TYPE, f"{where}.name must be str, got {type(name).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{where}.name must be str, got {type(name).__name__}")
     if not 0 < len(name) <= limits.max_str_len:
-        raise _Reject(Reason.BAD_LENGTH, f"{where}.name has length {len(name)}, allowed 1..{limits.max_str_len}")
+        raise Reject(Reason.BAD_LENGTH, f"{where}.name has length {len(name)}, allowed 1..{limits.max_str_len}")
     if name not in expected:
-        raise _Reject(Reason.UNKNOWN_TENSOR, f"{where}: tensor {name!r} is not in the local model")
+        raise Reject(Reason.UNKNOWN_TENSOR, f"{where}: tensor {name!r} is not in the local model")
     where = f"tensor {name!r}"
     want_shape, want_dtype = expected[name]
     shape = m["shape"]
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise _Reject(Reason.BAD_TYPE, f"{where}: shape must be an array of ints")
+        raise Reject(Reason.BAD_TYPE, f"{where}: shape must be an array of ints")
     if len(shape) > limits.max_tensor_rank:
-        raise _Reject(Reason.BAD_SHAPE, f"{where}: rank {len(shape)} > limit {limits.max_tensor_rank}")
+        raise Reject(Reason.BAD_SHAPE, f"{where}: rank {len(shape)} > limit {limits.max_tensor_rank}")
     if tuple(shape) != tuple(want_shape):
-        raise _Reject(Reason.BAD_SHAPE, f"{where}: shape {tuple(shape)}, local model has {tuple(want_shape)}")
+        raise Reject(Reason.BAD_SHAPE, f"{where}: shape {tuple(shape)}, local model has {tuple(want_shape)}")
     dtype = m["dtype"]
     if not isinstance(dtype, str):
-        raise _Reject(Reason.BAD_TYPE, f"{where}: dtype must be str, got {type(dtype).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{where}: dtype must be str, got {type(dtype).__name__}")
     if dtype not in VALUE_DTYPES or dtype != want_dtype:
-        raise _Reject(Reason.BAD_DTYPE, f"{where}: dtype {dtype[:32]!r}, local model has {want_dtype!r}")
+        raise Reject(Reason.BAD_DTYPE, f"{where}: dtype {dtype[:32]!r}, local model has {want_dtype!r}")
     coding = m["index_coding"]
     if coding == "gap_u32":
         gaps = _packed(m["indices"], f"{where}.indices", _GAP)
         # Any index after the first must move forward: a zero gap is a duplicate.
         if gaps.size > 1 and not gaps[1:].all():
-            raise _Reject(Reason.UNSORTED, f"{where}: duplicate index (zero gap)")
+            raise Reject(Reason.UNSORTED, f"{where}: duplicate index (zero gap)")
         indices = np.cumsum(gaps, dtype=_I64)  # sums of < 2**28 uint32 gaps: no int64 overflow
     elif coding == "i64":
         indices = _packed(m["indices"], f"{where}.indices", _I64)
         if indices.size and indices[0] < 0:
-            raise _Reject(Reason.OUT_OF_RANGE, f"{where}: negative index {int(indices[0])}")
+            raise Reject(Reason.OUT_OF_RANGE, f"{where}: negative index {int(indices[0])}")
         if indices.size > 1 and not (np.diff(indices) > 0).all():
-            raise _Reject(Reason.UNSORTED, f"{where}: indices are not strictly increasing")
+            raise Reject(Reason.UNSORTED, f"{where}: indices are not strictly increasing")
     elif isinstance(coding, str):
-        raise _Reject(Reason.BAD_VALUE, f"{where}: index_coding {coding[:32]!r} is not 'gap_u32' or 'i64'")
+        raise Reject(Reason.BAD_VALUE, f"{where}: index_coding {coding[:32]!r} is not 'gap_u32' or 'i64'")
     else:
-        raise _Reject(Reason.BAD_TYPE, f"{where}: index_coding must be str, got {type(coding).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{where}: index_coding must be str, got {type(coding).__name__}")
     numel = math.prod(want_shape)
     if indices.size and int(indices[-1]) >= numel:
-        raise _Reject(Reason.OUT_OF_RANGE, f"{where}: index {int(indices[-1])} >= {numel} elements")
+        raise Reject(Reason.OUT_OF_RANGE, f"{where}: index {int(indices[-1])} >= {numel} elements")
     values = _packed(m["values"], f"{where}.values", VALUE_DTYPES[dtype])
     if values.size != indices.size:
-        raise _Reject(Reason.BAD_LENGTH, f"{where}: {indices.size} indices but {values.size} values")
+        raise Reject(Reason.BAD_LENGTH, f"{where}: {indices.size} indices but {values.size} values")
     if not _all_finite(values, dtype):
-        raise _Reject(Reason.NOT_FINITE, f"{where}: values contain NaN or infinity")
+        raise Reject(Reason.NOT_FINITE, f"{where}: values contain NaN or infinity")
     # Owned, writable copies: torch.from_numpy warns on read-only views of message bytes.
     return TensorDelta(name, tuple(shape), dtype, np.array(indices, dtype=_I64), values.copy())
 
@@ -277,31 +261,31 @@ def decode_delta(
     if not verdict.ok:
         return verdict, None
     try:
-        outer = _check_keys(outer, _OUTER_KEYS, "delta")
+        outer = check_keys(outer, _OUTER_KEYS, "delta")
         fmt = outer["format"]
         if isinstance(fmt, bool) or not isinstance(fmt, int):
-            raise _Reject(Reason.BAD_TYPE, f"format must be int, got {type(fmt).__name__}")
+            raise Reject(Reason.BAD_TYPE, f"format must be int, got {type(fmt).__name__}")
         if fmt != DELTA_FORMAT_VERSION:
-            raise _Reject(Reason.BAD_VERSION, f"delta format {fmt}, this node reads {DELTA_FORMAT_VERSION}; upgrade hivespec")
+            raise Reject(Reason.BAD_VERSION, f"delta format {fmt}, this node reads {DELTA_FORMAT_VERSION}; upgrade hivespec")
         raw = _decompress(outer["compression"], outer["payload"], limits)
         verdict, inner = safe_unpack(raw, max_size=limits.max_delta_raw_bytes, max_depth=limits.max_depth)
         if not verdict.ok:
             return verdict, None
-        inner = _check_keys(inner, _INNER_KEYS, "delta payload")
+        inner = check_keys(inner, _INNER_KEYS, "delta payload")
         base_version = _int(inner["base_version"], "base_version", limits)
         version = _int(inner["version"], "version", limits)
         if version <= base_version:
-            raise _Reject(Reason.BAD_VALUE, f"version {version} does not follow base_version {base_version}")
+            raise Reject(Reason.BAD_VALUE, f"version {version} does not follow base_version {base_version}")
         items = inner["tensors"]
         if not isinstance(items, list):
-            raise _Reject(Reason.BAD_TYPE, f"tensors must be an array, got {type(items).__name__}")
+            raise Reject(Reason.BAD_TYPE, f"tensors must be an array, got {type(items).__name__}")
         if len(items) > limits.max_delta_tensors:
-            raise _Reject(Reason.TOO_LARGE, f"{len(items)} tensors > limit {limits.max_delta_tensors}")
+            raise Reject(Reason.TOO_LARGE, f"{len(items)} tensors > limit {limits.max_delta_tensors}")
         tensors = tuple(_tensor_from_wire(t, expected, limits, f"tensors[{i}]") for i, t in enumerate(items))
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             duplicate = next(n for n in names if names.count(n) > 1)
-            raise _Reject(Reason.BAD_VALUE, f"tensor {duplicate!r} appears more than once")
-    except _Reject as rejected:
+            raise Reject(Reason.BAD_VALUE, f"tensor {duplicate!r} appears more than once")
+    except Reject as rejected:
         return rejected.verdict, None
     return Verdict.accept(), WeightDelta(base_version, version, tensors)

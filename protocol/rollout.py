@@ -18,12 +18,11 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import pack, safe_unpack
+from .codec import Reject, check_keys, pack, safe_unpack
 from .limits import DEFAULT_LIMITS, Limits
 from .verdict import Reason, Verdict
 
@@ -125,55 +124,39 @@ def encode_batch(batch: RolloutBatch) -> bytes:
     )
 
 
-class _Reject(Exception):
-    """Internal: carries a rejecting verdict out of nested validation; never escapes this module."""
-
-    def __init__(self, reason: Reason, detail: str) -> None:
-        super().__init__(detail)
-        self.verdict = Verdict.reject(reason, detail)
-
-
-def _check_keys(obj: object, expected: frozenset[str], what: str) -> Mapping[str, object]:
-    if not isinstance(obj, dict):
-        raise _Reject(Reason.BAD_TYPE, f"{what} must be a map, got {type(obj).__name__}")
-    if obj.keys() != expected:
-        keys = set(obj)
-        missing, extra = sorted(map(str, expected - keys)), sorted(map(str, keys - expected))
-        raise _Reject(Reason.BAD_KEYS, f"{what} keys: missing {missing}, unexpected {extra}")
-    return obj
 
 
 def _int(value: object, what: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _Reject(Reason.BAD_TYPE, f"{what} must be int, got {type(value).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{what} must be int, got {type(value).__name__}")
     if not lo <= value <= hi:
-        raise _Reject(Reason.BAD_VALUE, f"{what} = {value} outside [{lo}, {hi}]")
+        raise Reject(Reason.BAD_VALUE, f"{what} = {value} outside [{lo}, {hi}]")
     return value
 
 
 def _str(value: object, what: str, limits: Limits) -> str:
     if not isinstance(value, str):
-        raise _Reject(Reason.BAD_TYPE, f"{what} must be str, got {type(value).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{what} must be str, got {type(value).__name__}")
     if not 0 < len(value) <= limits.max_str_len:
-        raise _Reject(Reason.BAD_LENGTH, f"{what} has length {len(value)}, allowed 1..{limits.max_str_len}")
+        raise Reject(Reason.BAD_LENGTH, f"{what} has length {len(value)}, allowed 1..{limits.max_str_len}")
     if not value.isprintable():
-        raise _Reject(Reason.BAD_VALUE, f"{what} {value!r} contains control characters")
+        raise Reject(Reason.BAD_VALUE, f"{what} {value!r} contains control characters")
     return value
 
 
 def _packed(value: object, what: str, dtype: np.dtype, max_len: int) -> np.ndarray:
     if not isinstance(value, bytes):
-        raise _Reject(Reason.BAD_TYPE, f"{what} must be bin, got {type(value).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{what} must be bin, got {type(value).__name__}")
     if len(value) % dtype.itemsize:
-        raise _Reject(Reason.BAD_LENGTH, f"{what} is {len(value)} bytes, not a multiple of {dtype.itemsize}")
+        raise Reject(Reason.BAD_LENGTH, f"{what} is {len(value)} bytes, not a multiple of {dtype.itemsize}")
     n = len(value) // dtype.itemsize
     if n > max_len:
-        raise _Reject(Reason.TOO_LARGE, f"{what} has {n} elements > limit {max_len}")
+        raise Reject(Reason.TOO_LARGE, f"{what} has {n} elements > limit {max_len}")
     return np.frombuffer(value, dtype=dtype)  # read-only view of the message bytes
 
 
 def _rollout_from_wire(obj: object, limits: Limits, vocab_size: int | None, where: str) -> Rollout:
-    m = _check_keys(obj, _ROLLOUT_KEYS, where)
+    m = check_keys(obj, _ROLLOUT_KEYS, where)
     prompt_id = _str(m["prompt_id"], f"{where}.prompt_id", limits)
     sample_index = _int(m["sample_index"], f"{where}.sample_index", 0, limits.max_sample_index)
     seed = _int(m["seed"], f"{where}.seed", 0, limits.max_uint64)
@@ -181,43 +164,43 @@ def _rollout_from_wire(obj: object, limits: Limits, vocab_size: int | None, wher
     completion = _packed(m["completion_ids"], f"{where}.completion_ids", _TOKEN_DTYPE, limits.max_completion_tokens)
     logprobs = _packed(m["behaviour_logprobs"], f"{where}.behaviour_logprobs", _LOGPROB_DTYPE, limits.max_completion_tokens)
     if prompt.size == 0:
-        raise _Reject(Reason.BAD_LENGTH, f"{where}.prompt_ids is empty")
+        raise Reject(Reason.BAD_LENGTH, f"{where}.prompt_ids is empty")
     if logprobs.size != completion.size:
-        raise _Reject(
+        raise Reject(
             Reason.BAD_LENGTH,
             f"{where}: {completion.size} completion tokens but {logprobs.size} behaviour log-probs",
         )
     if vocab_size is not None:
         for name, ids in (("prompt_ids", prompt), ("completion_ids", completion)):
             if ids.size and int(ids.max()) >= vocab_size:
-                raise _Reject(Reason.OUT_OF_RANGE, f"{where}.{name} has token id {int(ids.max())} >= vocab size {vocab_size}")
+                raise Reject(Reason.OUT_OF_RANGE, f"{where}.{name} has token id {int(ids.max())} >= vocab size {vocab_size}")
     if logprobs.size:
         if not np.isfinite(logprobs).all():
-            raise _Reject(Reason.NOT_FINITE, f"{where}.behaviour_logprobs contains NaN or infinity")
+            raise Reject(Reason.NOT_FINITE, f"{where}.behaviour_logprobs contains NaN or infinity")
         if (logprobs > 0).any():
-            raise _Reject(
+            raise Reject(
                 Reason.BAD_VALUE, f"{where}.behaviour_logprobs has a positive log-prob {float(logprobs.max())!r}"
             )
     reward = m["reward"]
     if not isinstance(reward, float):
-        raise _Reject(Reason.BAD_TYPE, f"{where}.reward must be float, got {type(reward).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{where}.reward must be float, got {type(reward).__name__}")
     if not math.isfinite(reward):
-        raise _Reject(Reason.NOT_FINITE, f"{where}.reward = {reward!r}")
+        raise Reject(Reason.NOT_FINITE, f"{where}.reward = {reward!r}")
     finish = m["finish_reason"]
     if not isinstance(finish, str):
-        raise _Reject(Reason.BAD_TYPE, f"{where}.finish_reason must be str, got {type(finish).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"{where}.finish_reason must be str, got {type(finish).__name__}")
     if finish not in FINISH_REASONS:
-        raise _Reject(Reason.BAD_VALUE, f"{where}.finish_reason {finish[:32]!r} not in {sorted(FINISH_REASONS)}")
+        raise Reject(Reason.BAD_VALUE, f"{where}.finish_reason {finish[:32]!r} not in {sorted(FINISH_REASONS)}")
     return Rollout(prompt_id, sample_index, seed, prompt, completion, logprobs, reward, finish)
 
 
 def _fingerprint(value: object, limits: Limits) -> str:
     if not isinstance(value, str):
-        raise _Reject(Reason.BAD_TYPE, f"fingerprint must be str, got {type(value).__name__}")
+        raise Reject(Reason.BAD_TYPE, f"fingerprint must be str, got {type(value).__name__}")
     if not 0 < len(value) <= limits.max_fingerprint_len:
-        raise _Reject(Reason.BAD_LENGTH, f"fingerprint has length {len(value)}, allowed 1..{limits.max_fingerprint_len}")
+        raise Reject(Reason.BAD_LENGTH, f"fingerprint has length {len(value)}, allowed 1..{limits.max_fingerprint_len}")
     if not _HEX.issuperset(value):
-        raise _Reject(Reason.BAD_VALUE, f"fingerprint {value!r} is not lowercase hex")
+        raise Reject(Reason.BAD_VALUE, f"fingerprint {value!r} is not lowercase hex")
     return value
 
 
@@ -233,17 +216,17 @@ def decode_batch(
     if not verdict.ok:
         return verdict, None
     try:
-        m = _check_keys(obj, _BATCH_KEYS, "batch")
+        m = check_keys(obj, _BATCH_KEYS, "batch")
         round_ = _int(m["round"], "round", 0, limits.max_uint64)
         policy_version = _int(m["policy_version"], "policy_version", 0, limits.max_uint64)
         fingerprint = _fingerprint(m["fingerprint"], limits)
         items = m["rollouts"]
         if not isinstance(items, list):
-            raise _Reject(Reason.BAD_TYPE, f"rollouts must be an array, got {type(items).__name__}")
+            raise Reject(Reason.BAD_TYPE, f"rollouts must be an array, got {type(items).__name__}")
         if len(items) > limits.max_rollouts_per_batch:
-            raise _Reject(Reason.TOO_LARGE, f"{len(items)} rollouts > limit {limits.max_rollouts_per_batch}")
+            raise Reject(Reason.TOO_LARGE, f"{len(items)} rollouts > limit {limits.max_rollouts_per_batch}")
         rollouts = tuple(_rollout_from_wire(item, limits, vocab_size, f"rollouts[{i}]") for i, item in enumerate(items))
-    except _Reject as rejected:
+    except Reject as rejected:
         return rejected.verdict, None
     return Verdict.accept(), RolloutBatch(round_, policy_version, fingerprint, rollouts)
 
@@ -257,7 +240,7 @@ def decode_rollout(
         return verdict, None
     try:
         return Verdict.accept(), _rollout_from_wire(obj, limits, vocab_size, "rollout")
-    except _Reject as rejected:
+    except Reject as rejected:
         return rejected.verdict, None
 
 

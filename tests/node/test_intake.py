@@ -1,0 +1,143 @@
+"""Admission of foreign rollouts: every check, with a real tokenizer, task source and SQLite store."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hivespec.node.intake import Intake
+from hivespec.node.model import load_tokenizer
+from hivespec.node.store import RolloutStore
+from hivespec.node.tasks.source import TaskSource
+from hivespec.protocol.envelope import Kind, seal
+from hivespec.protocol.identity import Identity
+from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
+
+FINGERPRINT = "0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def world(tokenizer):
+    tasks = TaskSource()
+    store = RolloutStore(":memory:")
+    intake = Intake(
+        fingerprint=FINGERPRINT, vocab_size=len(tokenizer), tasks=tasks, tokenizer=tokenizer, store=store, staleness_rounds=2
+    )
+    yield tasks, intake, store
+    store.close()
+
+
+def _rollouts(tasks, tokenizer, *, answer_right=True, count=2):
+    task = tasks.prompts(seed=7, round=0, count=1)[0]
+    text = f"{task.answer}" if answer_right else "I do not know."
+    completion = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return [
+        Rollout(
+            prompt_id=task.prompt_id,
+            sample_index=i,
+            seed=11,
+            prompt_ids=np.asarray(tasks.chat_prompt_ids(tokenizer, task), dtype=np.uint32),
+            completion_ids=np.asarray(completion, dtype=np.uint32),
+            behaviour_logprobs=np.full(len(completion), -0.5, dtype=np.float32),
+            reward=tasks.reward(task, text),
+            finish_reason="stop",
+        )
+        for i in range(count)
+    ]
+
+
+def _envelope(peer, rollouts, *, seq=1, round=3, fingerprint=FINGERPRINT):
+    batch = RolloutBatch(round=round, policy_version=5, fingerprint=fingerprint, rollouts=tuple(rollouts))
+    return seal(peer, Kind.ROLLOUTS, seq, encode_batch(batch))
+
+
+def test_an_honest_batch_is_accepted_and_journaled(world, tokenizer):
+    tasks, intake, store = world
+    peer = Identity.generate()
+    rollouts = _rollouts(tasks, tokenizer)
+    admission = intake.admit(peer.peer_id, _envelope(peer, rollouts), current_round=3)
+    assert (admission.outcome, admission.reason) == ("accept", "ok")
+    assert len(admission.rollouts) == 2 and admission.policy_version == 5
+    assert rollouts[0].reward == 1.0
+    assert store.counts()["foreign"] == 2
+
+
+def test_replays_and_duplicates_are_ignored_not_penalised(world, tokenizer):
+    tasks, intake, _ = world
+    peer = Identity.generate()
+    rollouts = _rollouts(tasks, tokenizer)
+    envelope = _envelope(peer, rollouts)
+    assert intake.admit(peer.peer_id, envelope, current_round=3).outcome == "accept"
+    replay = intake.admit(peer.peer_id, envelope, current_round=3)
+    assert (replay.outcome, replay.reason) == ("ignore", "replay")
+    again = intake.admit(peer.peer_id, _envelope(peer, rollouts, seq=2), current_round=3)
+    assert (again.outcome, again.reason) == ("ignore", "duplicate")
+
+
+@pytest.mark.parametrize(
+    "mutate, outcome, reason",
+    [
+        (lambda r, t: dict(reward=1.0 - r.reward), "reject", "reward_mismatch"),
+        (lambda r, t: dict(prompt_ids=np.append(r.prompt_ids, np.uint32(5))), "reject", "prompt_mismatch"),
+        (lambda r, t: dict(prompt_id="arith:d1:not-a-seed"), "reject", "unknown_task"),
+        (lambda r, t: dict(prompt_id="nosuchfamily:d1:1"), "reject", "unknown_task"),
+        (lambda r, t: dict(completion_ids=np.append(r.completion_ids[:-1], np.uint32(len(t) + 10)),
+                           behaviour_logprobs=r.behaviour_logprobs), "reject", "out_of_range"),
+    ],
+)
+def test_lies_about_a_rollout_are_rejected(world, tokenizer, mutate, outcome, reason):
+    tasks, intake, store = world
+    peer = Identity.generate()
+    honest, = _rollouts(tasks, tokenizer, count=1)
+    forged = dataclasses.replace(honest, **mutate(honest, tokenizer))
+    admission = intake.admit(peer.peer_id, _envelope(peer, [honest, forged]), current_round=3)
+    assert (admission.outcome, admission.reason) == (outcome, reason)
+    assert store.counts()["foreign"] == 0, "nothing of a rejected batch is kept"
+
+
+def test_a_false_claim_of_success_is_rejected(world, tokenizer):
+    tasks, intake, _ = world
+    peer = Identity.generate()
+    wrong = _rollouts(tasks, tokenizer, answer_right=False, count=1)[0]
+    assert wrong.reward == 0.0
+    lie = dataclasses.replace(wrong, reward=1.0)
+    admission = intake.admit(peer.peer_id, _envelope(peer, [lie]), current_round=3)
+    assert (admission.outcome, admission.reason) == ("reject", "reward_mismatch")
+
+
+def test_envelope_level_checks(world, tokenizer):
+    tasks, intake, _ = world
+    peer, mallory = Identity.generate(), Identity.generate()
+    rollouts = _rollouts(tasks, tokenizer)
+    good = _envelope(peer, rollouts)
+    flipped = bytearray(good)
+    flipped[-10] ^= 0x01
+    cases = {
+        "bad_signature": (peer.peer_id, bytes(flipped)),
+        "author_mismatch": (peer.peer_id, _envelope(mallory, rollouts)),
+        "malformed": (peer.peer_id, b"\xc1garbage"),
+    }
+    for expected, (announced_by, data) in cases.items():
+        admission = intake.admit(announced_by, data, current_round=3)
+        assert admission.outcome == "reject", expected
+        assert admission.reason == expected, (expected, admission.reason, admission.detail)
+    assert intake.counters.outcomes["reject"] == 3
+
+
+def test_fingerprint_staleness_and_future_rounds(world, tokenizer):
+    tasks, intake, _ = world
+    peer = Identity.generate()
+    rollouts = _rollouts(tasks, tokenizer)
+    other_model = intake.admit(peer.peer_id, _envelope(peer, rollouts, fingerprint="ffffffffffffffff"), current_round=3)
+    assert (other_model.outcome, other_model.reason) == ("ignore", "fingerprint_mismatch")
+    stale = intake.admit(peer.peer_id, _envelope(peer, rollouts, seq=2, round=0), current_round=3)
+    assert (stale.outcome, stale.reason) == ("ignore", "stale")
+    future = intake.admit(peer.peer_id, _envelope(peer, rollouts, seq=3, round=9), current_round=3)
+    assert (future.outcome, future.reason) == ("reject", "future_round")
+    in_window = intake.admit(peer.peer_id, _envelope(peer, rollouts, seq=4, round=1), current_round=3)
+    assert in_window.outcome == "accept"
