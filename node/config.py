@@ -129,13 +129,16 @@ class NodeConfig:
         return dataclasses.asdict(self)
 
 
-def node_home(config: NodeConfig) -> Path:
-    """The node's data directory: ``config.home``, else ``$HIVESPEC_HOME``, else the user data dir."""
-    if config.home:
-        return Path(config.home).expanduser()
+def default_home() -> Path:
+    """The data directory when the config names none: ``$HIVESPEC_HOME``, else the user data dir."""
     if os.environ.get(HOME_ENV):
         return Path(os.environ[HOME_ENV]).expanduser()
     return Path(platformdirs.user_data_dir("hivespec"))
+
+
+def node_home(config: NodeConfig) -> Path:
+    """The node's data directory: ``config.home``, else ``default_home()``."""
+    return Path(config.home).expanduser() if config.home else default_home()
 
 
 def preset_path(name: str) -> Path:

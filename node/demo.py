@@ -104,13 +104,17 @@ class _DemoFailure(RuntimeError):
 
 
 def _prepare_model(name: str) -> None:
-    """Load once in the parent so the N nodes find the converted cache instead of racing for it."""
-    from hivespec.node.model import load_model, load_tokenizer
+    """Convert the embedded GGUF once, in the parent, so the N nodes do not all wait on it.
 
+    ``tiny`` needs it too (it uses the embedded tokenizer); a local HF folder needs nothing.
+    """
+    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, ensure_embedded_cache
+
+    if name not in (EMBEDDED_MODEL, TINY_MODEL):
+        return
     mark = time.perf_counter()
-    print(f"preparing model {name} (the first run converts the embedded GGUF, ~30 s) ...", flush=True)
-    load_tokenizer(name)
-    load_model(name)
+    print("preparing the embedded model (the first run converts its GGUF, ~20 s) ...", flush=True)
+    ensure_embedded_cache()
     print(f"model ready in {time.perf_counter() - mark:.1f}s", flush=True)
 
 

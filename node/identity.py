@@ -15,21 +15,17 @@ import os
 import stat
 from pathlib import Path
 
-import platformdirs
-
+from hivespec.node.config import default_home
 from hivespec.protocol.identity import PRIVATE_KEY_BYTES, Identity
 
 KEY_FILE_MAGIC = b"hivespec-key-v1\n"
 KEY_FILE_BYTES = len(KEY_FILE_MAGIC) + PRIVATE_KEY_BYTES
 KEY_FILE_NAME = "identity.key"
-HOME_ENV = "HIVESPEC_HOME"
 
 
 def default_identity_path() -> Path:
-    """Where the node keeps its key: $HIVESPEC_HOME/identity.key, else the user data dir."""
-    home = os.environ.get(HOME_ENV)
-    base = Path(home).expanduser() if home else Path(platformdirs.user_data_dir("hivespec"))
-    return base / KEY_FILE_NAME
+    """Where the node keeps its key: ``default_home()/identity.key`` ($HIVESPEC_HOME or the user data dir)."""
+    return default_home() / KEY_FILE_NAME
 
 
 def load_or_create_identity(path: Path) -> Identity:

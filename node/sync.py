@@ -115,10 +115,8 @@ class WeightSync:
 
     def mismatched_elements(self) -> int:
         """Number of engine elements whose bits differ from the trainer's cast (0 after a sync)."""
-        mismatched = 0
         with torch.no_grad():
-            for name, engine_tensor in self.engine_params.items():
-                int_dtype, _ = _BITS[engine_tensor.dtype]
-                target = self.trainer_params[name].detach().to(engine_tensor.dtype)
-                mismatched += int((engine_tensor.view(int_dtype) != target.view(int_dtype)).sum())
-        return mismatched
+            return sum(
+                extract_delta(engine_tensor, self.trainer_params[name].detach().to(engine_tensor.dtype))[0].numel()
+                for name, engine_tensor in self.engine_params.items()
+            )
