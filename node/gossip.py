@@ -36,7 +36,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivespec.protocol.codec import pack, safe_unpack
 from hivespec.protocol.envelope import Kind, open_envelope, seal
 from hivespec.protocol.identity import Identity
-from hivespec.protocol.keys import rollout_round_key
+from hivespec.protocol.keys import rollout_round_key, topic_key
 from hivespec.protocol.limits import DEFAULT_LIMITS, KIB, MIB, Limits
 
 logger = logging.getLogger(__name__)
@@ -138,12 +138,12 @@ class Gossip:
         self._seq = 0
 
         # Loop-thread state.
-        self._bodies: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # sha256 -> (round, body)
+        self._bodies: OrderedDict[bytes, tuple[tuple[str, int], bytes]] = OrderedDict()  # sha256 -> ((topic, slot), body)
         self._kept_bytes = 0
         self._done: OrderedDict[bytes, None] = OrderedDict()  # sha256s fetched, own or rejected
         self._inflight: set[bytes] = set()
         self._bad_seen: OrderedDict[tuple, None] = OrderedDict()
-        self._authors_by_round: OrderedDict[int, set[str]] = OrderedDict()
+        self._authors_by_round: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         self._fetch_slots: asyncio.Semaphore | None = None
         self._stats: Counter[str] = Counter()
 
@@ -241,14 +241,18 @@ class Gossip:
 
     # ----- publish and serve -----------------------------------------------------------------
 
-    def publish(self, round: int, body: bytes) -> None:
-        """Offer `body` (an encoded, sealed rollout batch) for `round` and announce it in the DHT.
+    def publish(self, round: int, body: bytes, *, topic: str = "rollouts") -> None:
+        """Offer `body` (a sealed envelope) for slot `round` of `topic` and announce it in the DHT.
+
+        Topics are listed in `protocol.keys.TOPIC_KEYS`: "rollouts" (slot = round) and "delta"
+        (slot = the policy version the delta produces).
 
         The body is kept in memory (bounded by keep_rounds/keep_bytes) and served to peers that
         ask for it by sha256. Raises ValueError if it is larger than max_body_bytes, GossipError
         if the DHT store does not finish within request_timeout.
         """
         self._require_started()
+        topic_key(self.swarm, topic, round)  # ValueError on an unknown topic or a negative slot
         body = bytes(body)
         if len(body) > self.max_body_bytes:
             raise ValueError(
@@ -270,13 +274,13 @@ class Gossip:
             }
         )
         record = seal(self.identity, Kind.ANNOUNCE, seq, announce)
-        self._call(self._apublish(round, digest, body, record), self.request_timeout + _GRACE_S)
+        self._call(self._apublish(topic, round, digest, body, record), self.request_timeout + _GRACE_S)
 
-    async def _apublish(self, round: int, digest: bytes, body: bytes, record: bytes) -> None:
-        self._keep_body(round, digest, body)
+    async def _apublish(self, topic: str, round: int, digest: bytes, body: bytes, record: bytes) -> None:
+        self._keep_body((topic, round), digest, body)
         stored = await asyncio.wait_for(
             self._dht.store(
-                rollout_round_key(self.swarm, round),
+                topic_key(self.swarm, topic, round),
                 record,
                 expiration_time=get_dht_time() + self.record_ttl,
                 subkey=self.identity.peer_id,
@@ -287,15 +291,15 @@ class Gossip:
         if not stored:
             # Only our own replica may exist; peers can still find the record once they reach us.
             self._stats["announce_store_failed"] += 1
-            logger.warning("round %d: no DHT peer accepted our announce; is the swarm reachable?", round)
+            logger.warning("%s %d: no DHT peer accepted our announce; is the swarm reachable?", topic, round)
 
-    def _keep_body(self, round: int, digest: bytes, body: bytes) -> None:
+    def _keep_body(self, slot: tuple[str, int], digest: bytes, body: bytes) -> None:
         if digest in self._bodies:
             return
-        self._bodies[digest] = (round, body)
+        self._bodies[digest] = (slot, body)
         self._kept_bytes += len(body)
         self._remember(self._done, digest)
-        rounds = Counter(r for r, _ in self._bodies.values())
+        rounds = Counter(slot for slot, _ in self._bodies.values())
         # Oldest first; the body just published is always kept.
         while len(self._bodies) > 1 and (len(rounds) > self.keep_rounds or self._kept_bytes > self.keep_bytes):
             _, (old_round, old_body) = self._bodies.popitem(last=False)
@@ -329,16 +333,16 @@ class Gossip:
 
     # ----- fetch -----------------------------------------------------------------------------
 
-    def fetch_round(self, round: int, *, timeout: float) -> list[Fetched]:
-        """Fetch the bodies announced for `round` that we have not fetched before.
+    def fetch_round(self, round: int, *, timeout: float, topic: str = "rollouts") -> list[Fetched]:
+        """Fetch the bodies announced for slot `round` of `topic` that we have not fetched before.
 
         Bad announces and bodies are skipped and counted in stats(); peers that cannot be
         reached now are retried on the next call. Returns what arrived within `timeout`.
         """
         self._require_started()
-        return self._call(self._afetch_round(round, timeout), timeout + _GRACE_S)
+        return self._call(self._afetch_round(topic, round, timeout), timeout + _GRACE_S)
 
-    def wait_for_round(self, round: int, *, peers: int, timeout: float) -> list[Fetched]:
+    def wait_for_round(self, round: int, *, peers: int, timeout: float, topic: str = "rollouts") -> list[Fetched]:
         """Poll `fetch_round` until bodies from `peers` distinct other authors arrived for `round`.
 
         Counts authors fetched by earlier calls too; returns the bodies fetched by this call,
@@ -348,16 +352,16 @@ class Gossip:
         fetched: list[Fetched] = []
         while True:
             remaining = deadline - time.monotonic()
-            fetched += self.fetch_round(round, timeout=max(0.1, min(remaining, self.request_timeout)))
-            if len(self._authors_by_round.get(round, ())) >= peers:
+            fetched += self.fetch_round(round, timeout=max(0.1, min(remaining, self.request_timeout)), topic=topic)
+            if len(self._authors_by_round.get((topic, round), ())) >= peers:
                 return fetched
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stopped.wait(min(_POLL_INTERVAL_S, remaining)):
                 return fetched
 
-    async def _afetch_round(self, round: int, timeout: float) -> list[Fetched]:
+    async def _afetch_round(self, topic: str, round: int, timeout: float) -> list[Fetched]:
         deadline = time.monotonic() + timeout
-        key = rollout_round_key(self.swarm, round)
+        key = topic_key(self.swarm, topic, round)
         try:
             found = await asyncio.wait_for(self._dht.get(key, latest=True), timeout)
         except asyncio.TimeoutError:
@@ -382,7 +386,7 @@ class Gossip:
         results = await asyncio.gather(*(self._fetch_one(a, deadline) for a in announces))
         fetched = [f for f in results if f is not None]
         if fetched:
-            authors = self._authors_by_round.setdefault(round, set())
+            authors = self._authors_by_round.setdefault((topic, round), set())
             authors.update(f.author_peer_id for f in fetched)
             while len(self._authors_by_round) > 4 * self.keep_rounds + 16:
                 self._authors_by_round.popitem(last=False)

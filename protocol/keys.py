@@ -39,3 +39,16 @@ def delta_key(swarm: str, version: int) -> str:
 def peers_key(swarm: str) -> str:
     """Key whose subkeys (one per peer) hold each live peer's announce record."""
     return f"{_prefix(swarm)}/peers"
+
+
+TOPIC_KEYS = {"rollouts": rollout_round_key, "delta": delta_key}
+"""Gossip topics: each maps a slot number (a round, a policy version) to its DHT key."""
+
+
+def topic_key(swarm: str, topic: str, slot: int) -> str:
+    """The DHT key of `slot` in `topic` ("rollouts": slot = round; "delta": slot = policy version)."""
+    try:
+        build = TOPIC_KEYS[topic]
+    except KeyError:
+        raise ValueError(f"unknown gossip topic {topic!r}; known: {sorted(TOPIC_KEYS)}") from None
+    return build(swarm, slot)

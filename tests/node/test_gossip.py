@@ -82,6 +82,16 @@ def test_body_over_one_chunk_goes_through(swarm: list[Gossip]) -> None:
         author.publish(1, b"\0" * (author.max_body_bytes + 1))
 
 
+def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
+    author, reader = swarm[0], swarm[2]
+    author.publish(7, b"delta for version 7", topic="delta")
+    got = reader.wait_for_round(7, peers=1, timeout=30, topic="delta")
+    assert [f.body for f in got] == [b"delta for version 7"]
+    assert reader.fetch_round(7, timeout=2) == []  # nothing under rollouts/7
+    with pytest.raises(ValueError, match="unknown gossip topic"):
+        author.publish(7, b"x", topic="gradients")
+
+
 def announce(identity: Identity, round: int, body: bytes, mallory: Gossip, *, seq: int = 1) -> bytes:
     payload = {
         "round": round,
