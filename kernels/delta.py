@@ -41,12 +41,13 @@ def extract_delta(base: Tensor, new: Tensor) -> tuple[Tensor, Tensor]:
     return indices, new_bits[indices].view(new.dtype)
 
 
-def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> None:
+def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
     """Write values into target at flat indices, in place and bit-exact (no autograd record).
 
     target must be contiguous; indices int64, 1-D, strictly ascending (hence unique) and inside
     target; values 1-D of target's dtype and device, one per index. Raises ValueError otherwise,
-    before writing anything.
+    before writing anything. Returns the values it overwrote, so
+    ``apply_delta(target, indices, previous)`` undoes the write bit for bit.
     """
     if not target.is_contiguous():
         raise ValueError("target must be contiguous; apply the delta to the contiguous parameter it came from")
@@ -65,11 +66,14 @@ def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> None:
             "move indices and values to target's device"
         )
     if indices.numel() == 0:
-        return
+        return values.clone()
     first, last = int(indices[0]), int(indices[-1])
     if first < 0 or last >= target.numel():
         raise ValueError(f"indices span [{first}, {last}] but target has {target.numel()} elements")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise ValueError("indices must be strictly ascending (sorted, no repeats), as extract_delta makes them")
     with torch.no_grad():
-        _bits(target)[indices] = _bits(values)
+        bits = _bits(target)
+        previous = bits[indices]
+        bits[indices] = _bits(values)
+    return previous.view(target.dtype)

@@ -1,4 +1,8 @@
-"""The ``hivespec`` command line: demo, join, identity, config."""
+"""The ``hivespec`` command line: demo, join, status, dash, doctor, identity, config.
+
+``status`` and ``dash`` only read a node's status server: they must never import torch, so
+everything heavy is imported inside the command that needs it.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from hivespec.node.config import ConfigError, NodeConfig, describe, load_config, parse_override
+from hivespec.node.config import ConfigError, NodeConfig, describe, load_config, node_home, parse_override
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
@@ -27,6 +31,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
     peers = getattr(args, "initial_peer", None)
     if peers:
         pairs["swarm.initial_peers"] = json.dumps(peers)
+    if getattr(args, "resume", None) is not None:
+        pairs["checkpoint.resume"] = "true" if args.resume else "false"
     return pairs
 
 
@@ -42,19 +48,33 @@ def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> N
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from hivespec.node.bootstrap import IdentityInUse
     from hivespec.node.runtime import build_node
 
     config = _config(args)
     events = _EventLog(Path(args.events)) if args.events else None
     logging.getLogger(__name__).info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
-    node = build_node(config, local_nodes=args.local_nodes)
     try:
-        ready = {"event": "ready", "name": node.name, "peer_id": node.identity.peer_id, "maddrs": node.gossip.visible_maddrs}
+        node = build_node(config, local_nodes=args.local_nodes)
+    except IdentityInUse as exc:
+        print(f"hivespec: {exc}", file=sys.stderr)
+        return 3
+    _stop_between_rounds(node)
+    try:
+        status_url = node.serve_status()
+        ready = {
+            "event": "ready", "name": node.name, "peer_id": node.identity.peer_id,
+            "maddrs": node.gossip.visible_maddrs, "status_url": status_url,
+        }
         if events:
             events.write(ready)
+        if args.dashboard:
+            return _join_with_dashboard(node, events, node_home(config))
         print(f"node {node.name} ({node.identity.peer_id}) listening on:", flush=True)
         for maddr in node.gossip.visible_maddrs:
             print(f"  {maddr}", flush=True)
+        if status_url:
+            print(f"status: {status_url}/status (dashboard: hivespec dash --node {status_url})", flush=True)
 
         def on_report(report) -> None:
             if events:
@@ -62,12 +82,88 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(format_report_line(report.to_dict()), flush=True)
 
         node.run(on_report)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         if events:
             events.write({"event": "done", "name": node.name})
-        _linger(args.linger)
+        if not node.control.stopping:
+            _linger(args.linger)
     finally:
         node.close()
     return 0
+
+
+def _stop_between_rounds(node) -> None:
+    """First SIGINT/SIGTERM: finish the round, save a checkpoint, exit. A second one exits at once."""
+
+    def handler(signum: int, _frame) -> None:
+        if node.control.stopping:
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        print(
+            f"hivespec: {signal.Signals(signum).name}: finishing round {node.next_round} and saving a checkpoint "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        node.control.stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from hivespec.node.doctor import run_checks
+
+    config = _config(args)
+    checks = run_checks(config, network=not args.offline, timeout=args.timeout,
+                        on_check=None if args.json else lambda check: print(check.line(), flush=True))
+    failed = [c for c in checks if c.status == "fail"]
+    if args.json:
+        print(json.dumps([{"name": c.name, "status": c.status, "detail": c.detail} for c in checks], indent=2))
+    else:
+        print(f"{len(failed)} check(s) failed" if failed else "all checks passed", flush=True)
+    return 1 if failed else 0
+
+
+def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
+    """Run the node's rounds in a thread and the dashboard in the foreground; q stops after the round."""
+    import threading
+
+    from hivespec.dashboard.app import DashboardApp
+    from hivespec.dashboard.source import LocalSource
+
+    log_path = home / "node.log"
+    root = logging.getLogger()
+    terminal = [h for h in root.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    file_handler = logging.FileHandler(log_path)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for handler in terminal:  # log lines would tear the full-screen app apart
+        root.removeHandler(handler)
+    root.addHandler(file_handler)
+    failed: list[BaseException] = []
+
+    def run_rounds() -> None:
+        try:
+            node.run(lambda report: events.write({"event": "round", **report.to_dict()}) if events else None)
+            if events:
+                events.write({"event": "done", "name": node.name})
+        except Exception as exc:  # shown in the dashboard's log; the exit code says so too
+            failed.append(exc)
+            logging.getLogger(__name__).exception("node %s stopped", node.name)
+
+    worker = threading.Thread(target=run_rounds, name="hivespec-rounds", daemon=True)
+    worker.start()
+    try:
+        DashboardApp([LocalSource(node.name, node.status.snapshot_bytes, node.control.set_paused)]).run()
+    finally:
+        root.removeHandler(file_handler)
+        for handler in terminal:
+            root.addHandler(handler)
+    if worker.is_alive():
+        print(f"{node.name}: stopping after the current round (Ctrl-C twice aborts); log in {log_path}", flush=True)
+        node.control.stop()
+        worker.join()
+    return 1 if failed else 0
 
 
 def _linger(seconds: float) -> None:
@@ -78,11 +174,137 @@ def _linger(seconds: float) -> None:
         time.sleep(seconds)
 
 
+def cmd_follow(args: argparse.Namespace) -> int:
+    from hivespec.node.follower import run_follower
+
+    def on_report(report, follower) -> None:
+        if report.applied or report.snapshot is not None or report.rejected:
+            got = (f"snapshot {report.snapshot} + " if report.snapshot is not None else "") + f"deltas {report.applied}"
+            print(
+                f"version {report.version} (leader {report.leader_version}): {got}, {_fmt_bytes(report.delta_bytes)} "
+                f"in {report.seconds:.1f}s, weights {follower.engine.hash.hex()[:16]}"
+                + (f"; rejected {report.rejected}" if report.rejected else ""),
+                flush=True,
+            )
+
+    follower = run_follower(_config(args), args.leader, until_version=args.until_version, on_report=on_report)
+    return 0 if args.until_version is None or follower.engine.version >= args.until_version else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from hivespec.node.demo import run_demo
 
     config = _config(args)
-    return run_demo(config, nodes=args.nodes, preset=args.config, overrides=_overrides(args), workdir=args.dir)
+    return run_demo(
+        config, nodes=args.nodes, preset=args.config, overrides=_overrides(args), workdir=args.dir, dashboard=args.dashboard,
+    )
+
+
+def _node_url(args: argparse.Namespace) -> str:
+    """--node, else the URL a local node wrote to <home>/status.json, else the default port."""
+    from hivespec.node.config import DEFAULT_STATUS_PORT, default_home
+    from hivespec.node.status_server import read_status_url
+
+    if getattr(args, "node", None):
+        return args.node if isinstance(args.node, str) else args.node[0]
+    home = Path(args.home).expanduser() if args.home else default_home()
+    return read_status_url(home) or f"http://127.0.0.1:{DEFAULT_STATUS_PORT}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from hivespec.dashboard.source import HttpSource, SourceError
+    from hivespec.dashboard.text import render_text
+    from hivespec.protocol.status import encode_status
+
+    try:
+        snapshot = HttpSource(_node_url(args)).fetch()
+    except SourceError as exc:
+        print(f"hivespec status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(json.loads(encode_status(snapshot)), indent=2))
+    else:
+        print(render_text(snapshot))
+    return 0
+
+
+def cmd_dash(args: argparse.Namespace) -> int:
+    from hivespec.dashboard.app import PANELS, DashboardApp
+    from hivespec.dashboard.source import HttpSource, SourceError
+
+    urls = args.node or [_node_url(args)]
+    if args.panel not in PANELS:
+        print(f"hivespec dash: --panel must be one of {', '.join(PANELS)}, got {args.panel!r}", file=sys.stderr)
+        return 2
+    try:
+        sources = [HttpSource(url) for url in urls]
+        width, height = (int(n) for n in args.size.lower().split("x"))
+    except SourceError as exc:
+        print(f"hivespec dash: {exc}", file=sys.stderr)
+        return 2
+    except ValueError:
+        print(f"hivespec dash: --size must be WIDTHxHEIGHT, e.g. 100x30, got {args.size!r}", file=sys.stderr)
+        return 2
+    screenshot = Path(args.screenshot) if args.screenshot else None
+    app = DashboardApp(sources, screenshot=screenshot, screenshot_after=args.after, initial_panel=args.panel)
+    if screenshot is None:
+        app.run()
+        return 0
+    app.run(headless=True, size=(width, height))
+    if not screenshot.exists():
+        print(f"hivespec dash: no screenshot written (no snapshot from {', '.join(urls)})", file=sys.stderr)
+        return 1
+    print(f"screenshot: {screenshot}")
+    return 0
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    """A DHT-only peer (no model, no training) that others bootstrap from; prints its multiaddrs."""
+    from hivespec.node.bootstrap import (
+        CACHE_FILE,
+        HomeLock,
+        IdentityInUse,
+        PeerCache,
+        bootstrap_candidates,
+        load_private_swarm,
+    )
+    from hivespec.node.config import node_home
+    from hivespec.node.gossip import Gossip
+    from hivespec.node.identity import load_or_create_identity
+
+    config = _config(args)
+    swarm = config.swarm
+    home = node_home(config)
+    try:
+        lock = HomeLock(home)
+    except IdentityInUse as exc:
+        print(f"hivespec: {exc}", file=sys.stderr)
+        return 3
+    try:
+        identity = load_or_create_identity(home / "identity.key")
+        private = load_private_swarm(swarm.swarm, allowlist_file=swarm.private.allowlist_file, secret_file=swarm.private.secret_file)
+        cache = PeerCache.load(home / CACHE_FILE)
+        bootstrap = bootstrap_candidates(swarm.initial_peers, peers_file=Path(swarm.peers_file) if swarm.peers_file else None, cache=cache)
+        gossip = Gossip(
+            identity, swarm=swarm.swarm, host=swarm.host, port=swarm.port, bootstrap=bootstrap, peer_cache=cache,
+            bootstrap_timeout=swarm.bootstrap_timeout, rebootstrap_interval=swarm.rebootstrap_interval,
+            announce_maddrs=swarm.announce_maddrs, use_relay=swarm.use_relay, use_auto_relay=swarm.use_auto_relay,
+            nat_port_map=swarm.nat_port_map, record_ttl=swarm.record_ttl, private=private,
+        )
+        gossip.start()
+        try:
+            status = gossip.status()
+            print(f"bootstrap peer {identity.name} ({identity.peer_id}) for swarm {swarm.swarm!r}"
+                  f"{' (private)' if private else ''}; pass one of these as --initial-peer:", flush=True)
+            for maddr in gossip.visible_maddrs:
+                print(f"  {maddr}", flush=True)
+            print(f"joined via: {status['joined_via'] or '-'}; solo: {status['solo']}", flush=True)
+            _linger(args.duration)
+        finally:
+            gossip.shutdown()
+    finally:
+        lock.close()
+    return 0
 
 
 def cmd_identity_show(args: argparse.Namespace) -> int:
@@ -168,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(demo, "demo")
     demo.add_argument("--nodes", type=int, default=3, help="number of local nodes (default 3)")
     demo.add_argument("--dir", default=None, help="working directory for the nodes' data and logs (default: runs/demo-<time>)")
+    demo.add_argument("--dashboard", action="store_true", help="show the swarm in the terminal dashboard (n switches nodes)")
     demo.set_defaults(func=cmd_demo)
 
     join = sub.add_parser("join", help="run one node and join a swarm")
@@ -178,7 +401,40 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--events", help="append JSON-lines events (ready, round, done) to this file")
     join.add_argument("--linger", type=float, default=15.0, help="seconds to keep serving after the last round (-1: until stopped)")
     join.add_argument("--local-nodes", type=int, default=1, help="nodes sharing this machine (sets torch threads)")
+    join.add_argument("--dashboard", action="store_true", help="show the terminal dashboard while the node runs (q stops it)")
+    join.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                      help="resume from the newest good checkpoint in the home (default: checkpoint.resume, on)")
     join.set_defaults(func=cmd_join)
+
+    follow = sub.add_parser("follow", help="mirror a leader's policy (peer id) from the base checkpoint and its published deltas")
+    _add_config_flags(follow, "public")
+    follow.add_argument("leader", metavar="PEER", help="the leader's hivespec peer id (`hivespec identity show` on the leader)")
+    follow.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer (repeatable)")
+    follow.add_argument("--home", help="data directory (identity); default $HIVESPEC_HOME or the user data dir")
+    follow.add_argument("--until-version", type=int, help="stop once this policy version is reached (default: follow forever)")
+    follow.set_defaults(func=cmd_follow)
+
+    status = sub.add_parser("status", help="print a running node's status (from its local status server)")
+    status.add_argument("--node", help="status URL, e.g. http://127.0.0.1:4483 (default: the local node's, from its home)")
+    status.add_argument("--home", help="data directory of the local node (default $HIVESPEC_HOME or the user data dir)")
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    status.set_defaults(func=cmd_status)
+
+    dash = sub.add_parser("dash", help="terminal dashboard attached to a running node")
+    dash.add_argument("--node", action="append", metavar="URL", help="status URL (repeat for several nodes; n switches)")
+    dash.add_argument("--home", help="data directory of the local node (default $HIVESPEC_HOME or the user data dir)")
+    dash.add_argument("--panel", default="swarm", help="panel shown first: swarm, throughput, training or sync")
+    dash.add_argument("--screenshot", metavar="SVG", help="run headless, save one SVG screenshot and exit")
+    dash.add_argument("--size", default="100x30", help="terminal size for --screenshot (default 100x30)")
+    dash.add_argument("--after", type=float, default=1.0, help="seconds after the first snapshot to take --screenshot")
+    dash.set_defaults(func=cmd_dash)
+
+    boot = sub.add_parser("bootstrap", help="run a DHT-only peer (no model) that others join through; prints its multiaddrs")
+    _add_config_flags(boot, "public")
+    boot.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="another bootstrap peer to join (repeatable)")
+    boot.add_argument("--home", help="data directory (identity, peer cache); default $HIVESPEC_HOME or the user data dir")
+    boot.add_argument("--duration", type=float, default=-1, help="seconds to run (-1: until stopped)")
+    boot.set_defaults(func=cmd_bootstrap)
 
     identity = sub.add_parser("identity", help="the node's Ed25519 identity")
     identity_sub = identity.add_subparsers(dest="identity_command", required=True)
@@ -186,6 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--home", help="data directory (default $HIVESPEC_HOME or the user data dir)")
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=cmd_identity_show)
+
+    doctor = sub.add_parser("doctor", help="check this machine and config: torch/CUDA, memory, p2pd, ports, peers, identity, disk, clock")
+    _add_config_flags(doctor, "public")
+    doctor.add_argument("--home", help="data directory to check (default $HIVESPEC_HOME or the user data dir)")
+    doctor.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer to test (repeatable)")
+    doctor.add_argument("--offline", action="store_true", help="skip the checks that start p2pd and contact peers")
+    doctor.add_argument("--timeout", type=float, default=10.0, help="seconds per network step (default 10)")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(func=cmd_doctor)
 
     config = sub.add_parser("config", help="print the resolved config, or every key with its help")
     _add_config_flags(config, "public")

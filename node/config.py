@@ -89,14 +89,49 @@ class TrainConfig:
     learning_rate: float = _help("AdamW learning rate", 2e-5)
     weight_decay: float = _help("AdamW weight decay", 0.0)
     max_grad_norm: float = _help("gradient norm clip", 1.0)
-    tis_clip: float = _help("truncated importance sampling cap C: weight = min(pi/mu, C)", 2.0)
+    tis_clip: float | None = _help(
+        "truncated importance sampling cap C: weight = min(pi/mu, C) (slime --tis-clip, verl rollout_is_threshold); "
+        "null: no truncation (needs tis_mask: token)", 2.0)
+    tis_mask: Literal["none", "token", "sequence"] = _help(
+        "filter outside [tis_mask_low, tis_mask_high]: 'token' masks tokens by pi/mu (IcePop, verl rollout_rs=token), "
+        "'sequence' masks whole sequences by their geometric-mean ratio (verl rollout_rs=geometric); masked tokens "
+        "leave the loss and its denominator", "sequence")
+    tis_mask_low: float = _help("lower ratio bound of tis_mask", 0.5)
+    tis_mask_high: float = _help("upper ratio bound of tis_mask", 2.0)
+    tis_veto: float | None = _help(
+        "mask tokens whose behaviour probability is below this (slime/verl veto; 1e-4 is typical); null: off", None)
+    importance_sampling: bool = _help(
+        "false trains on every sample as if on-policy (RL Swarm's behaviour; only for comparisons)", True)
+    ppo_epochs: int = _help("optimizer steps per batch; > 1 reuses it with PPO clipping (verl ppo_epochs, TRL num_iterations)", 1)
+    clip_epsilon: float = _help("PPO ratio clip: pi/pi_old kept in [1 - eps, 1 + eps] (TRL epsilon, verl clip_ratio)", 0.2)
+    kl_coef: float = _help(
+        "weight of a k3 KL penalty to each sample's behaviour policy (TRL beta, verl kl_loss_coef); 0: off", 0.0)
     foreign_fraction: float = _help("at most this share of a step's samples come from peers", 0.5)
     staleness_rounds: int = _help("accept foreign rollouts at most this many rounds old", 2)
+    staleness_versions: int = _help(
+        "use foreign rollouts at most this many policy versions behind ours; a claim of more than this many "
+        "versions ahead is rejected", 4)
     micro_batch_size: int = _help("sequences per forward/backward", 8)
 
     def __post_init__(self) -> None:
-        if self.tis_clip < 1:
+        if self.tis_clip is not None and self.tis_clip < 1:
             raise ConfigError(f"train.tis_clip must be >= 1 (weights are truncated at C), got {self.tis_clip}")
+        if self.tis_clip is None and self.tis_mask != "token":
+            raise ConfigError("train.tis_clip: null leaves weights unbounded unless train.tis_mask is 'token'; set tis_clip: 2.0")
+        if not 0 < self.tis_mask_low <= 1 <= self.tis_mask_high:
+            raise ConfigError(
+                f"train.tis_mask_low / tis_mask_high must satisfy 0 < low <= 1 <= high, got {self.tis_mask_low}, {self.tis_mask_high}"
+            )
+        if self.tis_veto is not None and not 0 < self.tis_veto < 1:
+            raise ConfigError(f"train.tis_veto must be a probability in (0, 1) or null, got {self.tis_veto}")
+        if self.ppo_epochs < 1:
+            raise ConfigError(f"train.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        if not 0 < self.clip_epsilon < 1:
+            raise ConfigError(f"train.clip_epsilon must be in (0, 1), got {self.clip_epsilon}; 0.2 is PPO's default")
+        if self.kl_coef < 0:
+            raise ConfigError(f"train.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.staleness_versions < 0:
+            raise ConfigError(f"train.staleness_versions must be >= 0, got {self.staleness_versions}")
         if not 0 <= self.foreign_fraction < 1:
             raise ConfigError(f"train.foreign_fraction must be in [0, 1), got {self.foreign_fraction}")
         if self.learning_rate <= 0:
@@ -104,13 +139,121 @@ class TrainConfig:
 
 
 @dataclass
+class PrivateSwarmConfig:
+    allowlist_file: str | None = _help(
+        "private swarm: file of members' Ed25519 public keys (hex, one per line); set = private, the swarm name is its id", None)
+    secret_file: str | None = _help("private swarm: file holding the 32-byte swarm secret as 64 hex digits (or $HIVESPEC_SWARM_SECRET)", None)
+
+
+@dataclass
 class SwarmConfig:
     swarm: str = _help("swarm name; nodes only see records of the same swarm", "local")
     host: str = _help("address to listen on", "127.0.0.1")
     port: int = _help("TCP port (0 = any free port)", 0)
-    initial_peers: list[str] = _help("multiaddrs to bootstrap from", default_factory=list)
+    initial_peers: list[str] = _help("multiaddrs to bootstrap from (also: $HIVESPEC_INITIAL_PEERS, peers_file, the peer cache)", default_factory=list)
+    peers_file: str | None = _help("file of bootstrap multiaddrs, one per line (# comments)", None)
+    bootstrap_timeout: float = _help("seconds to retry bootstrap peers at start before running solo", 20.0)
+    rebootstrap_interval: float = _help("seconds between re-bootstraps (heals a split DHT; faster while solo)", 60.0)
+    require_peers: bool = _help("refuse to start when no bootstrap peer answers, instead of running solo", False)
+    announce_maddrs: list[str] = _help("public multiaddrs to announce (port forwarding, a public IP behind 1:1 NAT)", default_factory=list)
+    use_relay: bool = _help("libp2p circuit relay: reach peers behind NAT through relays", True)
+    use_auto_relay: bool = _help("behind NAT yourself: find relays and become reachable through them", False)
+    nat_port_map: bool = _help("ask the router for a port mapping (UPnP / NAT-PMP)", False)
+    record_ttl: float = _help("seconds an index record lives in the DHT (validators refuse longer)", 600.0)
     expected_peers: int = _help("peers whose rollouts a round waits for (0 = do not wait)", 0)
     round_timeout: float = _help("seconds a round waits for peers' rollouts", 120.0)
+    private: PrivateSwarmConfig = field(default_factory=PrivateSwarmConfig)
+
+    def __post_init__(self) -> None:
+        if self.bootstrap_timeout < 0 or self.rebootstrap_interval <= 0 or self.record_ttl <= 0:
+            raise ConfigError(
+                f"swarm.bootstrap_timeout must be >= 0 and rebootstrap_interval, record_ttl > 0; got "
+                f"{self.bootstrap_timeout}, {self.rebootstrap_interval}, {self.record_ttl}"
+            )
+
+
+DEFAULT_STATUS_PORT = 4483
+
+
+@dataclass
+class StatusConfig:
+    enabled: bool = _help("serve status JSON (/status) and Prometheus metrics (/metrics) for the dashboard", True)
+    host: str = _help("loopback address of the status server: 127.0.0.1, ::1 or localhost", "127.0.0.1")
+    port: int = _help("status server port (0 = any free port; the chosen URL goes to <home>/status.json)", DEFAULT_STATUS_PORT)
+
+    def __post_init__(self) -> None:
+        if self.host not in ("127.0.0.1", "::1", "localhost"):
+            raise ConfigError(
+                f"status.host must be a loopback address (127.0.0.1, ::1 or localhost), got {self.host!r}; "
+                "/control can pause training, so reach a remote node's status through an SSH tunnel instead"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"status.port must be in 0..65535 (0 = any free port), got {self.port}")
+
+
+@dataclass
+class CheckpointConfig:
+    every_rounds: int = _help("save a checkpoint every N rounds (0 = only when the run ends or is stopped)", 10)
+    keep: int = _help("complete checkpoints kept on disk, newest first (>= 1; older ones are the fallback if the newest is torn)", 2)
+    dir: str | None = _help("checkpoint directory (default: <home>/checkpoints)", None)
+    at_exit: bool = _help("save a checkpoint when the run ends or is stopped (SIGINT/SIGTERM finish the round first)", True)
+    resume: bool = _help("resume from the newest good checkpoint at start (--no-resume starts from the initial weights)", True)
+
+    def __post_init__(self) -> None:
+        if self.every_rounds < 0:
+            raise ConfigError(f"checkpoint.every_rounds must be >= 0 (0 = only at exit), got {self.every_rounds}")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1 (the previous checkpoint is the fallback), got {self.keep}")
+
+
+@dataclass
+class SuperviseConfig:
+    stall_after: float = _help("seconds without progress before the watchdog reports a loop as stalled", 600.0)
+    gossip_probe_every: float = _help("seconds between liveness probes of gossip (p2pd and its event loop)", 15.0)
+
+    def __post_init__(self) -> None:
+        if self.stall_after <= 0 or self.gossip_probe_every <= 0:
+            raise ConfigError(
+                f"supervise.stall_after and supervise.gossip_probe_every must be > 0, got {self.stall_after} and {self.gossip_probe_every}"
+            )
+
+
+@dataclass
+class SpeculationConfig:
+    enabled: bool = _help("lossless speculative rollouts (suffix-automaton drafter); the calibrated policy still turns it off where it cannot pay", True)
+    num_speculative_tokens: int = _help("most draft tokens per sequence per step (long prompts get all, medium half, short a quarter)", 16)
+    min_prob: float = _help("stop a draft where its empirical probability falls below this", 0.1)
+    spec_factor: float = _help("a draft is at most this many times the length of the suffix it matched", 2.0)
+    window: int = _help("recent rollouts per prompt the drafter indexes", 16)
+    global_max_tokens: int = _help("tokens of recent rollouts (all prompts) in the drafter's global index", 32768)
+    max_prompts: int = _help("prompts the drafter keeps windows for (least recently used evicted)", 1024)
+    rebuild_rollouts: int = _help("stored rollouts replayed into the drafter at start-up (0 = start empty)", 2048)
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "window", "global_max_tokens", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"speculation.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.min_prob <= 1:
+            raise ConfigError(f"speculation.min_prob must be in [0, 1], got {self.min_prob}")
+        if self.spec_factor <= 0:
+            raise ConfigError(f"speculation.spec_factor must be > 0, got {self.spec_factor}")
+        if self.rebuild_rollouts < 0:
+            raise ConfigError(f"speculation.rebuild_rollouts must be >= 0, got {self.rebuild_rollouts}")
+
+
+@dataclass
+class SyncConfig:
+    publish: bool = _help("act as a leader: publish each step's weight delta, periodic snapshots and the head for followers", False)
+    snapshot_every: int = _help("a leader publishes the cumulative delta from the base checkpoint every this many versions", 8)
+    max_lag: int = _help("a follower more than this many versions behind jumps to the latest snapshot", 16)
+    poll_interval: float = _help("seconds between a follower's polls of its leader's head", 2.0)
+    fetch_timeout: float = _help("seconds a follower waits for one delta chunk", 10.0)
+
+    def __post_init__(self) -> None:
+        if self.snapshot_every < 1 or self.max_lag < 0:
+            raise ConfigError(f"sync.snapshot_every must be >= 1 and sync.max_lag >= 0, got {self.snapshot_every}, {self.max_lag}")
+        if self.poll_interval <= 0 or self.fetch_timeout <= 0:
+            raise ConfigError(f"sync.poll_interval and sync.fetch_timeout must be > 0, got {self.poll_interval}, {self.fetch_timeout}")
 
 
 @dataclass
@@ -124,6 +267,11 @@ class NodeConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    status: StatusConfig = field(default_factory=StatusConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -14,25 +14,42 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from hivespec.node.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointManager,
+    StateProvider,
+    restore_training,
+    training_snapshot,
+)
 from hivespec.node.config import NodeConfig, node_home
-from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
-from hivespec.node.gossip import Gossip
+from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
+from hivespec.node.bootstrap import CACHE_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
+from hivespec.node.gossip import Gossip, GossipError
 from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
+from hivespec.node.peers import PeerScores
+from hivespec.node.speculation import build_speculation
+from hivespec.node.status import RunControl, StatusBoard
+from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
 from hivespec.node.store import RolloutStore, StoredRollout
+from hivespec.node.supervise import GossipSupervisor, Watchdog, generate_splitting_on_oom, train_step_with_oom_retry
+from hivespec.node.follower import PolicyPublisher
 from hivespec.node.sync import WeightSync
 from hivespec.node.tasks.source import TaskSource
-from hivespec.node.trainer import OWN, Trainer, TrainSample
+from hivespec.node.trainer import OWN, ImportanceSettings, StepStats, Trainer, TrainSample
+from hivespec.protocol.delta import state_hash
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
-from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
+from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_rollout, encode_batch, rollout_content_hash
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +83,34 @@ class RoundReport:
     engine_mismatch: int
     tokens_generated: int
     seconds: dict[str, float] = field(default_factory=dict)
+    checkpoint: str = ""  # checkpoint saved after this round ("" = none)
+    checkpoint_error: str = ""  # why a save after this round failed (the previous checkpoint is kept)
+    oom_retries: int = 0  # out-of-memory splits/retries in this round's generation and training
+    gossip_restarts: int = 0  # gossip rebuilds (p2pd died or hung) since the node started
+    watchdog_stalls: int = 0  # stalled-loop reports since the node started
+    # Importance sampling of this round's step, per source: "own" and each author peer id, each an
+    # ImportanceStats dict (tokens, kept/masked/vetoed/truncated fractions, mean/max weight,
+    # ess_fraction) plus "samples"; importance_foreign aggregates every peer. Empty / None when
+    # train.importance_sampling is off.
+    importance_by_source: dict[str, dict] = field(default_factory=dict)
+    importance_foreign: dict | None = None
+    kept_tokens: int = 0  # the loss's denominator: completion tokens of trained samples the filters kept
+    ppo_clip_fraction: float = 0.0  # kept tokens whose PPO ratio was clipped (only with train.ppo_epochs > 1)
+    kl: float | None = None  # mean k3 KL to the behaviour policy per kept token (train.kl_coef > 0)
+    swarm_solo: bool = False  # no DHT peer known: training alone, bootstrap retried in the background
+    swarm_reachability: str = "unknown"  # reachable / unreachable / relayed / unknown (a peer's dial-back test)
+    delta_chunks: int = 0  # chunks of this round's weight delta (each one gossip body under the 4 MiB cap)
+    delta_published: bool = False  # the delta went out to followers (sync.publish)
+    swarm_known_peers: int = 0  # peers in the DHT routing table
+    graylisted_peers: int = 0  # peers whose score is below the graylist threshold (their records are skipped)
+    peer_scores: dict[str, float] = field(default_factory=dict)  # gossipsub-style score per peer id (node/peers.py)
+    # Speculative rollouts this round (zeros / None when speculation is off or never drafted):
+    spec_drafted: int = 0  # draft tokens verified by the target
+    spec_accepted: int = 0  # of which accepted (each accepted token saves one target forward)
+    spec_acceptance: float | None = None  # spec_accepted / spec_drafted
+    spec_tokens_per_forward: float | None = None  # completion tokens per target forward, per sequence (plain = 1.0)
+    spec_draft_seconds: float = 0.0  # wall time spent drafting
+    drafter_rollouts: int = 0  # rollouts the drafter has observed since start-up (store replay included)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +123,7 @@ class _Pending:
     author: str
     round: int
     rollout: Rollout
+    policy_version: int = -1  # the author's policy version when it sampled (-1: unknown)
 
 
 def derive_seed(*parts: object) -> int:
@@ -103,8 +149,17 @@ class Node:
         tasks: TaskSource,
         intake: Intake,
         fingerprint: str,
+        checkpoints: CheckpointManager | None = None,
+        watchdog: Watchdog | None = None,
+        gossip_supervisor: GossipSupervisor | None = None,
+        peer_scores: PeerScores | None = None,
+        home_lock: HomeLock | None = None,
+        publisher: PolicyPublisher | None = None,
     ) -> None:
         self.config = config
+        self.publisher = publisher
+        self.peer_scores = peer_scores
+        self.home_lock = home_lock
         self.identity = identity
         self.name = config.name or identity.name
         self.gossip = gossip
@@ -119,6 +174,17 @@ class Node:
         self.seed = config.seed if config.seed is not None else derive_seed(identity.peer_id)
         self._seq = int(time.time() * 1000)  # monotonic across restarts without a stored counter
         self._pending: list[_Pending] = []
+        self.checkpoints = checkpoints
+        self.watchdog = watchdog
+        self.gossip_supervisor = gossip_supervisor
+        self.next_round = 0  # a resume moves it to the checkpoint's round
+        self.resumed_from: str | None = None
+        # Parts with JSON-able state to checkpoint, by name (e.g. "peers": the peer table and scores).
+        self.checkpoint_providers: dict[str, StateProvider] = {}
+        self._oom_retries = 0
+        self.control = RunControl()  # pause/resume/stop between rounds (dashboard, /control)
+        self.status = StatusBoard(self)
+        self.status_server: StatusServer | None = None
         stop = tokenizer.eos_token_id
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
@@ -128,37 +194,69 @@ class Node:
         )
 
     def run(self, on_report: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
-        """Run ``config.rounds`` rounds (forever when 0)."""
+        """Run rounds ``next_round`` .. ``config.rounds - 1`` (forever when 0); `control` can pause or stop it between rounds.
+
+        A checkpoint is saved every ``checkpoint.every_rounds`` rounds and when the loop ends.
+        """
         reports = []
-        round_index = 0
-        while self.config.rounds == 0 or round_index < self.config.rounds:
+        saved_at = self.next_round
+        while self.config.rounds == 0 or self.next_round < self.config.rounds:
+            if self.watchdog is not None and self.control.paused:
+                self.watchdog.forget("round")  # paused on purpose is not a stall
+            if not self.control.wait_to_run():
+                break
+            round_index = self.next_round
+            self.status.round_started(round_index)
             report = self.run_round(round_index)
+            self.next_round = round_index + 1
+            every = self.config.checkpoint.every_rounds
+            if every and self.next_round % every == 0:
+                report = self._checkpoint_after(report)
+                saved_at = self.next_round
+            self.status.record_round(report)
             reports.append(report)
             if on_report is not None:
                 on_report(report)
-            round_index += 1
+        if self.config.checkpoint.at_exit and saved_at != self.next_round:
+            self.save_checkpoint()
+        if self.watchdog is not None:
+            self.watchdog.forget("round")
+        self.status.finished()
         return reports
 
     def run_round(self, round_index: int) -> RoundReport:
         """One full round; see the module docstring."""
         timings: dict[str, float] = {}
         started = time.perf_counter()
-        own = self._rollouts(round_index)
+        oom_before = self._oom_retries
+        self._beat("rollout")
+        if self.gossip_supervisor is not None:
+            self.gossip = self.gossip_supervisor.check()
+        spec = SpeculationStats()
+        own = self._rollouts(round_index, spec)
         tokens_generated = sum(len(r.completion_ids) for r in own)
         timings["rollout"] = time.perf_counter() - started
 
         mark = time.perf_counter()
-        self._publish(round_index, own)
-        admissions = self._collect(round_index)
+        self._beat("gossip")
+        try:
+            self._publish(round_index, own)
+            admissions = self._collect(round_index)
+        except GossipError as exc:  # the supervisor rebuilds gossip at the next round; train solo now
+            log.error("round %d: gossip failed (%s); training on own rollouts this round", round_index, exc)
+            admissions = []
         timings["gossip"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
+        self._beat("train")
         foreign = self._select_foreign(round_index, len(own))
-        step = self.trainer.step(self._train_samples(own, foreign))
+        step = train_step_with_oom_retry(self.trainer, self._train_samples(own, foreign), on_retry=self._count_oom)
         timings["train"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
-        sync_stats, _ = self.sync.sync(step.version)
+        self._beat("sync")
+        sync_stats, delta_chunks = self.sync.sync(step.version)
+        delta_published = self._publish_delta(step.version, delta_chunks)
         timings["sync"] = time.perf_counter() - mark
         timings["round"] = time.perf_counter() - started
 
@@ -185,12 +283,144 @@ class Node:
             delta_bytes=sync_stats.delta_bytes,
             dense_bytes=sync_stats.dense_bytes,
             delta_density=sync_stats.density,
+            delta_chunks=sync_stats.chunks,
+            delta_published=delta_published,
             engine_mismatch=self.sync.mismatched_elements(),
             tokens_generated=tokens_generated,
             seconds={k: round(v, 3) for k, v in timings.items()},
+            oom_retries=self._oom_retries - oom_before,
+            gossip_restarts=self.gossip_supervisor.restarts if self.gossip_supervisor is not None else 0,
+            watchdog_stalls=self.watchdog.stalls() if self.watchdog is not None else 0,
+            importance_by_source=_importance_by_source(step, own, foreign),
+            importance_foreign=asdict(step.foreign) if step.foreign else None,
+            kept_tokens=step.kept_tokens,
+            ppo_clip_fraction=step.clip_fraction,
+            kl=step.kl,
+            **self._swarm_fields(),
+            spec_drafted=spec.drafted,
+            spec_accepted=spec.accepted,
+            spec_acceptance=round(spec.acceptance_rate, 4) if spec.drafted else None,
+            spec_tokens_per_forward=round(spec.tokens_per_forward, 3) if spec.target_forwards else None,
+            spec_draft_seconds=round(spec.draft_seconds, 4),
+            drafter_rollouts=self.engine.drafter.observed if self.engine.drafter is not None else 0,
         )
 
-    def _rollouts(self, round_index: int) -> list[Rollout]:
+    def swarm_status(self) -> dict:
+        """Gossip's swarm state (solo, reachability, known_peers, joined_via, ...) plus every peer's score row."""
+        status = self.gossip.status()
+        status["peer_scores"] = self.peer_scores.snapshot() if self.peer_scores is not None else {}
+        return status
+
+    def _swarm_fields(self) -> dict:
+        status = self.gossip.status()
+        scores = self.peer_scores.snapshot() if self.peer_scores is not None else {}
+        return {
+            "swarm_solo": status["solo"],
+            "swarm_reachability": status["reachability"],
+            "swarm_known_peers": status["known_peers"],
+            "graylisted_peers": sum(1 for row in scores.values() if row["graylisted"]),
+            "peer_scores": {peer: row["score"] for peer, row in scores.items()},
+        }
+
+    def _beat(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat("round", phase)
+
+    def _count_oom(self, _size: int) -> None:
+        self._oom_retries += 1
+
+    def _checkpoint_after(self, report: RoundReport) -> RoundReport:
+        self._beat("checkpoint")
+        try:
+            path = self._save()
+        except CheckpointError as exc:
+            log.error("checkpoint after round %d failed: %s", report.round, exc)
+            return replace(report, checkpoint_error=str(exc))
+        return replace(report, checkpoint=path.name if path is not None else "")
+
+    def save_checkpoint(self) -> Path | None:
+        """Save a checkpoint now (between rounds); logs and returns None when it fails or none is configured."""
+        try:
+            return self._save()
+        except CheckpointError as exc:
+            log.error("checkpoint failed: %s", exc)
+            return None
+
+    def _save(self) -> Path | None:
+        if self.checkpoints is None:
+            return None
+        meta = {
+            "next_round": self.next_round,
+            "policy_version": self.trainer.version,
+            "sync_version": self.sync.version,
+            "fingerprint": self.fingerprint,
+            "seed": self.seed,
+            "journal_rowid": self.store.journal_high_water(),
+            "replay_marks": self.store.replay_high_water(),
+            "pending": [
+                {"author": p.author, "round": p.round, "hash": rollout_content_hash(p.rollout).hex()} for p in self._pending
+            ],
+            "providers": {name: provider.state_dict() for name, provider in self.checkpoint_providers.items()},
+            "drafter": "rebuilt from the rollout journal",
+        }
+        return self.checkpoints.save(training_snapshot(self.trainer.model, self.trainer.optimizer, meta))
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Continue from ``checkpoint``: weights, optimizer, RNGs, round, versions, pending foreign rollouts."""
+        meta = checkpoint.meta
+        if meta["fingerprint"] != self.fingerprint:
+            raise CheckpointError(
+                f"checkpoint {checkpoint.path} was made for model fingerprint {meta['fingerprint']}, this config loads "
+                f"{self.fingerprint}: run with --no-resume to start from the initial weights, or use another --home"
+            )
+        restore_training(checkpoint, self.trainer.model, self.trainer.optimizer)
+        self.trainer.version = int(meta["policy_version"])
+        engine = self.sync.engine
+        with torch.no_grad():  # the engine equals the trainer cast to its dtype after every sync
+            for name, tensor in engine.params.items():
+                tensor.copy_(self.sync.trainer_params[name].detach().to(tensor.dtype))
+        engine.restore(engine.snapshot_bits(), version=int(meta["sync_version"]), digest=state_hash(engine.state))
+        self.next_round = checkpoint.next_round
+        for name, state in meta.get("providers", {}).items():
+            if name in self.checkpoint_providers:
+                self.checkpoint_providers[name].load_state_dict(state)
+        self._pending = self._restore_pending(meta["pending"], int(meta["journal_rowid"]))
+        behind = {a: s for a, s in meta.get("replay_marks", {}).items() if self.store.replay_high_water().get(a, -1) < s}
+        if behind:
+            log.warning("the rollout journal is older than checkpoint %s (replay marks of %d author(s) missing)",
+                        checkpoint.path.name, len(behind))
+        self.resumed_from = str(checkpoint.path)
+        log.info("resumed from %s: round %d, policy version %d, %d foreign rollouts pending",
+                 checkpoint.path, self.next_round, self.trainer.version, len(self._pending))
+
+    def _restore_pending(self, entries: list[dict], journal_rowid: int) -> list[_Pending]:
+        """Pending foreign rollouts at the checkpoint, plus those journaled after it (admitted, never trained on)."""
+        rows = self.store.get([bytes.fromhex(e["hash"]) for e in entries])
+        pending = []
+        for entry in entries:
+            row = rows.get(bytes.fromhex(entry["hash"]))
+            rollout = _decode_row(row.payload) if row is not None else None
+            if rollout is not None:
+                pending.append(_Pending(entry["author"], int(entry["round"]), rollout))
+        for row in self.store.foreign_after(journal_rowid):
+            rollout = _decode_row(row.payload)
+            if rollout is not None:
+                pending.append(_Pending(row.author, row.round, rollout))
+        return pending
+
+    def _publish_delta(self, version: int, chunks: list[bytes]) -> bool:
+        """A leader offers the delta its engine just applied to followers (see node/follower.py)."""
+        if self.publisher is None:
+            return False
+        self.publisher.gossip = self.gossip  # the supervisor may have rebuilt gossip since
+        try:
+            self.publisher.publish_step(version, chunks)
+        except GossipError as exc:
+            log.error("publishing the delta to version %d failed: %s; followers will catch up from a later one", version, exc)
+            return False
+        return True
+
+    def _rollouts(self, round_index: int, spec: SpeculationStats) -> list[Rollout]:
         cfg = self.config.rollout
         tasks = self.tasks.prompts(seed=self.seed, round=round_index, count=cfg.prompts_per_round)
         seed = derive_seed(self.seed, "sampling", round_index)
@@ -200,7 +430,12 @@ class Node:
             for i in range(cfg.num_generations):
                 requests.append(GenerationRequest(prompt_ids=prompt_ids, seed=seed, sample_index=group * cfg.num_generations + i))
                 owners.append(task)
-        samples = self.engine.generate(requests, self.sampling)
+        samples = generate_splitting_on_oom(
+            lambda chunk: self.engine.generate(chunk, self.sampling, stats=spec), requests, on_split=self._count_oom
+        )
+        if self.engine.drafter is not None:
+            for sample in samples:
+                self.engine.drafter.observe(sample.prompt_ids, sample.completion_ids)
         rollouts = []
         for request, task, sample in zip(requests, owners, samples):
             text = self.tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
@@ -226,7 +461,7 @@ class Node:
             rollouts=tuple(rollouts),
         )
         self._seq += 1
-        self.gossip.publish(round_index, seal(self.identity, Kind.ROLLOUTS, self._seq, encode_batch(batch)))
+        body = seal(self.identity, Kind.ROLLOUTS, self._seq, encode_batch(batch))
         now = time.time()
         self.store.add_rollouts(
             [
@@ -237,6 +472,7 @@ class Node:
                 for r in rollouts
             ]
         )
+        self.gossip.publish(round_index, body)  # journaled first: a crash here loses nothing we made
 
     def _collect(self, round_index: int) -> list[Admission]:
         """Admit peers' batches: stragglers of the previous round, then this round's (waiting)."""
@@ -247,25 +483,54 @@ class Node:
         fetched += self.gossip.wait_for_round(round_index, peers=swarm.expected_peers, timeout=swarm.round_timeout)
         admissions = []
         for item in fetched:
-            admission = self.intake.admit(item.author_peer_id, item.body, current_round=round_index)
+            admission = self.intake.admit(
+                item.author_peer_id, item.body, current_round=round_index, current_version=self.trainer.version
+            )
+            self.status.record_admission(admission, item.body)
+            if self.peer_scores is not None:
+                self.peer_scores.record(admission.blame(item.holder), admission.outcome, admission.reason)
             admissions.append(admission)
             if admission.outcome == "accept":
-                self._pending.extend(_Pending(admission.author, round_index, r) for r in admission.rollouts)
+                if self.engine.drafter is not None:  # peers' rollouts of shared prompts feed the drafter too
+                    for rollout in admission.rollouts:
+                        self.engine.drafter.observe(rollout.prompt_ids.tolist(), rollout.completion_ids.tolist())
+                self._pending.extend(
+                    _Pending(admission.author, round_index, r, admission.policy_version) for r in admission.rollouts
+                )
         return admissions
 
     def _select_foreign(self, round_index: int, own_count: int) -> list[_Pending]:
-        """SAPO-style mix: at most ``foreign_fraction`` of the step, whole groups, round-robin over peers."""
-        window = self.config.train.staleness_rounds
-        self._pending = [p for p in self._pending if p.round >= round_index - window]
-        fraction = self.config.train.foreign_fraction
+        """SAPO-style mix: at most ``foreign_fraction`` of the step, whole groups, balanced over peers.
+
+        Pending rollouts outside the round window or more than ``staleness_versions`` policy
+        versions behind ours are dropped. Each author's groups queue with a reward spread first
+        (only those carry a GRPO gradient), then freshest first; authors are served round-robin
+        from an order that rotates every round, so no peer id is favoured when the budget runs out.
+        """
+        train = self.config.train
+        oldest_version = self.trainer.version - train.staleness_versions
+        self._pending = [
+            p for p in self._pending
+            if p.round >= round_index - train.staleness_rounds and (p.policy_version < 0 or p.policy_version >= oldest_version)
+        ]
+        fraction = train.foreign_fraction
         budget = int(own_count * fraction / (1.0 - fraction)) if fraction > 0 else 0
         groups: dict[str, dict[str, list[_Pending]]] = defaultdict(lambda: defaultdict(list))
         for item in self._pending:
             groups[item.author][item.rollout.prompt_id].append(item)
-        queues = {author: list(by_prompt.values()) for author, by_prompt in groups.items()}
+
+        def priority(items: list[_Pending]) -> tuple[bool, int, int]:
+            flat = len({i.rollout.reward for i in items}) < 2
+            return flat, -max(i.round for i in items), -max(i.policy_version for i in items)
+
+        queues = {author: sorted(by_prompt.values(), key=priority) for author, by_prompt in groups.items()}
+        authors = sorted(queues)
+        if authors:
+            shift = round_index % len(authors)
+            authors = authors[shift:] + authors[:shift]
         chosen: list[_Pending] = []
         while len(chosen) < budget and any(queues.values()):
-            for author in sorted(queues):
+            for author in authors:
                 if queues[author] and len(chosen) < budget:
                     chosen.extend(queues[author].pop(0))
         taken = {id(p) for p in chosen}
@@ -277,9 +542,49 @@ class Node:
         samples += [_to_train_sample(p.rollout, p.author) for p in foreign]
         return samples
 
+    def serve_status(self) -> str | None:
+        """Start the status server (``config.status``) and collect WARNING+ logs for it; returns its URL.
+
+        The URL is also written to ``<home>/status.json``, where `hivespec status` and
+        `hivespec dash` look for a local node when given no ``--node``.
+        """
+        if self.status.logs not in logging.getLogger().handlers:
+            logging.getLogger().addHandler(self.status.logs)
+        cfg = self.config.status
+        if not cfg.enabled or self.status_server is not None:
+            return self.status_server.url if self.status_server is not None else None
+        self.status_server = StatusServer(self.status, self.control, host=cfg.host, port=cfg.port)
+        write_status_file(node_home(self.config), self.status_server.url, name=self.name, peer_id=self.identity.peer_id)
+        return self.status_server.url
+
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.status_server is not None:
+            self.status_server.close()
+            remove_status_file(node_home(self.config), self.status_server.url)
+        logging.getLogger().removeHandler(self.status.logs)
         self.gossip.shutdown()
         self.store.close()
+        if self.peer_scores is not None:
+            self.peer_scores.save()
+        if self.home_lock is not None:
+            self.home_lock.close()
+
+
+def _decode_row(payload: bytes) -> Rollout | None:
+    verdict, rollout = decode_rollout(payload)
+    if not verdict.ok:
+        log.warning("a journaled rollout does not decode (%s); it is left out of the pending pool", verdict)
+    return rollout
+
+
+def _importance_by_source(step: StepStats, own: Sequence[Rollout], foreign: Sequence[_Pending]) -> dict[str, dict]:
+    samples: dict[str, int] = defaultdict(int)
+    samples[OWN] = len(own)
+    for item in foreign:
+        samples[item.author] += 1
+    return {source: {**asdict(stats), "samples": samples[source]} for source, stats in step.sources.items()}
 
 
 def _to_train_sample(rollout: Rollout, source: str) -> TrainSample:
@@ -298,7 +603,15 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     threads = configure_threads(config.model.threads, local_nodes=local_nodes)
     home = node_home(config)
     home.mkdir(parents=True, exist_ok=True)
+    home_lock = HomeLock(home)  # IdentityInUse if another node runs with this home's identity
     identity = load_or_create_identity(home / "identity.key")
+    swarm = config.swarm
+    private = load_private_swarm(swarm.swarm, allowlist_file=swarm.private.allowlist_file, secret_file=swarm.private.secret_file)
+    bootstrap = bootstrap_candidates(
+        swarm.initial_peers, peers_file=Path(swarm.peers_file).expanduser() if swarm.peers_file else None,
+        cache=PeerCache.load(home / CACHE_FILE),
+    )
+    peer_scores = PeerScores(home / "peers.json")
     log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
 
     tokenizer = load_tokenizer(config.model.name)
@@ -316,13 +629,30 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         learning_rate=config.train.learning_rate,
         weight_decay=config.train.weight_decay,
         max_grad_norm=config.train.max_grad_norm,
-        tis_clip=config.train.tis_clip,
+        importance=ImportanceSettings(
+            enabled=config.train.importance_sampling,
+            clip=config.train.tis_clip,
+            mask=config.train.tis_mask,
+            mask_low=config.train.tis_mask_low,
+            mask_high=config.train.tis_mask_high,
+            veto=config.train.tis_veto,
+        ),
+        ppo_epochs=config.train.ppo_epochs,
+        clip_epsilon=config.train.clip_epsilon,
+        kl_coef=config.train.kl_coef,
         micro_batch_size=config.train.micro_batch_size,
         temperature=config.rollout.temperature,
         autocast_dtype=autocast,
     )
     tasks = TaskSource.from_config(config.tasks)
     store = RolloutStore(home / "rollouts.sqlite")
+    if config.speculation.enabled:
+        engine.set_speculation(
+            *build_speculation(
+                config.speculation, engine, store, model_config=engine_model.config, dtype=config.model.engine_dtype,
+                device=config.model.device, max_batch_size=config.rollout.max_batch_size,
+            )
+        )
     intake = Intake(
         fingerprint=fingerprint,
         vocab_size=trainer_model.config.vocab_size,
@@ -330,16 +660,41 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         tokenizer=tokenizer,
         store=store,
         staleness_rounds=config.train.staleness_rounds,
+        staleness_versions=config.train.staleness_versions,
+        allowlist=private.allowlist if private is not None else None,
     )
-    gossip = Gossip(
-        identity,
-        swarm=config.swarm.swarm,
-        host=config.swarm.host,
-        port=config.swarm.port,
-        initial_peers=config.swarm.initial_peers,
-    )
-    gossip.start()
-    return Node(
+    def start_gossip() -> Gossip:  # also the supervisor's rebuild: same identity, addresses and peers
+        gossip = Gossip(
+            identity,
+            swarm=config.swarm.swarm,
+            host=config.swarm.host,
+            port=config.swarm.port,
+            bootstrap=bootstrap,
+            peer_cache=PeerCache.load(home / CACHE_FILE),
+            bootstrap_timeout=swarm.bootstrap_timeout,
+            rebootstrap_interval=swarm.rebootstrap_interval,
+            require_peers=swarm.require_peers,
+            announce_maddrs=swarm.announce_maddrs,
+            use_relay=swarm.use_relay,
+            use_auto_relay=swarm.use_auto_relay,
+            nat_port_map=swarm.nat_port_map,
+            record_ttl=swarm.record_ttl,
+            peers=peer_scores,
+            private=private,
+            # A leader serves several delta chunks per version, snapshots and its head.
+            keep_rounds=64 if config.sync.publish else 8,
+        )
+        gossip.start()
+        return gossip
+
+    gossip = start_gossip()
+    supervise = config.supervise
+    watchdog = Watchdog(stall_after=supervise.stall_after)
+    supervisor = GossipSupervisor(start_gossip, gossip)
+    # The probe reads the supervisor's current gossip, so a rebuilt one is watched too.
+    watchdog.watch("gossip", supervisor.healthy, every=supervise.gossip_probe_every, stall_after=supervise.stall_after)
+    checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
+    node = Node(
         config,
         identity=identity,
         gossip=gossip,
@@ -351,4 +706,17 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         tasks=tasks,
         intake=intake,
         fingerprint=fingerprint,
+        checkpoints=checkpoints,
+        watchdog=watchdog,
+        gossip_supervisor=supervisor,
+        peer_scores=peer_scores,
+        home_lock=home_lock,
+        # Built before any resume: snapshots are deltas from the base checkpoint (version 0).
+        publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
     )
+    if config.checkpoint.resume:
+        checkpoint = checkpoints.load_latest()
+        if checkpoint is not None:
+            node.resume(checkpoint)
+    watchdog.start()
+    return node

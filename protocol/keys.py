@@ -31,9 +31,30 @@ def rollout_round_key(swarm: str, round: int) -> str:  # noqa: A002 - "round" is
     return f"{_prefix(swarm)}/rollouts/{_non_negative(round, 'round')}"
 
 
-def delta_key(swarm: str, version: int) -> str:
-    """Key announcing the sparse weight delta that produces policy `version`."""
-    return f"{_prefix(swarm)}/delta/{_non_negative(version, 'version')}"
+def delta_key(swarm: str, slot: int) -> str:
+    """Key announcing one chunk of the sparse weight delta producing a policy version (see `delta_slot`)."""
+    return f"{_prefix(swarm)}/delta/{_non_negative(slot, 'slot')}"
+
+
+def snapshot_key(swarm: str, slot: int) -> str:
+    """Key announcing one chunk of a snapshot: the cumulative delta from the base checkpoint (see `delta_slot`)."""
+    return f"{_prefix(swarm)}/snapshot/{_non_negative(slot, 'slot')}"
+
+
+def head_key(swarm: str, slot: int) -> str:
+    """Key whose subkeys (one per leader) hold each leader's latest policy version and snapshot (slot 0)."""
+    return f"{_prefix(swarm)}/head/{_non_negative(slot, 'slot')}"
+
+
+MAX_DELTA_CHUNKS = 4096
+"""Chunks one delta may have; also the stride of `delta_slot` (matches Limits.max_delta_chunks)."""
+
+
+def delta_slot(version: int, chunk: int) -> int:
+    """Gossip slot of chunk `chunk` of the delta (or snapshot) producing `version`: one body per slot and author."""
+    if not 0 <= chunk < MAX_DELTA_CHUNKS:
+        raise ValueError(f"chunk index {chunk} outside 0..{MAX_DELTA_CHUNKS - 1}")
+    return _non_negative(version, "version") * MAX_DELTA_CHUNKS + chunk
 
 
 def peers_key(swarm: str) -> str:
@@ -41,12 +62,12 @@ def peers_key(swarm: str) -> str:
     return f"{_prefix(swarm)}/peers"
 
 
-TOPIC_KEYS = {"rollouts": rollout_round_key, "delta": delta_key}
-"""Gossip topics: each maps a slot number (a round, a policy version) to its DHT key."""
+TOPIC_KEYS = {"rollouts": rollout_round_key, "delta": delta_key, "snapshot": snapshot_key, "head": head_key}
+"""Gossip topics: each maps a slot number (a round, a delta chunk's `delta_slot`, 0 for the head) to its DHT key."""
 
 
 def topic_key(swarm: str, topic: str, slot: int) -> str:
-    """The DHT key of `slot` in `topic` ("rollouts": slot = round; "delta": slot = policy version)."""
+    """The DHT key of `slot` in `topic` ("rollouts": slot = round; "delta"/"snapshot": `delta_slot`; "head": 0)."""
     try:
         build = TOPIC_KEYS[topic]
     except KeyError:

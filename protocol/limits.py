@@ -34,12 +34,16 @@ class Limits:
     max_clock_skew_s: float = 300.0
     # Largest signed sequence number / seed we accept: they are packed as uint64 for signing.
     max_uint64: int = (1 << 64) - 1
-    # Sparse deltas: compressed input, decompressed payload (zip-bomb bound), tensors, rank.
-    # 1 GiB raw covers a dense bf16 diff of a ~150M-parameter model with int64 indices.
-    max_delta_bytes: int = 256 * MIB
-    max_delta_raw_bytes: int = 1024 * MIB
+    # Sparse deltas travel as chunks, each one gossip body under the 4 MiB message cap (room for
+    # the envelope). A chunk decodes at most max_delta_chunk_elements positions or range
+    # elements (the decode-time and memory bound: a few uint64 arrays of that length), holds at
+    # most max_delta_tensors tensor pieces; a delta has at most max_delta_chunks chunks.
+    max_delta_chunk_bytes: int = 4 * MIB - 128 * KIB
+    max_delta_chunk_elements: int = 1 << 24
+    max_delta_chunks: int = 4096
     max_delta_tensors: int = 4096
     max_tensor_rank: int = 8
+    max_tensor_elements: int = 1 << 38
 
 
 DEFAULT_LIMITS = Limits()

@@ -28,6 +28,8 @@ class Reason(StrEnum):
     BAD_SHAPE = "bad_shape"  # delta tensor shape differs from the model's
     BAD_DTYPE = "bad_dtype"  # delta tensor dtype differs from the model's or is unsupported
     UNSORTED = "unsorted"  # delta indices not strictly increasing (unsorted or duplicate)
+    BASE_MISMATCH = "base_mismatch"  # delta applies to weights other than ours (base hash or version)
+    RESULT_MISMATCH = "result_mismatch"  # weights after applying a delta do not hash to its result hash
 
 
 @dataclass(frozen=True)

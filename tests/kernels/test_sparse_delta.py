@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from hivespec.kernels.delta import apply_delta, extract_delta
 
 torch.set_num_threads(1)
@@ -84,3 +83,17 @@ def test_checks_raise_before_writing():
         extract_delta(torch.zeros(3), torch.zeros(4))
     with pytest.raises(ValueError, match="shape and dtype"):
         extract_delta(torch.zeros(3), torch.zeros(3, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_returns_what_it_overwrote_so_it_can_be_undone(dtype):
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(64, generator=gen).to(dtype)
+    new = base.clone()
+    new[::7] += 1
+    target = base.clone()
+    indices, values = extract_delta(base, new)
+    previous = apply_delta(target, indices, values)
+    assert _bit_equal(target, new) and previous.dtype == dtype
+    apply_delta(target, indices, previous)
+    assert _bit_equal(target, base)

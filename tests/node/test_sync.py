@@ -1,12 +1,15 @@
 """Trainer -> engine sync: after each step the engine equals the trainer's cast bit for bit."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from hivespec.node.sync import WeightSync
+from hivespec.protocol.delta import state_hash
+from hivespec.protocol.limits import DEFAULT_LIMITS
+from hivespec.protocol.verdict import Reason
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _tiny(dtype=torch.float32) -> LlamaForCausalLM:
@@ -44,11 +47,12 @@ def test_engine_equals_trainer_cast_after_every_step(engine_dtype):
         optimizer.zero_grad()
         trainer(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-        stats, wire = sync.sync(version)
+        stats, chunks = sync.sync(version)
         assert sync.mismatched_elements() == 0
+        assert sync.engine.hash == state_hash(sync.engine.state) and sync.version == version
         for name, tensor in _engine_params(engine).items():
             assert _bits_equal(tensor, trainer.get_parameter(name).detach().to(engine_dtype)), name
-        assert stats.delta_bytes == len(wire)
+        assert stats.delta_bytes == sum(map(len, chunks)) and stats.chunks == len(chunks)
         assert 0 < stats.changed <= stats.elements
         dense = stats.dense_bytes
     assert dense == sum(p.numel() * p.element_size() for p in _engine_params(engine).values())
@@ -73,6 +77,37 @@ def test_a_delta_for_another_base_is_refused():
     sync = WeightSync(trainer, _engine_params(engine))
     with torch.no_grad():
         next(trainer.parameters()).add_(1.0)
-    _, wire = sync.sync(1)
-    with pytest.raises(ValueError, match="applies to version 0, engine is at 1"):
-        sync.apply(wire)
+    _, chunks = sync.sync(1)
+    before = sync.engine.hash
+    with pytest.raises(ValueError, match="base_mismatch"):
+        sync.apply(chunks)  # made against version 0; the engine is at 1 now
+    assert sync.engine.hash == before == state_hash(sync.engine.state)
+
+
+def test_a_delta_whose_result_hash_lies_is_rolled_back():
+    trainer = _tiny()
+    engine = copy.deepcopy(trainer).to(torch.bfloat16)
+    sync = WeightSync(trainer, _engine_params(engine))
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.01)
+    delta = sync.build_delta(1)
+    forged = dataclasses.replace(delta, result_hash=b"\x00" * 32)
+    before = {name: t.clone() for name, t in sync.engine_params.items()}
+    verdict, _ = sync.engine.apply_chunks(sync.encode(forged))
+    assert verdict.reason is Reason.RESULT_MISMATCH and sync.version == 0
+    for name, tensor in sync.engine_params.items():
+        assert _bits_equal(tensor, before[name]), name
+    assert sync.engine.hash == state_hash(sync.engine.state)
+
+
+def test_sync_through_many_small_chunks():
+    trainer = _tiny()
+    engine = copy.deepcopy(trainer).to(torch.bfloat16)
+    sync = WeightSync(trainer, _engine_params(engine), limits=dataclasses.replace(DEFAULT_LIMITS, max_delta_chunk_bytes=2048))
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    stats, chunks = sync.sync(1)
+    assert stats.chunks == len(chunks) > 3 and max(map(len, chunks)) <= 2048
+    assert sync.mismatched_elements() == 0

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hivespec.protocol.codec import pack, safe_unpack
-from hivespec.protocol.delta import TensorDelta, WeightDelta, decode_delta, encode_delta
+from hivespec.protocol.delta import TensorBits, TensorDelta, WeightDelta, decode_delta, encode_delta, state_hash
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_batch, decode_rollout, encode_batch
@@ -13,7 +13,6 @@ from hivespec.protocol.verdict import Verdict
 
 NOW = 1_700_000_000.0
 IDENT = Identity.from_private_bytes(b"\x07" * 32)
-EXPECTED = {"w": ((8, 8), "bfloat16"), "b": ((8,), "float32")}
 
 BATCH = encode_batch(
     RolloutBatch(
@@ -23,14 +22,22 @@ BATCH = encode_batch(
     )
 )
 ENVELOPE = seal(IDENT, Kind.ROLLOUTS, 9, BATCH, timestamp=NOW)
+BASE = {
+    "w": TensorBits("bfloat16", np.arange(0x3F00, 0x3F40, dtype=np.uint16).reshape(8, 8)),
+    "b": TensorBits("float32", np.full(8, 0x3F800000, np.uint32)),
+}
+BASE_HASH = state_hash(BASE)
 DELTA = encode_delta(
-    WeightDelta(0, 1, (TensorDelta("w", (8, 8), "bfloat16", np.array([1, 9, 63]), np.array([1, 2, 3], np.uint16)),
-                       TensorDelta("b", (8,), "float32", np.array([0]), np.array([5], np.uint32))))
-)
-DELTA_RAW = encode_delta(
-    WeightDelta(0, 1, (TensorDelta("w", (8, 8), "bfloat16", np.array([1, 9, 63]), np.array([1, 2, 3], np.uint16)),)),
-    compress=False,
-)
+    WeightDelta(0, 1, BASE_HASH, b"\x01" * 32,
+                (TensorDelta("w", (8, 8), "bfloat16", np.array([1, 9, 63]), np.array([1, 2, 3], np.uint16)),
+                 TensorDelta("b", (8,), "float32", np.array([0]), np.array([5], np.uint32)))),
+    BASE,
+)[0]
+DELTA_DENSE = encode_delta(
+    WeightDelta(0, 1, BASE_HASH, b"\x01" * 32,
+                (TensorDelta("w", (8, 8), "bfloat16", np.arange(64), np.arange(0x3F01, 0x3F41, dtype=np.uint16)),)),
+    BASE,
+)[0]
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -49,7 +56,7 @@ def decode_all(data: bytes) -> None:
         open_envelope(data, now=NOW),
         decode_batch(data, vocab_size=100),
         decode_rollout(data),
-        decode_delta(data, expected=EXPECTED),
+        decode_delta([data], base=BASE, base_hash=BASE_HASH),
     ]
     for verdict, value in results:
         assert isinstance(verdict, Verdict)
@@ -92,7 +99,7 @@ def mutate(data: bytes, draw) -> bytes:
 @FUZZ
 @given(st.data())
 def test_mutated_valid_messages(data):
-    original = data.draw(st.sampled_from([ENVELOPE, BATCH, DELTA, DELTA_RAW]))
+    original = data.draw(st.sampled_from([ENVELOPE, BATCH, DELTA, DELTA_DENSE]))
     mutated = mutate(original, data.draw)
     decode_all(mutated)
     if original is ENVELOPE and mutated != ENVELOPE:
@@ -105,5 +112,5 @@ def test_mutated_valid_messages(data):
 def test_valid_fixtures_are_accepted():
     assert open_envelope(ENVELOPE, now=NOW)[0].ok
     assert decode_batch(BATCH, vocab_size=100)[0].ok
-    assert decode_delta(DELTA, expected=EXPECTED)[0].ok
-    assert decode_delta(DELTA_RAW, expected=EXPECTED)[0].ok
+    assert decode_delta([DELTA], base=BASE, base_hash=BASE_HASH)[0].ok
+    assert decode_delta([DELTA_DENSE], base=BASE, base_hash=BASE_HASH)[0].ok
