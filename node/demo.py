@@ -4,6 +4,8 @@ The parent prepares the model cache once (the first run converts the embedded GG
 first node, reads its multiaddrs from its event log, starts the others bootstrapped from it, and
 tails every node's JSON-lines events. Each node is a separate process with its own hivemind
 DHT, identity, SQLite journal, engine and trainer; they share nothing but loopback sockets.
+With ``--dashboard`` the parent shows the Textual dashboard instead of the table, reading each
+node's status server (each child serves one on a free loopback port; ``n`` switches nodes).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def run_demo(
     preset: str,
     overrides: Mapping[str, str],
     workdir: str | None = None,
+    dashboard: bool = False,
 ) -> int:
     """Run the local swarm to completion; returns a process exit code."""
     if nodes < 1:
@@ -78,8 +81,11 @@ def run_demo(
         for child in children[1:]:
             _wait_ready(child)
         print(f"all {nodes} nodes up after {time.perf_counter() - started:.1f}s; bootstrap {maddrs[0]}", flush=True)
-        print(REPORT_HEADER, flush=True)
-        _tail(children, config.rounds)
+        if dashboard:
+            _dashboard(children)
+        else:
+            print(REPORT_HEADER, flush=True)
+            _tail(children, config.rounds)
     except _DemoFailure as failure:
         print(f"hivespec demo: {failure}", file=sys.stderr)
         return 1
@@ -128,6 +134,7 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
         "--config", preset, "--home", str(home), "--name", name,
         "--events", str(events), "--local-nodes", str(nodes),
         "--set", f"swarm.expected_peers={nodes - 1}",
+        "--set", "status.port=0",  # N nodes on one machine: each status server on a free port
         # Keep serving our last batch until every node is done; the parent stops us then.
         "--linger", "-1",
     ]
@@ -179,6 +186,26 @@ def _tail(children: list[_Child], rounds: int) -> None:
         time.sleep(0.25)
     if interactive:
         print("\r\033[K", end="", flush=True)
+
+
+def _dashboard(children: list[_Child]) -> None:
+    """The dashboard over every node's status server until the user quits; then collect their rounds."""
+    from hivespec.dashboard.app import DashboardApp
+    from hivespec.dashboard.source import HttpSource
+
+    urls = [(child.name, (child.ready or {}).get("status_url")) for child in children]
+    missing = [name for name, url in urls if not url]
+    if missing:
+        raise _DemoFailure(f"{', '.join(missing)} serve no status (status.enabled is false?); run without --dashboard")
+    DashboardApp([HttpSource(url, label=name) for name, url in urls]).run()
+    for child in children:
+        for event in child.poll_events():
+            if event["event"] == "round":
+                child.reports.append(event)
+            elif event["event"] == "done":
+                child.done = True
+    if not all(child.done for child in children):
+        print("dashboard closed before every node finished: stopping the nodes", flush=True)
 
 
 def _summary(children: list[_Child], wall: float) -> None:

@@ -9,24 +9,36 @@ The decode loop is split so a speculative step can slot in: a step produces, per
 one or more (token, behaviour log-prob) pairs; `_DecodeState.extend` does all bookkeeping
 (stop tokens, length limits, dropping finished rows) whatever the step was. Plain decoding is
 `_plain_step`: sample one token from the last logits, then run one forward for the next ones.
+
+Speculative decoding (`_speculative_step`, on when the engine has a drafter) feeds each row's
+last token plus up to K draft tokens in one forward, samples the target at every one of those
+positions with the same keyed sampler (`kernels.speculative.verify_drafts`), keeps the agreeing
+draft prefix plus one bonus token, and rolls the cache back: the cache is cropped to the longest
+kept run in the batch and each row's rejected slots are masked out of the 2D attention mask
+(positions are explicit, so holes are harmless; transformers' mask reads the 2D mask per key
+index). When holes fill more than half the cache it is compacted. The output is the plain
+decoding output: same tokens, same log-probs, up to the rounding of different forward shapes.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
+from hivespec.kernels.sampling import sample_tokens
+from hivespec.kernels.speculative import verify_drafts
 from torch import Tensor
 from transformers import DynamicCache
 
-from hivespec.kernels.sampling import sample_tokens
-
 if TYPE_CHECKING:
+    from hivespec.node.drafter import Draft, DraftSession, SuffixDrafter
+    from hivespec.node.speculation import RowPlan, SpeculationPolicy
     from transformers import PreTrainedModel
 
-__all__ = ["GenerationRequest", "RolloutEngine", "Sample", "SamplingParams", "TorchEngine"]
+__all__ = ["GenerationRequest", "RolloutEngine", "Sample", "SamplingParams", "SpeculationStats", "TorchEngine"]
 
 FinishReason = Literal["stop", "length"]
 TokenCallback = Callable[[int], None]
@@ -79,6 +91,46 @@ class Sample:
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    # Speculation stats (not part of equality: plain and speculative samples compare equal).
+    target_forwards: int = field(default=0, compare=False)  # forwards this sample took part in, prefill included
+    drafted: int = field(default=0, compare=False)  # draft tokens verified for it
+    accepted: int = field(default=0, compare=False)  # of which the target accepted
+
+
+@dataclass
+class SpeculationStats:
+    """Counters over one or more `generate` calls; pass one in to accumulate.
+
+    Forwards and tokens count per sequence, so plain decoding has tokens_per_forward 1.0.
+    """
+
+    sequences: int = 0
+    tokens: int = 0
+    target_forwards: int = 0
+    batch_forwards: int = 0  # forward calls (a batch counts once), prefills included
+    speculative_steps: int = 0  # batch forwards that verified at least one draft token
+    drafted: int = 0
+    accepted: int = 0
+    compactions: int = 0  # times the KV cache was compacted to drop rejected slots
+    draft_seconds: float = 0.0
+    generate_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def draft_us_per_token(self) -> float:
+        """Drafting wall time per draft token verified."""
+        return 1e6 * self.draft_seconds / self.drafted if self.drafted else 0.0
+
+    def add(self, other: SpeculationStats) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class RolloutEngine(Protocol):
@@ -104,6 +156,11 @@ class _Row:
     completion: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    session: DraftSession | None = None
+    plan: RowPlan | None = None
 
 
 @dataclass
@@ -162,16 +219,35 @@ class TorchEngine:
     copies it. Requests are grouped by prompt length into batches of at most max_batch_size,
     left-padded, and results come back in request order. Results do not depend on the grouping
     beyond the rounding of the model's own forward pass.
+
+    With a drafter and a policy, `generate` decodes speculatively (see the module docstring);
+    `speculative=False` forces plain decoding for one call.
     """
 
-    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 16) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int = 16,
+        drafter: SuffixDrafter | None = None,
+        policy: SpeculationPolicy | None = None,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._model = model
         self._max_batch_size = max_batch_size
+        self.drafter: SuffixDrafter | None = None
+        self.policy: SpeculationPolicy | None = None
+        self.set_speculation(drafter, policy)
         self._device = next(model.parameters()).device
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+
+    def set_speculation(self, drafter: SuffixDrafter | None, policy: SpeculationPolicy | None) -> None:
+        """Turn speculative decoding on (a drafter and a policy) or off (None, None) for later calls."""
+        if (drafter is None) != (policy is None):
+            raise ValueError("speculation needs both a drafter and a policy (or neither for plain decoding)")
+        self.drafter, self.policy = drafter, policy
 
     def sync_parameters(self) -> dict[str, Tensor]:
         """Named parameters (detached, sharing storage), each storage once under its first name.
@@ -194,24 +270,48 @@ class TorchEngine:
         params: SamplingParams,
         *,
         on_tokens: TokenCallback | None = None,
+        speculative: bool | None = None,
+        stats: SpeculationStats | None = None,
     ) -> list[Sample]:
         """Completions for the requests, in request order.
 
         on_tokens, if given, is called after every decode step with the number of tokens the
-        step added across the batch (for progress and throughput counters).
+        step added across the batch (for progress and throughput counters). speculative
+        defaults to "when the engine has a drafter"; stats, if given, accumulates counters.
         """
+        if speculative is None:
+            speculative = self.drafter is not None
+        if speculative and self.drafter is None:
+            raise ValueError("speculative=True needs an engine built with a drafter and a policy")
         if self._model.training:
             raise ValueError("the model is in training mode (dropout would break keyed sampling); call model.eval()")
         for request in requests:
             self._check_request(request, params)
+        started = time.perf_counter()
+        run = SpeculationStats()
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         samples: list[Sample | None] = [None] * len(requests)
         for start in range(0, len(order), self._max_batch_size):
             chunk = order[start : start + self._max_batch_size]
-            rows = self._run_batch([requests[i] for i in chunk], params, on_tokens)
+            batch = [requests[i] for i in chunk]
+            if speculative:
+                rows = self._run_batch_speculative(batch, params, on_tokens, run)
+            else:
+                rows = self._run_batch(batch, params, on_tokens, run)
             for i, row in zip(chunk, rows, strict=True):
                 assert row.finish_reason is not None
-                samples[i] = Sample(list(row.request.prompt_ids), row.completion, row.logprobs, row.finish_reason)
+                samples[i] = Sample(
+                    list(row.request.prompt_ids), row.completion, row.logprobs, row.finish_reason,
+                    target_forwards=row.forwards, drafted=row.drafted, accepted=row.accepted,
+                )
+                run.sequences += 1
+                run.tokens += len(row.completion)
+                run.target_forwards += row.forwards
+                run.drafted += row.drafted
+                run.accepted += row.accepted
+        run.generate_seconds = time.perf_counter() - started
+        if stats is not None:
+            stats.add(run)
         return [sample for sample in samples if sample is not None]
 
     def _check_request(self, request: GenerationRequest, params: SamplingParams) -> None:
@@ -226,9 +326,13 @@ class TorchEngine:
             )
 
     def _run_batch(
-        self, requests: list[GenerationRequest], params: SamplingParams, on_tokens: TokenCallback | None
+        self,
+        requests: list[GenerationRequest],
+        params: SamplingParams,
+        on_tokens: TokenCallback | None,
+        stats: SpeculationStats,
     ) -> list[_Row]:
-        state = self._prefill(requests)
+        state = self._prefill(requests, stats)
         rows = list(state.rows)
         while state.rows:
             tokens, logprobs = self._plain_step(state, params)
@@ -237,10 +341,126 @@ class TorchEngine:
                 on_tokens(added)
             state.drop_finished()
             if state.rows:
-                self._forward_next(state)
+                self._forward_next(state, stats)
         return rows
 
-    def _prefill(self, requests: list[GenerationRequest]) -> _DecodeState:
+    def _run_batch_speculative(
+        self,
+        requests: list[GenerationRequest],
+        params: SamplingParams,
+        on_tokens: TokenCallback | None,
+        stats: SpeculationStats,
+    ) -> list[_Row]:
+        """Like `_run_batch`, with every forward after the prefill a verification of drafts."""
+        assert self.drafter is not None and self.policy is not None
+        state = self._prefill(requests, stats)
+        mark = time.perf_counter()
+        for row in state.rows:
+            row.session = self.drafter.session(row.request.prompt_ids)
+            row.plan = self.policy.plan(row.request.prompt_ids)
+        stats.draft_seconds += time.perf_counter() - mark
+        rows = list(state.rows)
+        # The first token comes from the prefill's logits; every later step verifies drafts.
+        tokens, logprobs = self._plain_step(state, params)
+        while True:
+            added = state.extend(tokens, logprobs, params)
+            if on_tokens is not None:
+                on_tokens(added)
+            state.drop_finished()
+            if not state.rows:
+                return rows
+            tokens, logprobs = self._speculative_step(state, params, stats)
+
+    def _speculative_step(
+        self, state: _DecodeState, params: SamplingParams, stats: SpeculationStats
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Draft, verify in one forward, roll the cache back; returns each row's emitted tokens."""
+        assert self.policy is not None
+        mark = time.perf_counter()
+        drafts: list[Draft] = []
+        width = 0
+        if self.policy.wants_drafts(len(state.rows)):
+            for row in state.rows:
+                assert row.session is not None and row.plan is not None
+                # Never draft past the length limit: those tokens could not be kept.
+                room = params.max_new_tokens - len(row.completion) - 1
+                drafts.append(row.session.propose(row.completion, min(row.plan.cap, room)))
+            width = self.policy.width(drafts, [row.plan for row in state.rows])  # type: ignore[misc]
+        stats.draft_seconds += time.perf_counter() - mark
+
+        batch = len(state.rows)
+        lengths = [min(width, len(d.tokens)) for d in drafts] if width else [0] * batch
+        input_ids = torch.zeros(batch, width + 1, dtype=torch.int64)
+        new_mask = torch.zeros(batch, width + 1, dtype=state.attention_mask.dtype)
+        for i, row in enumerate(state.rows):
+            input_ids[i, 0] = row.completion[-1]
+            if lengths[i]:
+                input_ids[i, 1 : 1 + lengths[i]] = torch.tensor(drafts[i].tokens[: lengths[i]])
+            new_mask[i, : 1 + lengths[i]] = 1
+        input_ids, new_mask = input_ids.to(self._device), new_mask.to(self._device)
+        offsets = torch.arange(width + 1, dtype=torch.int64, device=self._device)
+        attention_mask = torch.cat([state.attention_mask, new_mask], dim=-1)
+        logits = self._forward(
+            input_ids, attention_mask, state.next_positions[:, None] + offsets, state.cache, keep=width + 1
+        )
+        stats.batch_forwards += 1
+        stats.speculative_steps += width > 0
+        draft_lengths = torch.tensor(lengths, dtype=torch.int64, device=self._device)
+        verdict = verify_drafts(
+            logits,
+            input_ids[:, 1:],
+            draft_lengths,
+            seed=state.seeds,
+            sample_ids=state.sample_ids,
+            positions=state.completion_positions(),
+            temperature=params.temperature,
+            top_p=params.top_p,
+        )
+        accepted = verdict.accepted.tolist()
+        # Keep, per row, its last token and accepted drafts in the cache; drop the rest.
+        kept = max(accepted) + 1
+        state.cache.crop(kept - (width + 1))
+        state.attention_mask = torch.cat(
+            [state.attention_mask, (offsets[None, :kept] <= verdict.accepted[:, None]).to(state.attention_mask.dtype)],
+            dim=-1,
+        )
+        state.next_positions = state.next_positions + verdict.accepted + 1
+        if width:
+            expected = sum(sum(d.probs[: lengths[i]]) for i, d in enumerate(drafts))
+            self.policy.observe(expected, sum(accepted))
+        token_rows, logprob_rows = verdict.tokens.tolist(), verdict.logprobs.tolist()
+        tokens, logprobs = [], []
+        for i, row in enumerate(state.rows):
+            row.forwards += 1
+            row.drafted += lengths[i]
+            row.accepted += accepted[i]
+            tokens.append(token_rows[i][: accepted[i] + 1])
+            logprobs.append(logprob_rows[i][: accepted[i] + 1])
+        cached = state.attention_mask.shape[-1]
+        if cached - int(state.attention_mask.sum(-1).max()) >= max(16, cached // 4):
+            self._compact(state)
+            stats.compactions += 1
+        return tokens, logprobs
+
+    def _compact(self, state: _DecodeState) -> None:
+        """Drop masked cache slots: each row's live entries move together, left-padded."""
+        live = state.attention_mask.bool()
+        counts = live.sum(-1)
+        width = int(counts.max())
+        # Row i's live indices in order (a stable sort puts them first), right-aligned in
+        # `width` slots; its pad slots point at index 0 and stay masked.
+        order = torch.argsort((~live).to(torch.int8), dim=-1, stable=True)[:, :width]
+        slots = torch.arange(width, device=live.device)[None, :]
+        shift = (width - counts)[:, None]
+        pad = slots < shift
+        index = order.gather(1, (slots - shift).clamp(min=0)).masked_fill(pad, 0)
+        for layer in state.cache.layers:
+            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        state.attention_mask = (~pad).to(state.attention_mask.dtype)
+
+    def _prefill(self, requests: list[GenerationRequest], stats: SpeculationStats) -> _DecodeState:
         """Run the left-padded prompts through the model, filling a fresh cache."""
         width = max(len(request.prompt_ids) for request in requests)
         input_ids = torch.zeros(len(requests), width, dtype=torch.int64)
@@ -253,8 +473,9 @@ class TorchEngine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache(config=self._model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        stats.batch_forwards += 1
         return _DecodeState(
-            rows=[_Row(request) for request in requests],
+            rows=[_Row(request, forwards=1) for request in requests],
             cache=cache,
             attention_mask=attention_mask,
             next_positions=position_ids[:, -1] + 1,
@@ -275,20 +496,54 @@ class TorchEngine:
         )
         return [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()]
 
-    def _forward_next(self, state: _DecodeState) -> None:
+    def _forward_next(self, state: _DecodeState, stats: SpeculationStats) -> None:
         """Feed each active row's last token, extending the cache and refreshing the logits."""
         input_ids = torch.tensor([[row.completion[-1]] for row in state.rows], dtype=torch.int64, device=self._device)
         state.attention_mask = torch.cat([state.attention_mask, torch.ones_like(state.attention_mask[:, :1])], dim=-1)
         state.logits = self._forward(input_ids, state.attention_mask, state.next_positions[:, None], state.cache)
         state.next_positions = state.next_positions + 1
+        stats.batch_forwards += 1
+        for row in state.rows:
+            row.forwards += 1
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
+    def _forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: DynamicCache, *, keep: int = 0
+    ) -> Tensor:
+        """Logits of the last position [B, V], or of the last `keep` positions [B, keep, V] when keep > 0."""
         output = self._model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=max(keep, 1),
         )
-        return output.logits[:, -1, :]
+        return output.logits if keep else output.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def time_forwards(self, batch: int, widths: Sequence[int], *, context: int = 128, rounds: int = 3) -> list[float]:
+        """Seconds for one forward of each width of new tokens per row, at `batch` rows over a `context`-token cache.
+
+        What the verify-cost calibration measures. Widths are timed in turn, `rounds` times after
+        a warm-up round, and each keeps its fastest run: on a shared machine noise only ever adds
+        time, and interleaving spreads it over all widths instead of skewing one.
+        """
+        widest = max(widths)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self._vocab_size, (batch, context + widest), generator=generator).to(self._device)
+        positions = torch.arange(context + widest, device=self._device).expand(batch, -1)
+        mask = torch.ones(batch, context + widest, dtype=torch.int64, device=self._device)
+        cache = DynamicCache(config=self._model.config)
+        self._forward(ids[:, :context], mask[:, :context], positions[:, :context], cache)
+        best = [float("inf")] * len(widths)
+        for round_index in range(rounds + 1):
+            for i, width in enumerate(widths):
+                start = time.perf_counter()
+                end = context + width
+                self._forward(ids[:, context:end], mask[:, :end], positions[:, context:end], cache, keep=width)
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)
+                if round_index:
+                    best[i] = min(best[i], time.perf_counter() - start)
+                cache.crop(-width)
+        return best

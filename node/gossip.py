@@ -1,18 +1,25 @@
-"""Rollout gossip over hivemind: signed announce records in the DHT, bodies over P2P streams.
+"""Gossip over hivemind: owner-signed index records in the DHT, bodies over P2P streams from any holder.
 
-Shape of one round:
-- `publish(round, body)` keeps the body in memory and stores a small signed ANNOUNCE envelope
-  (round, sha256, size, our libp2p peer id and addresses) in the DHT under
-  `rollout_round_key(swarm, round)`, subkey = our hivespec peer id.
-- `fetch_round(round)` reads that key, checks every announce (signature, author == subkey,
-  round, size) and pulls each new body from its author over the "hivespec.rollouts.v1" stream,
-  verifying sha256 and size.
+Shape of one slot (a round of "rollouts", a policy version of "delta"):
+- `publish(slot, body)` keeps the body in memory and stores our index record (`protocol/announce.py`)
+  under `topic_key(swarm, topic, slot)`, subkey = our peer id: which bodies we hold (sha256,
+  size, author) and where to fetch them (libp2p peer id, multiaddrs).
+- `fetch_round(slot)` reads every holder's record, groups the announced bodies by
+  (sha256, author, size) and pulls each new one over the "hivespec.rollouts.v1" stream from the
+  first holder that serves it (the author's own record first), checking size and sha256.
+- A body we fetched whose envelope is signed by its announced author is kept and added to our
+  own record for the slot, so we serve it too: a batch survives its author leaving.
+
+Trust: `dht_guard.AnnounceValidator` runs inside hivemind on every stored and found record
+(owner signature, key and expiration bound, TTL cap, size cap) and `dht_guard.harden` limits
+every DHT request before hivemind decodes it. `PeerScores` (optional) graylists holders that
+serve bad bytes and rate-limits what we take from each; intake scores the content. In a private
+swarm bodies and records are AEAD-encrypted and only allowlisted authors are accepted.
 
 hivemind runs in our own asyncio loop on a daemon thread, with `DHTNode` used directly: the
-`hivemind.DHT` wrapper deadlocks on values over ~64 KiB (upstream PR #660). Bodies never enter
-the DHT; only the announce (~300 bytes) does. One `P2P` (one p2pd child process) serves both.
-Public methods are called from the runtime's thread and block with a timeout; all gossip state
-is touched on the loop thread only, so it needs no locks.
+`hivemind.DHT` wrapper deadlocks on values over ~64 KiB (upstream PR #660). One `P2P` (one p2pd
+child process) serves both. Public methods are called from other threads and block with a
+timeout; gossip state is touched on the loop thread only.
 """
 
 from __future__ import annotations
@@ -29,31 +36,43 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils import get_dht_time
-from hivemind.utils.multiaddr import Multiaddr
-
-from hivespec.protocol.codec import pack, safe_unpack
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivespec.node.bootstrap import Joiner, PeerCache
+from hivespec.node.dht_guard import AnnounceValidator, harden
+from hivespec.node.peers import PeerScores
+from hivespec.node.transfer import (  # noqa: F401 - CHUNK_BYTES re-exported
+    CHUNK_BYTES,
+    STREAM_NAME,
+    BadBody,
+    download,
+    serve_body,
+)
+from hivespec.protocol.announce import (
+    MAX_ITEMS,
+    MAX_MADDRS,
+    Announce,
+    AnnouncedBody,
+    encode_announce,
+)
 from hivespec.protocol.envelope import Kind, open_envelope, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import rollout_round_key, topic_key
-from hivespec.protocol.limits import DEFAULT_LIMITS, KIB, MIB, Limits
+from hivespec.protocol.limits import DEFAULT_LIMITS, MIB, Limits
+from hivespec.protocol.private import PrivateSwarm
 
 logger = logging.getLogger(__name__)
 
-STREAM_NAME = "hivespec.rollouts.v1"
-CHUNK_BYTES = 1 * MIB  # bodies go out in pieces of at most this; p2pd caps one message at 4 MiB
-ANNOUNCE_MAX_BYTES = 4 * KIB  # a sealed announce is ~300 B; anything much larger is junk
-MAX_ANNOUNCE_MADDRS = 8
-_ANNOUNCE_KEYS = frozenset({"round", "sha256", "size", "p2p", "maddrs"})
-_STATUS_FOUND, _STATUS_MISSING = 0, 1
-_HEADER_BYTES = 9  # status (1) + body length (8, big-endian)
 _MAX_PARALLEL_FETCHES = 8
-_POLL_INTERVAL_S = 0.5
-_REMEMBERED_HASHES = 65536  # fetched/rejected sha256s kept for dedupe (~2 MiB)
+_MAX_PARALLEL_SERVES = 16
+_POLL_MIN_S, _POLL_MAX_S = 0.1, 1.0  # DHT reads while waiting back off from 0.1 s to 1 s
+_REMEMBERED = 65536  # fetched/failed items and parsed records kept for dedupe
 _GRACE_S = 5.0  # slack for the caller's wait on top of the timeout enforced inside the loop
 
 T = TypeVar("T")
+_Item = tuple[bytes, str, int]  # (sha256, author, size): one announced body claim
 
 
 class GossipError(RuntimeError):
@@ -62,32 +81,33 @@ class GossipError(RuntimeError):
 
 @dataclass
 class Fetched:
-    """A body fetched from a peer: sha256 and size verified, content not yet validated."""
+    """A body fetched from a holder: size and sha256 verified (and decrypted in a private swarm), content not yet validated.
+
+    `author_peer_id` is who the holder says wrote it; intake checks that against the signature.
+    """
 
     author_peer_id: str
     body: bytes
+    holder: str = ""
+    sha256: bytes = b""
 
 
 @dataclass(frozen=True)
-class _Announce:
-    author: str
-    round: int
-    sha256: bytes
-    size: int
+class _Holder:
+    peer: str
     p2p_peer_id: PeerID
     maddrs: tuple[str, ...]
 
 
-class _BadRecord(Exception):
-    """A peer's announce or body is invalid; skipped and counted, never raised to the caller."""
-
-
 class Gossip:
-    """One node's rollout gossip: hivemind P2P + DHTNode on a private event-loop thread.
+    """One node's gossip: hivemind P2P + DHTNode on a private event-loop thread.
 
     Call `start()` once, then `publish`/`fetch_round`/`wait_for_round` from any thread, and
     `shutdown()` at the end (idempotent). `max_body_bytes` bounds what we send and accept;
-    `keep_rounds`/`keep_bytes` bound the bodies kept in memory to serve to peers.
+    `keep_rounds`/`keep_bytes` bound the bodies kept in memory to serve to peers. Bootstrap:
+    `initial_peers` (or `bootstrap`, (source, maddr) pairs from `bootstrap.bootstrap_candidates`)
+    are dialled with backoff for `bootstrap_timeout` s; if none answers the node runs solo
+    (`status()["solo"]`) unless `require_peers`, and re-bootstraps every `rebootstrap_interval` s.
     """
 
     def __init__(
@@ -98,59 +118,86 @@ class Gossip:
         host: str = "127.0.0.1",
         port: int = 0,
         initial_peers: Sequence[str] = (),
+        bootstrap: Sequence[tuple[str, str]] | None = None,
+        peer_cache: PeerCache | None = None,
+        bootstrap_timeout: float = 20.0,
+        rebootstrap_interval: float = 60.0,
+        require_peers: bool = False,
+        announce_maddrs: Sequence[str] = (),
+        use_relay: bool = True,
+        use_auto_relay: bool = False,
+        nat_port_map: bool = False,
         request_timeout: float = 10.0,
         record_ttl: float = 600.0,
         start_timeout: float = 30.0,
         max_body_bytes: int = DEFAULT_LIMITS.max_envelope_bytes,
         keep_rounds: int = 8,
         keep_bytes: int = 256 * MIB,
+        peers: PeerScores | None = None,
+        private: PrivateSwarm | None = None,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
-        if request_timeout <= 0 or record_ttl <= 0 or start_timeout <= 0:
+        if min(request_timeout, record_ttl, start_timeout, rebootstrap_interval) <= 0 or bootstrap_timeout < 0:
             raise ValueError(
-                f"timeouts must be positive, got request_timeout={request_timeout}, "
-                f"record_ttl={record_ttl}, start_timeout={start_timeout}"
+                f"timeouts must be positive, got request_timeout={request_timeout}, record_ttl={record_ttl}, "
+                f"start_timeout={start_timeout}, bootstrap_timeout={bootstrap_timeout}, "
+                f"rebootstrap_interval={rebootstrap_interval}"
             )
         rollout_round_key(swarm, 0)  # raises ValueError on an invalid swarm name, before anything starts
         self.identity = identity
         self.swarm = swarm
         self.host, self.port = host, port
         self.initial_peers = [str(p) for p in initial_peers]
+        self.bootstrap = list(bootstrap) if bootstrap is not None else [("config", p) for p in self.initial_peers]
+        self.peer_cache = peer_cache
+        self.bootstrap_timeout, self.rebootstrap_interval = bootstrap_timeout, rebootstrap_interval
+        self.require_peers = require_peers
+        self.announce_maddrs = list(announce_maddrs)
+        self.use_relay, self.use_auto_relay, self.nat_port_map = use_relay, use_auto_relay, nat_port_map
         self.request_timeout = request_timeout
         self.record_ttl = record_ttl
         self.start_timeout = start_timeout
         self.max_body_bytes = max_body_bytes
         self.keep_rounds, self.keep_bytes = keep_rounds, keep_bytes
-        # An announce stays in the DHT for record_ttl, so accept envelope timestamps that old.
-        self._announce_limits = dataclasses.replace(
-            limits,
-            max_envelope_bytes=ANNOUNCE_MAX_BYTES,
-            max_clock_skew_s=limits.max_clock_skew_s + record_ttl,
-        )
+        self.peers = peers
+        self.private = private
+        self.validator = AnnounceValidator(swarm, max_ttl=record_ttl, max_body_bytes=max_body_bytes, private=private, limits=limits)
+        # A holder relays a body only once it checked the author's signature on it.
+        self._relay_limits = dataclasses.replace(limits, max_envelope_bytes=max_body_bytes)
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._p2p: P2P | None = None
         self._dht: DHTNode | None = None
+        self._joiner: Joiner | None = None
         self._maddrs: list[str] = []
-        self._state_lock = threading.Lock()  # guards start/shutdown transitions only
+        self._state_lock = threading.Lock()  # guards start/shutdown transitions and seq
         self._stopped = threading.Event()
         self._seq = 0
+        self._last_expiry = 0.0
 
         # Loop-thread state.
-        self._bodies: OrderedDict[bytes, tuple[tuple[str, int], bytes]] = OrderedDict()  # sha256 -> ((topic, slot), body)
+        self._bodies: OrderedDict[bytes, tuple[tuple[str, int], bytes]] = OrderedDict()  # sha256 -> (slot, wire bytes)
         self._kept_bytes = 0
-        self._done: OrderedDict[bytes, None] = OrderedDict()  # sha256s fetched, own or rejected
-        self._inflight: set[bytes] = set()
-        self._bad_seen: OrderedDict[tuple, None] = OrderedDict()
+        self._holding: OrderedDict[tuple[str, int], list[AnnouncedBody]] = OrderedDict()  # our record's items per slot
+        self._done: OrderedDict[_Item, None] = OrderedDict()
+        self._failed: OrderedDict[tuple[_Item, str], None] = OrderedDict()  # (item, holder) that served bad bytes
+        self._inflight: set[_Item] = set()
+        self._parsed: OrderedDict[bytes, tuple[str, Announce] | None] = OrderedDict()
         self._authors_by_round: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         self._fetch_slots: asyncio.Semaphore | None = None
+        self._serve_slots: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._restoring: set[tuple[str, int]] = set()
         self._stats: Counter[str] = Counter()
 
     # ----- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Spawn p2pd and join the DHT; raises GossipError if that fails within `start_timeout`."""
+        """Spawn p2pd, start the DHT and bootstrap; raises GossipError if that fails within `start_timeout`.
+
+        With bootstrap peers that do not answer, the node starts solo (unless `require_peers`).
+        """
         with self._state_lock:
             if self._thread is not None or self._stopped.is_set():
                 raise GossipError("Gossip.start() was already called; create a new Gossip to restart")
@@ -158,7 +205,7 @@ class Gossip:
             self._thread = threading.Thread(target=self._loop.run_forever, name="hivespec-gossip", daemon=True)
             self._thread.start()
         try:
-            self._call(self._astart(), self.start_timeout)
+            self._call(self._astart(), self.start_timeout + self.bootstrap_timeout)
         except BaseException as exc:
             self.shutdown()
             if not isinstance(exc, Exception):  # KeyboardInterrupt and friends pass through as they are
@@ -166,33 +213,68 @@ class Gossip:
             where = f"/ip4/{self.host}/tcp/{self.port}"
             raise GossipError(
                 f"could not start hivemind on {where} (start_timeout={self.start_timeout:g} s, "
-                f"initial_peers={self.initial_peers}): {type(exc).__name__}: {exc}. "
+                f"initial peers={[m for _, m in self.bootstrap]}): {type(exc).__name__}: {exc}. "
                 "Check that the port is free and that the initial peers are running and reachable."
             ) from exc
-        logger.info("gossip up: swarm %r, peer %s, maddrs %s", self.swarm, self.identity.peer_id, self._maddrs)
+        status = self.status()
+        logger.info("gossip up: swarm %r, peer %s, maddrs %s, %s", self.swarm, self.identity.peer_id, self._maddrs,
+                    "solo" if status["solo"] else f"joined via {status['joined_via']}")
 
     async def _astart(self) -> None:
         self._fetch_slots = asyncio.Semaphore(_MAX_PARALLEL_FETCHES)
+        self._serve_slots = asyncio.Semaphore(_MAX_PARALLEL_SERVES)
+        # No initial peers for p2pd itself: an unreachable one would fail its start; Joiner dials them.
         self._p2p = await P2P.create(
-            initial_peers=self.initial_peers,
             host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
-            nat_port_map=False,  # loopback/LAN: no UPnP calls to the router
+            announce_maddrs=self.announce_maddrs or None,
+            nat_port_map=self.nat_port_map,
+            use_relay=self.use_relay,
+            use_auto_relay=self.use_auto_relay,
             startup_timeout=self.start_timeout,
         )
         await self._p2p.add_binary_stream_handler(STREAM_NAME, self._serve_body)
         self._dht = await DHTNode.create(
             p2p=self._p2p,
-            initial_peers=self.initial_peers,
+            record_validator=self.validator,
             # Per-RPC timeout: a dead peer must cost a fraction of one publish/fetch budget.
             wait_timeout=min(3.0, self.request_timeout / 3),
         )
+        await harden(self._dht, self._stats)
         self._maddrs = [str(m) for m in await self._p2p.get_visible_maddrs()]
+        self._joiner = Joiner(
+            self._p2p, self._dht, self.bootstrap, self.peer_cache, rpc_timeout=min(3.0, self.request_timeout / 3)
+        )
+        if self.bootstrap and not await self._joiner.start(self.bootstrap_timeout):
+            if self.require_peers:
+                raise GossipError(f"none of the {len(self.bootstrap)} initial peers answered within "
+                                  f"{self.bootstrap_timeout:g} s and swarm.require_peers is set")
+            logger.warning(
+                "solo mode: none of %d bootstrap peers answered within %g s; training alone and retrying "
+                "in the background (check the addresses, or your network/firewall)",
+                len(self.bootstrap), self.bootstrap_timeout,
+            )
+        self._spawn(self._joiner.keep_joined(self.rebootstrap_interval))
 
     @property
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with /p2p/<id>) other nodes pass as `initial_peers` to join through us."""
         self._require_started()
         return list(self._maddrs)
+
+    def status(self) -> dict[str, Any]:
+        """Swarm-facing state for the status snapshot: solo, reachability, known_peers, joined_via, private, ..."""
+        dht, joiner = self._dht, self._joiner
+        known = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
+        return {
+            "solo": known == 0,
+            "known_peers": known,
+            "reachability": joiner.reachability if joiner is not None and known else "unknown",
+            "joined_via": joiner.joined_via if joiner is not None else "",
+            "last_bootstrap": joiner.last_attempt if joiner is not None else 0.0,
+            "maddrs": list(self._maddrs),
+            "private": self.private is not None,
+            "dht_records_refused": sum(self.validator.rejected.values()),
+        }
 
     def shutdown(self) -> None:
         """Stop the DHT node, p2pd, the loop and its thread; safe to call more than once."""
@@ -219,13 +301,17 @@ class Gossip:
             except ProcessLookupError:
                 pass
         loop.close()
+        if self.peers is not None:
+            self.peers.save()
 
     async def _ashutdown(self) -> None:
+        if self._joiner is not None:
+            await self._joiner.remember_peers()
         if self._dht is not None:
             await self._dht.shutdown()
         if self._p2p is not None:
             await self._p2p.shutdown()
-        # hivemind leaves background tasks (traversals, cache refresh) pending; end them here.
+        # hivemind leaves background tasks (traversals, cache refresh) pending; end them and ours here.
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current]
         for task in tasks:
@@ -245,99 +331,90 @@ class Gossip:
         """Offer `body` (a sealed envelope) for slot `round` of `topic` and announce it in the DHT.
 
         Topics are listed in `protocol.keys.TOPIC_KEYS`: "rollouts" (slot = round) and "delta"
-        (slot = the policy version the delta produces).
-
-        The body is kept in memory (bounded by keep_rounds/keep_bytes) and served to peers that
-        ask for it by sha256. Raises ValueError if it is larger than max_body_bytes, GossipError
-        if the DHT store does not finish within request_timeout.
+        (slot = the policy version the delta produces). The body is kept in memory (bounded by
+        keep_rounds/keep_bytes) and served to peers that ask for it by sha256. Raises ValueError
+        if it is larger than max_body_bytes, GossipError if the DHT store does not finish within
+        request_timeout.
         """
         self._require_started()
-        topic_key(self.swarm, topic, round)  # ValueError on an unknown topic or a negative slot
+        key = topic_key(self.swarm, topic, round)  # ValueError on an unknown topic or a negative slot
         body = bytes(body)
         if len(body) > self.max_body_bytes:
             raise ValueError(
-                f"rollout body is {len(body)} bytes, over max_body_bytes={self.max_body_bytes}; "
+                f"body is {len(body)} bytes, over max_body_bytes={self.max_body_bytes}; "
                 "split the batch over several publish() calls"
             )
-        digest = hashlib.sha256(body).digest()
+        wire = self.private.seal_body(body, context=key) if self.private is not None else body
+        item = AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire))
+        self._call(self._apublish(topic, round, item, wire), self.request_timeout + _GRACE_S)
+
+    async def _apublish(self, topic: str, slot: int, item: AnnouncedBody, wire: bytes) -> None:
+        self._keep_body((topic, slot), item.sha256, wire)
+        self._remember(self._done, (item.sha256, item.author, item.size))
+        held = self._holding_for((topic, slot))
+        if item not in held:
+            held.insert(0, item)
+        await asyncio.wait_for(self._store_record(topic, slot), self.request_timeout)
+        self._stats["published"] += 1
+
+    def _holding_for(self, slot: tuple[str, int]) -> list[AnnouncedBody]:
+        held = self._holding.setdefault(slot, [])
+        self._holding.move_to_end(slot)
+        while len(self._holding) > 4 * self.keep_rounds + 16:
+            self._holding.popitem(last=False)
+        return held
+
+    async def _store_record(self, topic: str, slot: int) -> None:
+        key = topic_key(self.swarm, topic, slot)
+        items = self._holding_for((topic, slot))
+        # Strictly increasing: the DHT keeps a subkey's value only if its expiration is newer.
+        expires = max(get_dht_time() + self.record_ttl, self._last_expiry + 1e-3)
+        self._last_expiry = expires
+        body = encode_announce(Announce(key, expires, self._p2p.peer_id.to_base58(), tuple(self._maddrs[:MAX_MADDRS]),
+                                        tuple(items[:MAX_ITEMS])))
+        if self.private is not None:
+            body = self.private.seal_index(body, context=DHTID.generate(source=key).to_bytes().hex())
         with self._state_lock:
             # Microsecond wall clock as a floor keeps seq increasing across restarts of the node.
             self._seq = max(self._seq + 1, time.time_ns() // 1000)
             seq = self._seq
-        announce = pack(
-            {
-                "round": round,
-                "sha256": digest,
-                "size": len(body),
-                "p2p": self._p2p.peer_id.to_base58(),
-                "maddrs": self._maddrs[:MAX_ANNOUNCE_MADDRS],
-            }
-        )
-        record = seal(self.identity, Kind.ANNOUNCE, seq, announce)
-        self._call(self._apublish(topic, round, digest, body, record), self.request_timeout + _GRACE_S)
-
-    async def _apublish(self, topic: str, round: int, digest: bytes, body: bytes, record: bytes) -> None:
-        self._keep_body((topic, round), digest, body)
-        stored = await asyncio.wait_for(
-            self._dht.store(
-                topic_key(self.swarm, topic, round),
-                record,
-                expiration_time=get_dht_time() + self.record_ttl,
-                subkey=self.identity.peer_id,
-            ),
-            self.request_timeout,
-        )
-        self._stats["published"] += 1
+        record = seal(self.identity, Kind.ANNOUNCE, seq, body)
+        stored = await self._dht.store(key, record, expiration_time=expires, subkey=self.identity.peer_id)
         if not stored:
             # Only our own replica may exist; peers can still find the record once they reach us.
             self._stats["announce_store_failed"] += 1
-            logger.warning("%s %d: no DHT peer accepted our announce; is the swarm reachable?", topic, round)
+            logger.warning("%s: no DHT peer accepted our index record; is the swarm reachable?", key)
 
     def _keep_body(self, slot: tuple[str, int], digest: bytes, body: bytes) -> None:
         if digest in self._bodies:
             return
         self._bodies[digest] = (slot, body)
         self._kept_bytes += len(body)
-        self._remember(self._done, digest)
-        rounds = Counter(slot for slot, _ in self._bodies.values())
-        # Oldest first; the body just published is always kept.
-        while len(self._bodies) > 1 and (len(rounds) > self.keep_rounds or self._kept_bytes > self.keep_bytes):
-            _, (old_round, old_body) = self._bodies.popitem(last=False)
+        slots = Counter(s for s, _ in self._bodies.values())
+        # Oldest first; the body just added is always kept.
+        while len(self._bodies) > 1 and (len(slots) > self.keep_rounds or self._kept_bytes > self.keep_bytes):
+            _, (old_slot, old_body) = self._bodies.popitem(last=False)
             self._kept_bytes -= len(old_body)
-            rounds[old_round] -= 1
-            if rounds[old_round] == 0:
-                del rounds[old_round]
+            slots[old_slot] -= 1
+            if slots[old_slot] == 0:
+                del slots[old_slot]
 
     async def _serve_body(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            digest = await asyncio.wait_for(reader.readexactly(32), self.request_timeout)
-            entry = self._bodies.get(digest)
-            if entry is None:
-                writer.write(bytes([_STATUS_MISSING]) + (0).to_bytes(8, "big"))
-                self._stats["serve_missing"] += 1
-            else:
-                body = entry[1]
-                writer.write(bytes([_STATUS_FOUND]) + len(body).to_bytes(8, "big"))
-                view = memoryview(body)
-                for offset in range(0, len(body), CHUNK_BYTES):
-                    writer.write(view[offset : offset + CHUNK_BYTES])
-                    await asyncio.wait_for(writer.drain(), self.request_timeout)
-                self._stats["bodies_served"] += 1
-                self._stats["bytes_out"] += len(body)
-            await asyncio.wait_for(writer.drain(), self.request_timeout)
-        except Exception as exc:  # a peer that hangs up or stalls costs us nothing but a log line
-            self._stats["serve_errors"] += 1
-            logger.debug("serving a body failed: %s: %s", type(exc).__name__, exc)
-        finally:
-            writer.close()
+        async with self._serve_slots:
+            await serve_body(self._lookup_body, reader, writer, timeout=self.request_timeout, stats=self._stats)
+
+    def _lookup_body(self, digest: bytes) -> bytes | None:
+        entry = self._bodies.get(digest)
+        return None if entry is None else entry[1]
 
     # ----- fetch -----------------------------------------------------------------------------
 
     def fetch_round(self, round: int, *, timeout: float, topic: str = "rollouts") -> list[Fetched]:
         """Fetch the bodies announced for slot `round` of `topic` that we have not fetched before.
 
-        Bad announces and bodies are skipped and counted in stats(); peers that cannot be
-        reached now are retried on the next call. Returns what arrived within `timeout`.
+        Bad records and bodies are skipped, counted in stats() and scored against their holder;
+        holders that cannot be reached now are retried on the next call. Returns what arrived
+        within `timeout`.
         """
         self._require_started()
         return self._call(self._afetch_round(topic, round, timeout), timeout + _GRACE_S)
@@ -346,175 +423,209 @@ class Gossip:
         """Poll `fetch_round` until bodies from `peers` distinct other authors arrived for `round`.
 
         Counts authors fetched by earlier calls too; returns the bodies fetched by this call,
-        possibly fewer than asked for when `timeout` runs out.
+        possibly fewer than asked for when `timeout` runs out. Polls back off from 0.1 s to 1 s.
         """
         deadline = time.monotonic() + timeout
         fetched: list[Fetched] = []
+        interval = _POLL_MIN_S
         while True:
             remaining = deadline - time.monotonic()
             fetched += self.fetch_round(round, timeout=max(0.1, min(remaining, self.request_timeout)), topic=topic)
             if len(self._authors_by_round.get((topic, round), ())) >= peers:
                 return fetched
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._stopped.wait(min(_POLL_INTERVAL_S, remaining)):
+            if remaining <= 0 or self._stopped.wait(min(interval, remaining)):
                 return fetched
+            interval = min(2 * interval, _POLL_MAX_S)
 
-    async def _afetch_round(self, topic: str, round: int, timeout: float) -> list[Fetched]:
+    async def _afetch_round(self, topic: str, slot: int, timeout: float) -> list[Fetched]:
         deadline = time.monotonic() + timeout
-        key = topic_key(self.swarm, topic, round)
+        key = topic_key(self.swarm, topic, slot)
         try:
             found = await asyncio.wait_for(self._dht.get(key, latest=True), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._stats["dht_get_timeouts"] += 1
             return []
-        if found is None:
+        if found is None or not isinstance(found.value, dict):
             return []
-        if not isinstance(found.value, dict):
-            self._bad(("not-a-dict", round), f"round {round}: DHT value is {type(found.value).__name__}, not subkeys")
-            return []
-        announces = []
+        key_id = DHTID.generate(source=key).to_bytes()
+        claims: dict[_Item, list[_Holder]] = {}
         for subkey, entry in found.value.items():
             if subkey == self.identity.peer_id:
                 continue
-            try:
-                announce = self._parse_announce(round, subkey, entry.value)
-            except _BadRecord as exc:
-                self._bad(("announce", subkey, _fingerprint(entry.value)), f"round {round}: announce by {subkey!r}: {exc}")
+            parsed = self._parse_record(key, key_id, subkey, entry.value, entry.expiration_time)
+            if parsed is None:
                 continue
-            if announce.sha256 not in self._done and announce.sha256 not in self._inflight:
-                announces.append(announce)
-        results = await asyncio.gather(*(self._fetch_one(a, deadline) for a in announces))
+            holder, announce = parsed
+            if self.peers is not None and self.peers.graylisted(holder.peer):
+                self._stats["graylisted_skipped"] += 1
+                continue
+            for item in announce.items:
+                claim = (item.sha256, item.author, item.size)
+                if item.author == self.identity.peer_id or claim in self._done or claim in self._inflight:
+                    continue
+                if self.peers is not None and item.author != holder.peer and self.peers.graylisted(item.author):
+                    self._stats["graylisted_skipped"] += 1  # a graylisted author's bodies, relayed by someone else
+                    continue
+                holders = claims.setdefault(claim, [])
+                if (claim, holder.peer) not in self._failed:
+                    # The author's own record first: it is the one with the least reason to lie.
+                    holders.insert(0 if holder.peer == item.author else len(holders), holder)
+        results = await asyncio.gather(
+            *(self._fetch_claim(topic, slot, key, claim, holders, deadline) for claim, holders in claims.items() if holders)
+        )
         fetched = [f for f in results if f is not None]
         if fetched:
-            authors = self._authors_by_round.setdefault((topic, round), set())
+            authors = self._authors_by_round.setdefault((topic, slot), set())
             authors.update(f.author_peer_id for f in fetched)
             while len(self._authors_by_round) > 4 * self.keep_rounds + 16:
                 self._authors_by_round.popitem(last=False)
         return fetched
 
-    def _parse_announce(self, round: int, subkey: object, value: object) -> _Announce:
-        if not isinstance(subkey, str) or not isinstance(value, bytes):
-            raise _BadRecord(f"subkey/value types {type(subkey).__name__}/{type(value).__name__}")
-        verdict, envelope = open_envelope(value, limits=self._announce_limits, expected_kind=Kind.ANNOUNCE)
-        if not verdict.ok:
-            raise _BadRecord(f"envelope rejected: {verdict}")
-        if envelope.peer_id != subkey:
-            # Anyone can write any subkey; only the key's owner may announce under it.
-            raise _BadRecord(f"signed by {envelope.peer_id}, stored under subkey {subkey}")
-        verdict, body = safe_unpack(envelope.body, max_size=ANNOUNCE_MAX_BYTES, max_depth=2)
-        if not verdict.ok:
-            raise _BadRecord(f"announce body: {verdict}")
-        if not isinstance(body, dict) or set(body) != _ANNOUNCE_KEYS:
-            raise _BadRecord(f"announce body keys {sorted(map(str, body)) if isinstance(body, dict) else body!r}")
-        if body["round"] != round or isinstance(body["round"], bool):
-            raise _BadRecord(f"announce is for round {body['round']!r}, stored under round {round}")
-        digest, size, p2p_id, maddrs = body["sha256"], body["size"], body["p2p"], body["maddrs"]
-        if not isinstance(digest, bytes) or len(digest) != 32:
-            raise _BadRecord("sha256 is not 32 bytes")
-        if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= self.max_body_bytes:
-            raise _BadRecord(f"size {size!r} outside (0, {self.max_body_bytes}]")
-        if not isinstance(maddrs, list) or len(maddrs) > MAX_ANNOUNCE_MADDRS or not all(
-            isinstance(m, str) for m in maddrs
-        ):
-            raise _BadRecord("maddrs is not a short list of str")
+    def _parse_record(self, key: str, key_id: bytes, subkey: object, value: object, expiration: float) -> tuple[_Holder, Announce] | None:
+        """Validated (holder, announce) of one DHT entry, None if invalid (counted once); cached by content."""
+        if not isinstance(subkey, str) or not isinstance(value, bytes) or not isinstance(expiration, float):
+            self._stats["bad_records"] += 1
+            return None
+        digest = hashlib.sha256(f"{key}|{subkey}|{expiration!r}|".encode() + value).digest()
+        if digest in self._parsed:
+            self._parsed.move_to_end(digest)
+            cached = self._parsed[digest]
+            return None if cached is None else (self._holder(subkey, cached[1]), cached[1])
+        record = DHTRecord(key_id, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration)
+        reason, checked = self.validator.check(record)
+        if checked is not None and checked[1].key != key:
+            reason, checked = "key_not_bound", None
+        self._parsed[digest] = None if checked is None else (subkey, checked[1])
+        while len(self._parsed) > _REMEMBERED:
+            self._parsed.popitem(last=False)
+        if checked is None:
+            self._stats["bad_records"] += 1
+            logger.debug("skipped bad gossip record under %s by %r: %s", key, subkey[:40], reason)
+            return None
         try:
-            peer = PeerID.from_base58(p2p_id)
-        except Exception as exc:
-            raise _BadRecord(f"p2p peer id {p2p_id!r:.80}: {exc}") from None
-        return _Announce(subkey, round, digest, size, peer, tuple(maddrs))
+            return self._holder(subkey, checked[1]), checked[1]
+        except ValueError:
+            self._parsed[digest] = None
+            return None
 
-    async def _fetch_one(self, announce: _Announce, deadline: float) -> Fetched | None:
-        self._inflight.add(announce.sha256)
+    @staticmethod
+    def _holder(subkey: str, announce: Announce) -> _Holder:
+        return _Holder(subkey, PeerID.from_base58(announce.p2p), announce.maddrs)
+
+    async def _fetch_claim(
+        self, topic: str, slot: int, key: str, claim: _Item, holders: list[_Holder], deadline: float
+    ) -> Fetched | None:
+        digest, author, size = claim
+        self._inflight.add(claim)
         try:
             async with self._fetch_slots:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                body = await asyncio.wait_for(self._download(announce), min(remaining, self.request_timeout))
-        except _BadRecord as exc:
-            self._remember(self._done, announce.sha256)  # the author signed a bad body: do not retry it
-            self._bad(("body", announce.sha256), f"round {announce.round}: body from {announce.author}: {exc}")
-            return None
-        except Exception as exc:  # unreachable or slow peer (incl. TimeoutError): retried on the next poll
-            self._stats["fetch_failures"] += 1
-            logger.debug("fetch from %s failed (will retry): %s: %s", announce.author, type(exc).__name__, exc)
-            return None
+                for holder in holders:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    if self.peers is not None and not self.peers.allow(holder.peer, size):
+                        self._stats["rate_limited"] += 1
+                        continue
+                    try:
+                        wire = await asyncio.wait_for(
+                            download(self._p2p, holder.p2p_peer_id, holder.maddrs, digest, size, timeout=self.request_timeout),
+                            min(remaining, self.request_timeout),
+                        )
+                        body = self._open_wire(wire, key)
+                    except BadBody as exc:
+                        self._remember(self._failed, (claim, holder.peer))
+                        self._blame(holder.peer, f"{key}: body from holder {holder.peer}: {exc}")
+                        continue
+                    except Exception as exc:  # unreachable or slow holder (incl. TimeoutError): next holder, or the next poll
+                        self._stats["fetch_failures"] += 1
+                        logger.debug("fetch from %s failed (will retry): %s: %s", holder.peer, type(exc).__name__, exc)
+                        continue
+                    self._remember(self._done, claim)
+                    self._stats["bodies_fetched"] += 1
+                    self._stats["bytes_in"] += len(wire)
+                    if holder.peer != author:
+                        self._stats["bodies_fetched_from_relay"] += 1
+                    self._maybe_relay(topic, slot, claim, wire, body)
+                    return Fetched(author, body, holder=holder.peer, sha256=digest)
         finally:
-            self._inflight.discard(announce.sha256)
-        self._remember(self._done, announce.sha256)
-        self._stats["bodies_fetched"] += 1
-        self._stats["bytes_in"] += len(body)
-        return Fetched(announce.author, body)
+            self._inflight.discard(claim)
+        return None
 
-    async def _open_stream(self, announce: _Announce) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        try:
-            _, reader, writer = await self._p2p.call_binary_stream_handler(announce.p2p_peer_id, STREAM_NAME)
-        except Exception:
-            # p2pd may not know the author's addresses yet (no DHT traffic between us so far):
-            # dial the addresses from its signed announce, then retry once. P2P has no public
-            # connect(); hivemind itself uses _client.connect the same way.
-            maddrs = [_without_peer_id(Multiaddr(m)) for m in announce.maddrs]
-            await self._p2p._client.connect(announce.p2p_peer_id, maddrs)
-            _, reader, writer = await self._p2p.call_binary_stream_handler(announce.p2p_peer_id, STREAM_NAME)
-        return reader, writer
+    def _open_wire(self, wire: bytes, key: str) -> bytes:
+        if self.private is None:
+            return wire
+        verdict, body = self.private.open_body(wire, context=key)
+        if not verdict.ok or body is None:
+            raise BadBody(f"private body: {verdict}")
+        return body
 
-    async def _download(self, announce: _Announce) -> bytes:
-        reader, writer = await self._open_stream(announce)
+    def _maybe_relay(self, topic: str, slot: int, claim: _Item, wire: bytes, body: bytes) -> None:
+        """Serve a fetched body too, once its envelope is signed by the announced author; re-store our record."""
+        digest, author, size = claim
+        if self.peers is not None and self.peers.graylisted(author):
+            return
+        verdict, envelope = open_envelope(body, limits=self._relay_limits)
+        if not verdict.ok or envelope is None or envelope.peer_id != author:
+            return  # intake will judge it; we do not vouch for it
+        held = self._holding_for((topic, slot))
+        if len(held) >= MAX_ITEMS:
+            return
+        self._keep_body((topic, slot), digest, wire)
+        held.append(AnnouncedBody(author, digest, size))
+        self._spawn(self._restore_record(topic, slot))
+
+    async def _restore_record(self, topic: str, slot: int) -> None:
+        if (topic, slot) in self._restoring:
+            return  # the pending store picks up this body too
+        self._restoring.add((topic, slot))
         try:
-            writer.write(announce.sha256)
-            await writer.drain()
-            header = await reader.readexactly(_HEADER_BYTES)
-            status, size = header[0], int.from_bytes(header[1:], "big")
-            if status == _STATUS_MISSING:
-                raise LookupError("the author no longer has this body")  # evicted: not the author's fault
-            if status != _STATUS_FOUND or size != announce.size:
-                raise _BadRecord(f"stream header status {status}, size {size} (announced {announce.size})")
-            hasher = hashlib.sha256()
-            parts = []
-            left = size
-            while left:
-                part = await reader.readexactly(min(CHUNK_BYTES, left))
-                hasher.update(part)
-                parts.append(part)
-                left -= len(part)
+            await asyncio.sleep(0.05)  # one store for a burst of relayed bodies
+            await asyncio.wait_for(self._store_record(topic, slot), self.request_timeout)
+            self._stats["relay_records"] += 1
+        except Exception as exc:  # noqa: BLE001 - relaying is best effort
+            logger.debug("re-storing our record for %s %d failed: %s", topic, slot, exc)
         finally:
-            writer.close()
-        if hasher.digest() != announce.sha256:
-            raise _BadRecord("sha256 of the received body does not match the announce")
-        return b"".join(parts)
+            self._restoring.discard((topic, slot))
 
     # ----- helpers ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Counters: bytes_in/out, bodies_served/fetched, bad_records, fetch_failures, known_peers, ..."""
+        """Counters: bytes_in/out, bodies_served/fetched, bad_records, fetch_failures, known_peers, dht_* refusals, ..."""
         snapshot = {
             "bytes_in": 0,
             "bytes_out": 0,
             "bodies_served": 0,
             "bodies_fetched": 0,
+            "bodies_fetched_from_relay": 0,
             "bad_records": 0,
+            "bad_bodies": 0,
             "fetch_failures": 0,
             "published": 0,
         }
         snapshot.update(self._stats.copy())
         snapshot["bodies_kept"] = len(self._bodies)
+        snapshot["dht_records_refused"] = sum(self.validator.rejected.values())
         dht = self._dht
         snapshot["known_peers"] = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
         return snapshot
 
-    def _bad(self, key: tuple, reason: str) -> None:
-        # The same bad record comes back on every poll: count and log it once.
-        if key in self._bad_seen:
-            return
-        self._remember(self._bad_seen, key)
-        self._stats["bad_records"] += 1
-        logger.debug("skipped bad gossip record: %s", reason)
+    def _blame(self, holder: str, reason: str) -> None:
+        self._stats["bad_bodies"] += 1
+        logger.debug("rejected a body: %s", reason)
+        if self.peers is not None:
+            self.peers.record(holder, "reject", reason.rsplit(": ", 1)[-1])
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     def _remember(seen: OrderedDict, key: object) -> None:
         seen[key] = None
         seen.move_to_end(key)
-        while len(seen) > _REMEMBERED_HASHES:
+        while len(seen) > _REMEMBERED:
             seen.popitem(last=False)
 
     def _require_started(self) -> None:
@@ -534,14 +645,15 @@ class Gossip:
                 "are running, or raise request_timeout"
             ) from None
 
-
-def _fingerprint(value: object) -> bytes:
-    data = value if isinstance(value, bytes) else repr(value).encode()
-    return hashlib.sha256(data).digest()[:16]
-
-
-def _without_peer_id(maddr: Multiaddr) -> Multiaddr:
-    # p2pd's connect takes the peer id separately and transport addresses only.
-    if "p2p" in [proto.name for proto in maddr.protocols()]:
-        return maddr.decapsulate(Multiaddr(f"/p2p/{maddr.value_for_protocol('p2p')}"))
-    return maddr
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Liveness probe (node/supervise.py): the loop thread runs, p2pd is alive and answers its control socket."""
+        if self._stopped.is_set() or self._p2p is None or self._thread is None or not self._thread.is_alive():
+            return False
+        child = getattr(self._p2p, "_child", None)
+        if child is not None and child.returncode is not None:
+            return False
+        try:
+            self._call(self._p2p.list_peers(), timeout)
+        except Exception:
+            return False
+        return True

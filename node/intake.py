@@ -4,28 +4,34 @@ A peer's bytes pass, in order: envelope size, decode, signature and clock (proto
 peer == author, replay (author, seq), batch schema with the vocabulary bound (protocol), model
 fingerprint, staleness, then per rollout: the task is one we can regenerate from its prompt id,
 the prompt tokens are exactly our chat prompt for it, and the claimed reward equals the reward
-our own verifier computes. The outcome follows gossipsub v1.1: ``accept``; ``ignore`` (honest
-but useless: stale, duplicate) with no penalty; ``reject`` (provably wrong) for the sender's score.
+our own verifier computes. In a private swarm the author must be on the allowlist. The outcome
+follows gossipsub v1.1: ``accept``; ``ignore`` (honest but useless: stale, duplicate, replayed)
+with no penalty; ``reject`` (provably wrong) for the sender's score. `Admission.blame` names the
+peer to score: the signer for content it signed, the holder that served it when the signature
+does not verify or names another author. The replay log is pruned of envelopes past the clock
+window (they are refused by timestamp first), so it stays bounded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
-
 from hivespec.node.store import RolloutStore, StoredRollout
 from hivespec.node.tasks.source import TaskSource
-from hivespec.protocol.envelope import Kind, open_envelope
+from hivespec.protocol.envelope import Envelope, Kind, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.rollout import Rollout, decode_batch
 
 log = logging.getLogger(__name__)
+_PRUNE_EVERY = 256  # admissions between prunes of the replay log
 
 Outcome = Literal["accept", "ignore", "reject"]
 
@@ -38,10 +44,13 @@ class AdmissionReason(StrEnum):
     FINGERPRINT = "fingerprint_mismatch"  # another model or tokenizer
     STALE = "stale"  # older than the staleness window
     FUTURE = "future_round"  # claims a round we cannot have reached
+    STALE_VERSION = "stale_version"  # policy more than staleness_versions behind ours
+    FUTURE_VERSION = "future_version"  # policy more than staleness_versions ahead of ours
     UNKNOWN_TASK = "unknown_task"  # prompt id we cannot regenerate
     PROMPT_MISMATCH = "prompt_mismatch"  # prompt tokens differ from our chat prompt for the task
     REWARD_MISMATCH = "reward_mismatch"  # claimed reward differs from our verifier's
     DUPLICATE = "duplicate"  # every rollout already stored
+    NOT_ALLOWED = "not_on_allowlist"  # private swarm: the author is not a member
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,13 @@ class Admission:
     author: str = ""
     rollouts: tuple[Rollout, ...] = ()
     policy_version: int = -1
+    signed_by: str = ""  # peer id whose signature verified ("" if it did not): who to score for a reject
+
+    def blame(self, holder: str) -> str:
+        """The peer to score for this verdict: the signer for what it signed, else the holder that served it."""
+        if self.signed_by and self.reason != AdmissionReason.AUTHOR_MISMATCH:
+            return self.signed_by
+        return holder or self.author
 
 
 @dataclass
@@ -73,6 +89,8 @@ class Intake:
         tokenizer,
         store: RolloutStore,
         staleness_rounds: int,
+        staleness_versions: int | None = None,
+        allowlist: frozenset[bytes] | None = None,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.fingerprint = fingerprint
@@ -81,14 +99,22 @@ class Intake:
         self.tokenizer = tokenizer
         self.store = store
         self.staleness_rounds = staleness_rounds
+        self.staleness_versions = staleness_versions
+        self.allowlist = allowlist
         self.limits = limits
+        self._admitted = 0
         self.counters = IntakeCounters()
         self._prompt_cache: dict[str, tuple[int, ...]] = {}
 
-    def admit(self, announced_by: str, data: bytes, *, current_round: int) -> Admission:
-        """Run every check on one envelope; never raises on bad input."""
+    def admit(self, announced_by: str, data: bytes, *, current_round: int, current_version: int | None = None) -> Admission:
+        """Run every check on one envelope; never raises on bad input.
+
+        With ``current_version`` (our policy version) and ``staleness_versions`` set, a batch whose
+        policy is more than that many versions behind ours is ignored, and more than that many
+        ahead (as in the round check, a claim our lock-step swarm cannot produce) is rejected.
+        """
         try:
-            admission = self._admit(announced_by, data, current_round)
+            admission = self._admit(announced_by, data, current_round, current_version)
         except Exception as exc:  # a bug here must not take the receive loop down
             log.exception("intake failed on an envelope from %s", announced_by)
             admission = Admission("reject", "internal_error", repr(exc), announced_by)
@@ -99,11 +125,17 @@ class Intake:
             log.debug("%s envelope from %s: %s %s", admission.outcome, announced_by, admission.reason, admission.detail)
         return admission
 
-    def _admit(self, announced_by: str, data: bytes, current_round: int) -> Admission:
+    def _admit(self, announced_by: str, data: bytes, current_round: int, current_version: int | None) -> Admission:
         verdict, envelope = open_envelope(data, limits=self.limits, expected_kind=Kind.ROLLOUTS)
         if not verdict.ok or envelope is None:
             return Admission("reject", verdict.reason.value, verdict.detail, announced_by)
+        admission = self._admit_signed(envelope, announced_by, current_round, current_version)
+        return dataclasses.replace(admission, signed_by=envelope.peer_id)
+
+    def _admit_signed(self, envelope: Envelope, announced_by: str, current_round: int, current_version: int | None) -> Admission:
         author = envelope.peer_id
+        if self.allowlist is not None and envelope.author not in self.allowlist:
+            return Admission("reject", AdmissionReason.NOT_ALLOWED, "author is not on the private swarm's allowlist", author)
         if author != announced_by:
             return Admission("reject", AdmissionReason.AUTHOR_MISMATCH, f"signed by {author}", announced_by)
         verdict, batch = decode_batch(envelope.body, limits=self.limits, vocab_size=self.vocab_size)
@@ -115,22 +147,33 @@ class Intake:
             return Admission("reject", AdmissionReason.FUTURE, f"round {batch.round} while we are at {current_round}", author)
         if batch.round < current_round - self.staleness_rounds:
             return Admission("ignore", AdmissionReason.STALE, f"round {batch.round} < {current_round} - {self.staleness_rounds}", author)
+        window = self.staleness_versions
+        if window is not None and current_version is not None:
+            if batch.policy_version > current_version + window:
+                return Admission("reject", AdmissionReason.FUTURE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
+            if batch.policy_version < current_version - window:
+                return Admission("ignore", AdmissionReason.STALE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
         for rollout in batch.rollouts:
             failure = self._check_rollout(rollout)
             if failure is not None:
                 reason, detail = failure
                 return Admission("reject", reason, f"{rollout.prompt_id}#{rollout.sample_index}: {detail}", author)
         # Replay is checked last so a rejected forgery cannot burn an honest (author, seq).
-        if not self.store.remember_envelope(author, envelope.seq):
+        if not self.store.remember_envelope(author, envelope.seq, envelope.timestamp):
             return Admission("ignore", AdmissionReason.REPLAY, f"seq {envelope.seq}", author)
         now = time.time()
+        self._admitted += 1
+        if self._admitted % _PRUNE_EVERY == 0:
+            # Older envelopes fail the clock check before the replay log is read: forget them.
+            self.store.prune_envelopes(now - self.limits.max_clock_skew_s - 60.0)
         rows = [
             StoredRollout.from_rollout(
                 r, author=author, round=batch.round, policy_version=batch.policy_version, own=False, received_at=now
             )
             for r in batch.rollouts
         ]
-        fresh = [r for r, row in zip(batch.rollouts, rows) if not self.store.has(row.content_hash)]
+        known = self.store.existing([row.content_hash for row in rows])
+        fresh = [r for r, row in zip(batch.rollouts, rows) if row.content_hash not in known]
         self.store.add_rollouts(rows)
         if not fresh:
             return Admission("ignore", AdmissionReason.DUPLICATE, "", author)

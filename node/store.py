@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hivespec.node.faults import fault_point
 from hivespec.protocol.rollout import Rollout, encode_rollout, rollout_content_hash
 
 SCHEMA_VERSION = 1
@@ -36,6 +38,7 @@ CREATE INDEX IF NOT EXISTS rollouts_prompt ON rollouts(prompt_id);
 CREATE TABLE IF NOT EXISTS envelopes (
     author TEXT NOT NULL,
     seq    INTEGER NOT NULL,
+    ts     REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (author, seq)
 ) WITHOUT ROWID;
 """
@@ -134,12 +137,17 @@ class RolloutStore:
                 f"version {SCHEMA_VERSION}: upgrade hivespec, or point the store at a new file"
             )
         self.journal_mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        # NORMAL is durable across application crashes in WAL mode; only an OS crash can drop the last commits.
-        conn.execute("PRAGMA synchronous = NORMAL")
+        # FULL: an accepted rollout is journaled before the round reports it accepted, so it must
+        # survive an OS crash or power loss too, not only a killed process (NORMAL's guarantee).
+        conn.execute("PRAGMA synchronous = FULL")
         conn.execute("BEGIN IMMEDIATE")
         try:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 conn.execute(statement)
+            if "ts" not in {row[1] for row in conn.execute("PRAGMA table_info(envelopes)")}:
+                # Stores from before the bounded replay log: their rows count as seen now.
+                conn.execute("ALTER TABLE envelopes ADD COLUMN ts REAL NOT NULL DEFAULT 0")
+                conn.execute("UPDATE envelopes SET ts = ?", (time.time(),))
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -163,6 +171,7 @@ class RolloutStore:
                 self._conn.executemany(
                     f"INSERT OR IGNORE INTO rollouts ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values
                 )
+                fault_point("store.before_commit")
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")
@@ -178,12 +187,48 @@ class RolloutStore:
             ).fetchone()
         return row is not None
 
-    def remember_envelope(self, author: str, seq: int) -> bool:
-        """Record (author, seq); returns False if it was seen before, i.e. the envelope is a replay."""
+    def existing(self, content_hashes: Sequence[bytes]) -> set[bytes]:
+        """The subset of ``content_hashes`` already journaled, in one query per 500 hashes."""
+        hashes = [bytes(h) for h in content_hashes]
+        found: set[bytes] = set()
         with self._lock:
             self._check_open()
-            cursor = self._conn.execute("INSERT OR IGNORE INTO envelopes (author, seq) VALUES (?, ?)", (author, seq))
+            for start in range(0, len(hashes), 500):
+                part = hashes[start : start + 500]
+                marks = ",".join("?" * len(part))
+                rows = self._conn.execute(f"SELECT content_hash FROM rollouts WHERE content_hash IN ({marks})", part)
+                found.update(bytes(r[0]) for r in rows)
+        return found
+
+    def remember_envelope(self, author: str, seq: int, ts: float | None = None) -> bool:
+        """Record (author, seq) with the envelope's timestamp `ts` (default: now); False if seen before (a replay)."""
+        with self._lock:
+            self._check_open()
+            cursor = self._conn.execute(
+                "INSERT OR IGNORE INTO envelopes (author, seq, ts) VALUES (?, ?, ?)",
+                (author, seq, time.time() if ts is None else float(ts)),
+            )
             return cursor.rowcount == 1
+
+    def prune_envelopes(self, older_than: float) -> int:
+        """Forget envelopes timestamped before `older_than`, keeping each author's highest seq; returns rows removed.
+
+        Safe once `older_than` is past the receiver's clock window: such envelopes are refused by
+        their timestamp before the replay log is consulted. Keeps the replay log bounded.
+        """
+        with self._lock:
+            self._check_open()
+            cursor = self._conn.execute(
+                "DELETE FROM envelopes WHERE ts < ? AND seq < (SELECT MAX(e.seq) FROM envelopes e WHERE e.author = envelopes.author)",
+                (older_than,),
+            )
+            return cursor.rowcount
+
+    def envelope_count(self) -> int:
+        """Rows in the replay log."""
+        with self._lock:
+            self._check_open()
+            return self._conn.execute("SELECT COUNT(*) FROM envelopes").fetchone()[0]
 
     def rollouts_for_round(self, round: int) -> list[StoredRollout]:
         """All rollouts of a round, own and foreign, in arrival order."""
@@ -208,6 +253,38 @@ class RolloutStore:
             self._check_open()
             rows = self._conn.execute(query, (*params, limit)).fetchall()
         return [StoredRollout._from_row(r) for r in rows]
+
+    def journal_high_water(self) -> int:
+        """The newest journal row number (0 when empty); rows after it arrived after this call."""
+        with self._lock:
+            self._check_open()
+            return self._conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM rollouts").fetchone()[0]
+
+    def foreign_after(self, rowid: int) -> list[StoredRollout]:
+        """Foreign rollouts journaled after row ``rowid``, in journal order."""
+        with self._lock:
+            self._check_open()
+            rows = self._conn.execute(
+                f"SELECT {_COLUMNS} FROM rollouts WHERE rowid > ? AND own = 0 ORDER BY rowid", (rowid,)
+            ).fetchall()
+        return [StoredRollout._from_row(r) for r in rows]
+
+    def get(self, content_hashes: Sequence[bytes]) -> dict[bytes, StoredRollout]:
+        """The journaled rows among ``content_hashes``, by hash (missing ones are absent)."""
+        found: dict[bytes, StoredRollout] = {}
+        with self._lock:
+            self._check_open()
+            for h in content_hashes:
+                row = self._conn.execute(f"SELECT {_COLUMNS} FROM rollouts WHERE content_hash = ?", (bytes(h),)).fetchone()
+                if row is not None:
+                    found[bytes(h)] = StoredRollout._from_row(row)
+        return found
+
+    def replay_high_water(self) -> dict[str, int]:
+        """Per author, the highest envelope seq remembered: the replay high-water marks."""
+        with self._lock:
+            self._check_open()
+            return dict(self._conn.execute("SELECT author, MAX(seq) FROM envelopes GROUP BY author").fetchall())
 
     def counts(self) -> dict[str, int]:
         """Rollout counts: {"own", "foreign", "total"}."""

@@ -1,13 +1,19 @@
-"""GRPO trainer over own and foreign rollouts with truncated importance weights.
+"""GRPO trainer over own and foreign rollouts with filtered truncated importance sampling.
 
-Every sample carries the log-prob of each completion token under the policy that sampled it
-(the behaviour policy mu). The gradient of one step is
+Every sample carries the log-prob of each completion token under the policy that sampled it, the
+behaviour policy mu: our bf16 engine for own samples (the ratio then only corrects engine vs
+trainer numerics), another peer's policy a few versions away for foreign ones. The loss of one
+step is the decoupled PPO objective (verl's "decoupled" rollout correction, AReaL):
 
-    - sum_t  min(pi_theta(t) / mu(t), C) * A * grad log pi_theta(t)  /  (completion tokens)
+    L = - 1/K  sum_t  w_t * min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)  +  kl_coef * KL_t
 
-with A the group-relative advantage of the sample. For own samples the ratio only corrects the
-engine-vs-trainer numerics (bf16 engine, fp32 trainer) and stays near 1; for a peer's sample it
-corrects for a different policy, and the cap C keeps one forged or stale sample from dominating.
+- pi_old is the trainer's own log-prob at the start of the step, from the first epoch's forward
+  (no extra pass); r_t = pi_theta / pi_old is exactly 1 in the first epoch, so with ppo_epochs = 1
+  this is plain importance-weighted GRPO and the clip only matters when a batch is reused.
+- w_t = min(pi_old / mu, C) after the filters (kernels.importance): masked tokens are dropped
+  from the sum and from K, the number of kept tokens in the step.
+- A is the sample's group-relative advantage; KL_t is the k3 estimator against the behaviour
+  policy (see ``_kl``).
 """
 
 from __future__ import annotations
@@ -15,20 +21,30 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-
-from hivespec.kernels.importance import ImportanceStats, truncated_importance_weights
+from hivespec.kernels.importance import (
+    ImportanceStats,
+    ImportanceWeights,
+    importance_weights,
+)
 from hivespec.kernels.logprobs import token_logprobs
+from torch import Tensor
 
 OWN = "own"
+
+MaskLevel = Literal["none", "token", "sequence"]
 
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One completion to learn from; ``group`` is the prompt id advantages are relative within."""
+    """One completion to learn from; ``group`` is the prompt id advantages are relative within.
+
+    ``source`` is ``OWN`` or the author's peer id; statistics are kept per source.
+    """
 
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
@@ -39,18 +55,55 @@ class TrainSample:
 
 
 @dataclass(frozen=True)
+class ImportanceSettings:
+    """How behaviour-policy mismatch is corrected; the names map onto verl / slime / TRL options.
+
+    enabled=False trains on every sample as if it were on-policy (what RL Swarm does): weight 1,
+    no filter, no statistics; it exists as the baseline for comparisons. clip is the truncation
+    cap C (verl rollout_is_threshold, slime --tis-clip); mask picks the filter level ('token':
+    IcePop / verl rollout_rs=token, 'sequence': the geometric-mean ratio, verl rollout_rs=geometric)
+    with bounds [mask_low, mask_high]; veto masks tokens whose behaviour probability is below it.
+    """
+
+    enabled: bool = True
+    clip: float | None = 2.0
+    mask: MaskLevel = "sequence"
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    veto: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip >= 1.0):
+            raise ValueError(f"clip must be >= 1 or None, got {self.clip}; 2.0 is the common choice")
+        if not 0.0 < self.mask_low <= 1.0 <= self.mask_high < math.inf:
+            raise ValueError(f"mask bounds need 0 < mask_low <= 1 <= mask_high, got [{self.mask_low}, {self.mask_high}]")
+        if self.clip is None and self.mask != "token":
+            raise ValueError("clip=None leaves weights unbounded unless mask='token'; set clip (e.g. 2.0)")
+        if self.veto is not None and not 0.0 < self.veto < 1.0:
+            raise ValueError(f"veto must be in (0, 1) or None, got {self.veto}; 1e-4 is a common choice")
+
+
+@dataclass(frozen=True)
 class StepStats:
+    """What one ``Trainer.step`` did. ``sources`` holds importance statistics per source (OWN or a
+    peer id); ``own`` and ``foreign`` aggregate them. None where no tokens of that kind were seen or
+    importance sampling is disabled. ``kept_tokens`` is the loss's denominator K."""
+
     version: int
     samples: int
     foreign_samples: int
     trained_samples: int
     tokens: int
+    kept_tokens: int
     loss: float
     grad_norm: float
     reward_mean: float
     own: ImportanceStats | None
     foreign: ImportanceStats | None
     seconds: float
+    sources: dict[str, ImportanceStats] = field(default_factory=dict)
+    clip_fraction: float = 0.0
+    kl: float | None = None
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float = 1e-4) -> list[float]:
@@ -70,8 +123,25 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
     return advantages
 
 
+@dataclass
+class _MicroBatch:
+    """Tensors of one micro batch, built once and reused across PPO epochs."""
+
+    samples: list[tuple[TrainSample, float]]
+    with_grad: bool
+    input_ids: Tensor
+    attention: Tensor
+    rows: Tensor
+    cols: Tensor
+    targets: Tensor
+    behaviour: Tensor
+    advantage: Tensor
+    sequence_ids: Tensor
+    source_ids: Tensor
+
+
 class Trainer:
-    """Owns the policy's master weights and its optimizer; ``step`` applies one GRPO update."""
+    """Owns the policy's master weights and its optimizer; ``step`` applies one GRPO/PPO update."""
 
     def __init__(
         self,
@@ -80,13 +150,25 @@ class Trainer:
         learning_rate: float,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
-        tis_clip: float = 2.0,
+        importance: ImportanceSettings = ImportanceSettings(),
+        ppo_epochs: int = 1,
+        clip_epsilon: float = 0.2,
+        kl_coef: float = 0.0,
         micro_batch_size: int = 8,
         temperature: float = 1.0,
         autocast_dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
+        if ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
+        if not 0.0 < clip_epsilon < 1.0:
+            raise ValueError(f"clip_epsilon must be in (0, 1), got {clip_epsilon}; 0.2 is PPO's default")
+        if kl_coef < 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         self.model = model
-        self.tis_clip = tis_clip
+        self.importance = importance
+        self.ppo_epochs = ppo_epochs
+        self.clip_epsilon = clip_epsilon
+        self.kl_coef = kl_coef
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
         # Behaviour log-probs are taken under the tempered distribution; greedy has no density.
@@ -94,111 +176,217 @@ class Trainer:
         self.autocast_dtype = autocast_dtype
         self.version = 0
         self.device = next(model.parameters()).device
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=learning_rate, weight_decay=weight_decay
-        )
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=learning_rate, weight_decay=weight_decay)
 
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
-        """One optimizer step over ``samples``.
+        """One policy update (``ppo_epochs`` optimizer steps) over ``samples``.
 
         Samples with zero advantage (a group whose rewards are all equal) carry no gradient: they
-        get a forward pass without autograd, only so the importance-weight statistics cover every
+        get one forward pass without autograd, only so the importance statistics cover every
         sample, own and foreign.
         """
         started = time.perf_counter()
-        advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
-        usable = [(s, a) for s, a in zip(samples, advantages) if len(s.completion_ids) > 0]
-        trained = [(s, a) for s, a in usable if a != 0.0]
-        idle = [(s, a) for s, a in usable if a == 0.0]
-        total_tokens = sum(len(s.completion_ids) for s, _ in trained)
+        sources = sorted({s.source for s in samples})
+        batches = list(self._plan(samples, sources))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        logps: dict[bool, list[torch.Tensor]] = {True: [], False: []}
-        behaviours: dict[bool, list[torch.Tensor]] = {True: [], False: []}
-        for chunk, with_grad in self._micro_batches(trained, idle):
-            with torch.set_grad_enabled(with_grad):
-                logp, behaviour, advantage, is_own = self._micro_batch_logprobs(chunk)
-            if with_grad:
-                mask = torch.ones_like(logp, dtype=torch.bool)
-                weights, _ = truncated_importance_weights(logp.detach(), behaviour, mask, clip=self.tis_clip)
-                loss = -(weights * advantage * logp).sum() / total_tokens
-                loss.backward()
-                loss_sum += float(loss.detach())
-            for own in (True, False):
-                selected = is_own == own
-                logps[own].append(logp.detach()[selected])
-                behaviours[own].append(behaviour[selected])
+        old: list[Tensor] = []
+        weights: list[ImportanceWeights] = []
+        loss_sum = kl_sum = 0.0
+        clipped = kept_tokens = 0
         grad_norm = 0.0
-        if trained:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        for epoch in range(self.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for index, batch in enumerate(batches):
+                if epoch > 0 and not batch.with_grad:
+                    continue
+                with torch.set_grad_enabled(batch.with_grad):
+                    logp = self._logprobs(batch)
+                if epoch == 0:
+                    old.append(logp.detach())
+                    weights.append(self._weights(old[index], batch))
+                if not batch.with_grad:
+                    continue
+                loss, batch_clipped, batch_kl = self._loss(logp, old[index], weights[index], batch)
+                loss.backward()
+                if epoch == self.ppo_epochs - 1:
+                    loss_sum += float(loss.detach())
+                    clipped += batch_clipped
+                    kl_sum += batch_kl
+            if epoch == 0:
+                kept_tokens = sum(int(w.kept.sum()) for w, b in zip(weights, batches) if b.with_grad)
+            if kept_tokens == 0:
+                break
+            # The loss is a sum over kept tokens; dividing the gradient once by K gives the token
+            # mean without knowing K before the first backward (it depends on every micro batch).
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.div_(kept_tokens)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
             self.optimizer.step()
         self.version += 1
         self.model.eval()
+        by_source, foreign = self._source_stats(weights, batches, sources)
+        trained = [s for b in batches if b.with_grad for s, _ in b.samples]
         return StepStats(
             version=self.version,
             samples=len(samples),
             foreign_samples=sum(1 for s in samples if s.source != OWN),
             trained_samples=len(trained),
-            tokens=total_tokens,
-            loss=loss_sum,
+            tokens=sum(len(s.completion_ids) for s in trained),
+            kept_tokens=kept_tokens,
+            loss=loss_sum / kept_tokens if kept_tokens else 0.0,
             grad_norm=grad_norm,
             reward_mean=sum(s.reward for s in samples) / max(1, len(samples)),
-            own=self._stats(logps[True], behaviours[True]),
-            foreign=self._stats(logps[False], behaviours[False]),
+            own=by_source.get(OWN),
+            foreign=foreign,
             seconds=time.perf_counter() - started,
+            sources=by_source,
+            clip_fraction=clipped / kept_tokens if kept_tokens else 0.0,
+            kl=kl_sum / kept_tokens if self.kl_coef > 0.0 and kept_tokens else None,
         )
 
-    def _micro_batches(self, trained, idle):
-        size = self.micro_batch_size
-        for start in range(0, len(trained), size):
-            yield trained[start : start + size], True
-        for start in range(0, len(idle), size):
-            yield idle[start : start + size], False
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """The trainer's log-prob of every completion token, per sample, in ``samples`` order.
 
-    def _micro_batch_logprobs(
-        self, chunk: Sequence[tuple[TrainSample, float]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flat per-completion-token (logp, behaviour logp, advantage, is_own) for a micro batch."""
+        Runs the exact micro batches and kernels ``step`` would run on the same samples, so these
+        values, used as behaviour log-probs, give importance weights of exactly 1.
+        """
+        sources = sorted({s.source for s in samples})
+        out: dict[int, list[float]] = {}
+        for batch in self._plan(samples, sources):
+            values = self._logprobs(batch).tolist()
+            start = 0
+            for sample, _ in batch.samples:
+                stop = start + len(sample.completion_ids)
+                out[id(sample)] = values[start:stop]
+                start = stop
+        return [out.get(id(s), []) for s in samples]
+
+    def _plan(self, samples: Sequence[TrainSample], sources: list[str]) -> Iterator[_MicroBatch]:
+        """Micro batches: samples with an advantage first (with autograd), then the rest; each
+        sorted by length so padding stays small."""
+        advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
+        usable = [(s, a) for s, a in zip(samples, advantages) if len(s.completion_ids) > 0]
+        trained = sorted((p for p in usable if p[1] != 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
+        idle = sorted((p for p in usable if p[1] == 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
+        index = {source: i for i, source in enumerate(sources)}
+        size = self.micro_batch_size
+        for group, with_grad in ((trained, True), (idle, False)):
+            for start in range(0, len(group), size):
+                yield self._build(group[start : start + size], with_grad, index)
+
+    def _build(self, chunk: list[tuple[TrainSample, float]], with_grad: bool, source_index: dict[str, int]) -> _MicroBatch:
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in chunk]
-        width = max(lengths)
-        input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        attention = torch.zeros(len(chunk), width, dtype=torch.long)
-        rows, cols, targets, behaviour, advantage, is_own = [], [], [], [], [], []
+        input_ids = torch.zeros(len(chunk), max(lengths), dtype=torch.long)
+        attention = torch.zeros(len(chunk), max(lengths), dtype=torch.long)
+        rows, cols, targets, behaviour, advantage, sequence, source = [], [], [], [], [], [], []
         for row, (sample, adv) in enumerate(chunk):
             tokens = list(sample.prompt_ids) + list(sample.completion_ids)
             input_ids[row, : len(tokens)] = torch.tensor(tokens)
             attention[row, : len(tokens)] = 1
+            n = len(sample.completion_ids)
+            if len(sample.behaviour_logprobs) != n:
+                raise ValueError(
+                    f"sample of group {sample.group!r} has {n} completion tokens but "
+                    f"{len(sample.behaviour_logprobs)} behaviour log-probs; they must pair one to one"
+                )
             first = len(sample.prompt_ids)
             # The token at position p is predicted by the hidden state at p - 1.
-            positions = range(first - 1, first - 1 + len(sample.completion_ids))
-            rows.extend([row] * len(sample.completion_ids))
-            cols.extend(positions)
+            rows.extend([row] * n)
+            cols.extend(range(first - 1, first - 1 + n))
             targets.extend(sample.completion_ids)
             behaviour.extend(sample.behaviour_logprobs)
-            advantage.extend([adv] * len(sample.completion_ids))
-            is_own.extend([sample.source == OWN] * len(sample.completion_ids))
+            advantage.extend([adv] * n)
+            sequence.extend([row] * n)
+            source.extend([source_index[sample.source]] * n)
+        device = self.device
+
+        def tensor(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return _MicroBatch(
+            samples=chunk,
+            with_grad=with_grad,
+            input_ids=input_ids.to(device),
+            attention=attention.to(device),
+            rows=tensor(rows, torch.long),
+            cols=tensor(cols, torch.long),
+            targets=tensor(targets, torch.long),
+            behaviour=tensor(behaviour, torch.float32),
+            advantage=tensor(advantage, torch.float32),
+            sequence_ids=tensor(sequence, torch.long),
+            source_ids=tensor(source, torch.long),
+        )
+
+    def _logprobs(self, batch: _MicroBatch) -> Tensor:
+        """Float32 log-prob of every completion token of the micro batch, flat."""
         backbone = getattr(self.model, self.model.base_model_prefix)
         head = self.model.get_output_embeddings().weight
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            hidden = backbone(
-                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device)
-            ).last_hidden_state
-            selected = hidden[torch.tensor(rows), torch.tensor(cols)]
-            logp = token_logprobs(
-                selected, head, torch.tensor(targets, device=self.device), temperature=self.temperature
-            )
-        return (
-            logp.float(),
-            torch.tensor(behaviour, dtype=torch.float32, device=self.device),
-            torch.tensor(advantage, dtype=torch.float32, device=self.device),
-            torch.tensor(is_own, dtype=torch.bool, device=self.device),
+            hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention).last_hidden_state
+            selected = hidden[batch.rows, batch.cols]
+            # The head's backward matmuls follow autocast's dtype; its forward stays float32.
+            logp = token_logprobs(selected, head, batch.targets, temperature=self.temperature, grad_dtype=self.autocast_dtype)
+        return logp.float()
+
+    def _weights(self, old: Tensor, batch: _MicroBatch) -> ImportanceWeights:
+        valid = torch.ones_like(old, dtype=torch.bool)
+        settings = self.importance
+        if not settings.enabled:
+            zeros = torch.zeros_like(valid)
+            return ImportanceWeights(torch.ones_like(old), valid, valid, zeros, zeros)
+        bounds = (settings.mask_low, settings.mask_high)
+        return importance_weights(
+            old,
+            batch.behaviour,
+            valid,
+            sequence_ids=batch.sequence_ids,
+            clip=settings.clip,
+            token_bounds=bounds if settings.mask == "token" else None,
+            sequence_bounds=bounds if settings.mask == "sequence" else None,
+            veto=settings.veto,
         )
 
-    def _stats(self, logps: list[torch.Tensor], behaviours: list[torch.Tensor]) -> ImportanceStats | None:
-        if not logps or sum(t.numel() for t in logps) == 0:
-            return None
-        logp = torch.cat(logps)
-        behaviour = torch.cat(behaviours)
-        _, stats = truncated_importance_weights(logp, behaviour, torch.ones_like(logp, dtype=torch.bool), clip=self.tis_clip)
-        return stats
+    def _loss(self, logp: Tensor, old: Tensor, weights: ImportanceWeights, batch: _MicroBatch) -> tuple[Tensor, int, float]:
+        """Sum over kept tokens of the clipped, weighted surrogate (+ KL); also clipped count and KL sum."""
+        ratio = torch.exp(logp - old)  # exactly 1 in the first epoch: logp - logp.detach() == 0
+        advantage = batch.advantage
+        surrogate = -advantage * ratio
+        clipped_surrogate = -advantage * ratio.clamp(1.0 - self.clip_epsilon, 1.0 + self.clip_epsilon)
+        per_token = weights.weights * torch.maximum(surrogate, clipped_surrogate)
+        kept = weights.kept
+        clipped = int(((clipped_surrogate > surrogate) & kept).sum())
+        kl_sum = 0.0
+        if self.kl_coef > 0.0:
+            kl = self._kl(logp, batch.behaviour)
+            per_token = per_token + self.kl_coef * kl
+            kl_sum = float(kl.detach()[kept].sum())
+        return torch.where(kept, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device)).sum(), clipped, kl_sum
+
+    def _kl(self, logp: Tensor, behaviour: Tensor) -> Tensor:
+        """k3 estimate of KL(mu || pi_theta) per token, against the behaviour policy mu.
+
+        The reference is the sample's own behaviour policy, not a frozen model copy: it comes free
+        with every sample (no second model in memory, no extra forward, which costs a CPU node
+        about a third of its step), and it acts as a per-sample trust region, like PPO's clip.
+        The log-ratio is clamped to [log mask_low, log mask_high] first, so the pull of one token
+        is bounded (|d/dlogp| <= max(1/mask_low - 1, 1 - 1/mask_high)) even when a forged
+        behaviour log-prob slipped past the filters.
+        """
+        low, high = math.log(self.importance.mask_low), math.log(self.importance.mask_high)
+        x = (behaviour - logp).clamp(-high, -low)
+        return torch.exp(x) - x - 1.0
+
+    def _source_stats(
+        self, weights: list[ImportanceWeights], batches: list[_MicroBatch], sources: list[str]
+    ) -> tuple[dict[str, ImportanceStats], ImportanceStats | None]:
+        """Stats per source name, and over all foreign tokens; empty / None when disabled."""
+        if not self.importance.enabled or not weights:
+            return {}, None
+        merged = ImportanceWeights.cat(weights)
+        source_ids = torch.cat([b.source_ids for b in batches])
+        by_source = {name: merged.stats(source_ids == i) for i, name in enumerate(sources)}
+        foreign = source_ids != (sources.index(OWN) if OWN in sources else -1)
+        return {k: v for k, v in by_source.items() if v.tokens > 0}, merged.stats(foreign) if bool(foreign.any()) else None

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hivespec.kernels.logprobs import token_logprobs
 
 torch.set_num_threads(1)
@@ -90,3 +89,19 @@ def test_bad_arguments():
         token_logprobs(hidden, weight.T, targets)
     with pytest.raises(ValueError, match="leading shape"):
         token_logprobs(hidden, weight, targets[:, :3])
+
+
+def test_bf16_backward_keeps_forward_values_and_approximates_gradients():
+    hidden, weight, targets = _inputs(dtype=torch.float32, lead=(4, 9), hidden_size=32, vocab=300)
+    grad_out = torch.randn(targets.shape, generator=torch.Generator().manual_seed(3))
+    results = []
+    for grad_dtype in (None, torch.bfloat16):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = token_logprobs(h, w, targets, chunk_size=7, grad_dtype=grad_dtype)
+        (out * grad_out).sum().backward()
+        results.append((out.detach(), h.grad, w.grad))
+    (out32, h32, w32), (out16, h16, w16) = results
+    assert torch.equal(out32, out16)  # the forward (what importance ratios read) is untouched
+    assert h16.dtype == torch.float32 and w16.dtype == torch.float32
+    for exact, approx in ((h32, h16), (w32, w16)):
+        assert (approx - exact).norm() / exact.norm() < 2e-2

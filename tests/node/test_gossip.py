@@ -1,19 +1,20 @@
-"""Gossip over real hivemind on 127.0.0.1 (no mocks): announce, fetch, tamper, chunking, shutdown."""
+"""Gossip over real hivemind on 127.0.0.1 (no mocks): index records, fetch, relay, refused records, solo mode, shutdown."""
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import psutil
 import pytest
-
 from hivespec.node.gossip import CHUNK_BYTES, Gossip, GossipError
-from hivespec.protocol.codec import pack
+from hivespec.node.peers import PeerScores
+from hivespec.node.transfer import BadBody, download
+from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import rollout_round_key
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def start_node(initial_peers: list[str] = (), **kwargs) -> Gossip:
+    kwargs.setdefault("bootstrap_timeout", 10.0)
     node = Gossip(Identity.generate(), swarm=SWARM, initial_peers=initial_peers, request_timeout=5.0, **kwargs)
     node.start()
     return node
@@ -92,72 +94,115 @@ def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
         author.publish(7, b"x", topic="gradients")
 
 
-def announce(identity: Identity, round: int, body: bytes, mallory: Gossip, *, seq: int = 1) -> bytes:
-    payload = {
-        "round": round,
-        "sha256": hashlib.sha256(body).digest(),
-        "size": len(body),
-        "p2p": mallory._p2p.peer_id.to_base58(),
-        "maddrs": mallory.visible_maddrs,
-    }
-    return seal(identity, Kind.ANNOUNCE, seq, pack(payload))
+def index_record(identity: Identity, key: str, items: list[AnnouncedBody], holder: Gossip, *, expires: float | None = None) -> tuple[bytes, float]:
+    """A well-formed, signed index record for `key` (what `Gossip.publish` stores), and its expiration."""
+    expires = time.time() + 60 if expires is None else expires
+    body = encode_announce(Announce(key, expires, holder._p2p.peer_id.to_base58(), tuple(holder.visible_maddrs), tuple(items)))
+    return seal(identity, Kind.ANNOUNCE, time.time_ns() // 1000, body), expires
 
 
-def test_tampered_announces_are_skipped(swarm: list[Gossip], caplog: pytest.LogCaptureFixture) -> None:
+def test_forged_overwritten_and_oversized_records_are_refused(swarm: list[Gossip]) -> None:
     honest, victim, reader = swarm
     mallory = start_node(honest.visible_maddrs)
     try:
         round = 2
         key = rollout_round_key(SWARM, round)
         bogus = os.urandom(50_000)
+        item = AnnouncedBody(mallory.identity.peer_id, hashlib.sha256(bogus).digest(), len(bogus))
+        own, own_exp = index_record(mallory.identity, key, [item], mallory)
         impostor = Identity.generate()
-        bad_sig = bytearray(announce(impostor, round, bogus, mallory))
-        bad_sig[-5] ^= 0xFF  # inside the signature, the last field of the msgpack map
-        # A signed announce whose body does not hash to the announced sha256.
-        liar = Identity.generate()
-        lie_digest = hashlib.sha256(b"what was announced").digest()
-        lie = seal(
-            liar,
-            Kind.ANNOUNCE,
-            1,
-            pack({"round": round, "sha256": lie_digest, "size": len(bogus), "p2p": mallory._p2p.peer_id.to_base58(),
-                  "maddrs": mallory.visible_maddrs}),
-        )
-        records = {
-            victim.identity.peer_id: announce(mallory.identity, round, bogus, mallory),  # someone else's subkey
-            impostor.peer_id: bytes(bad_sig),
-            "hs-garbage": b"\x92\x01\x02 not an envelope",
-            mallory.identity.peer_id: announce(mallory.identity, round + 1, bogus, mallory),  # wrong round
-            liar.peer_id: lie,
+        forged = bytearray(index_record(impostor, key, [item], mallory)[0])
+        forged[-5] ^= 0xFF  # inside the signature, the last field of the msgpack map
+        far, far_exp = index_record(mallory.identity, key, [item], mallory, expires=time.time() + 3e8)
+        other_key, other_exp = index_record(mallory.identity, rollout_round_key(SWARM, round + 1), [item], mallory)
+        attempts = {
+            "overwrite": (victim.identity.peer_id, own, own_exp),  # someone else's subkey
+            "forged": (impostor.peer_id, bytes(forged), own_exp),
+            "far_future": (mallory.identity.peer_id, far, far_exp),
+            "other_slot": (mallory.identity.peer_id, other_key, other_exp),  # a record bound to round 3
+            "expiry_not_bound": (mallory.identity.peer_id, own, own_exp + 5),
+            "garbage": (mallory.identity.peer_id, b"\x92\x01\x02 not an envelope", own_exp),
+            "oversized": (mallory.identity.peer_id, os.urandom(100_000), own_exp),
         }
+        refused_before = sum(n.validator.rejected.total() for n in (honest, victim, reader))
 
-        async def plant() -> None:
-            mallory._bodies[lie_digest] = (round, bogus)  # mallory serves other bytes than announced
-            for subkey, value in records.items():
-                assert await mallory._dht.store(key, value, time.time() + 60, subkey=subkey)
+        async def plant() -> dict[str, bool]:
+            # Store straight into the DHT: mallory's own node keeps them, peers' validators decide.
+            out = {}
+            for name, (subkey, value, exp) in attempts.items():
+                out[name] = await mallory._dht.store(key, value, exp, subkey=subkey)
+            return out
 
-        mallory._call(plant(), 30)
+        mallory._call(plant(), 60)
+        refused = sum(n.validator.rejected.total() for n in (honest, victim, reader)) - refused_before
+        assert refused >= len(attempts) - 1, f"honest validators refused only {refused} of {len(attempts) - 1} records"
+        reasons = Counter()
+        for n in (honest, victim, reader):
+            reasons.update(n.validator.rejected)
+        for reason in ("subkey_not_owned_by_signer", "envelope_bad_signature", "expiration_too_far", "key_not_bound",
+                       "expiration_not_bound", "envelope_malformed"):
+            assert reasons[reason] > 0, (reason, reasons)
+        # The oversized value never reaches the validator: the request guard refuses it before hivemind decodes it.
+        assert sum(n.stats().get("dht_request_refused_too_large", 0) for n in (honest, victim, reader)) > 0
+
         body = os.urandom(100_000)
         honest.publish(round, body)
-
-        before = reader.stats()["bad_records"]
-        with caplog.at_level(logging.DEBUG, logger="hivespec.node.gossip"):
-            got = reader.wait_for_round(round, peers=1, timeout=30)
-            assert [(f.author_peer_id, f.body) for f in got] == [(honest.identity.peer_id, body)]
-            # The liar's body is fetched concurrently with the honest one; give it time to be judged.
-            deadline = time.monotonic() + 10
-            while reader.stats()["bad_records"] - before < len(records) and time.monotonic() < deadline:
-                assert reader.fetch_round(round, timeout=5) == []
-            assert reader.stats()["bad_records"] - before == len(records)
-            assert reader.fetch_round(round, timeout=5) == []  # bad records are counted and logged once
-        assert reader.stats()["bad_records"] - before == len(records)
-        skipped = [r.getMessage() for r in caplog.records if "skipped bad gossip record" in r.getMessage()]
-        assert len(skipped) == len(records)
-        assert any("stored under subkey" in m for m in skipped)
-        assert any("bad_signature" in m for m in skipped)
-        assert any("does not match" in m for m in skipped)
+        got = reader.wait_for_round(round, peers=1, timeout=30)
+        assert [(f.author_peer_id, f.body) for f in got] == [(honest.identity.peer_id, body)]
+        # Nothing mallory planted reaches the reader: the DHT refuses it at store and at find time.
+        assert reader.fetch_round(round, timeout=5) == []
+        assert victim.fetch_round(round, timeout=5) == [] or all(
+            f.author_peer_id == honest.identity.peer_id for f in victim.fetch_round(round, timeout=5)
+        )
     finally:
         mallory.shutdown()
+
+
+def test_a_holder_serving_other_bytes_is_scored_down() -> None:
+    scores = PeerScores()
+    first = start_node()
+    liar = start_node(first.visible_maddrs)
+    reader = start_node(first.visible_maddrs, peers=scores)
+    try:
+        announced, served = b"what was announced", os.urandom(20_000)
+        digest = hashlib.sha256(announced).digest()
+        key = rollout_round_key(SWARM, 0)
+        record, exp = index_record(liar.identity, key, [AnnouncedBody(liar.identity.peer_id, digest, len(served))], liar)
+
+        async def plant() -> bool:
+            liar._bodies[digest] = (("rollouts", 0), served)  # serves other bytes than it signed for
+            return await liar._dht.store(key, record, exp, subkey=liar.identity.peer_id)
+
+        assert liar._call(plant(), 30)
+        assert reader.fetch_round(0, timeout=10) == []
+        assert reader.stats()["bad_bodies"] == 1
+        assert scores.snapshot()[liar.identity.peer_id]["rejected"] == 1
+        assert reader.fetch_round(0, timeout=5) == []  # not fetched again from the same holder
+        assert reader.stats()["bad_bodies"] == 1
+    finally:
+        for node in (reader, liar, first):
+            node.shutdown()
+
+
+def test_a_body_outlives_its_author_through_a_holder() -> None:
+    author = start_node()
+    relay = start_node(author.visible_maddrs)
+    late = start_node(relay.visible_maddrs)
+    try:
+        body = seal(author.identity, Kind.ROLLOUTS, 1, os.urandom(150_000))
+        author.publish(0, body)
+        got = relay.wait_for_round(0, peers=1, timeout=30)
+        assert [f.body for f in got] == [body]
+        deadline = time.monotonic() + 10
+        while relay.stats().get("relay_records", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the relay re-stores its record in the background
+        author.shutdown()
+        got = late.wait_for_round(0, peers=1, timeout=30)
+        assert [(f.author_peer_id, f.holder, f.body) for f in got] == [(author.identity.peer_id, relay.identity.peer_id, body)]
+        assert late.stats()["bodies_fetched_from_relay"] == 1
+    finally:
+        for node in (late, relay, author):
+            node.shutdown()
 
 
 def test_shutdown_is_clean_and_idempotent() -> None:
@@ -187,37 +232,52 @@ def test_bad_arguments_fail_before_anything_starts() -> None:
         Gossip(Identity.generate(), swarm=SWARM).fetch_round(0, timeout=1)
 
 
-def test_start_fails_clearly_when_no_initial_peer_answers() -> None:
-    # A peer id with nothing listening behind it: bootstrap must fail, not hang, and leak nothing.
+def test_unreachable_bootstrap_peer_means_visible_solo_mode() -> None:
+    # A peer id with nothing listening behind it: the node must start solo, not hang or fail, and leak nothing.
     live = start_node()
     dead_maddr = live.visible_maddrs[0]
     live.shutdown()
     children_before = {p.pid for p in psutil.Process().children()}
-    node = Gossip(Identity.generate(), swarm=SWARM, initial_peers=[dead_maddr], request_timeout=2.0, start_timeout=20)
-    with pytest.raises(GossipError, match="initial peers"):
-        node.start()
+    strict = Gossip(Identity.generate(), swarm=SWARM, initial_peers=[dead_maddr], request_timeout=2.0,
+                    bootstrap_timeout=2.0, require_peers=True)
+    with pytest.raises(GossipError, match="require_peers"):
+        strict.start()
     assert {p.pid for p in psutil.Process().children() if p.is_running() and p.status() != "zombie"} <= children_before
-    node.shutdown()
+
+    t0 = time.monotonic()
+    solo = start_node([dead_maddr], bootstrap_timeout=2.0)
+    try:
+        assert time.monotonic() - t0 < 15
+        assert solo.status()["solo"] and solo.status()["known_peers"] == 0
+        solo.publish(0, b"trained alone")  # a solo node keeps working
+        # A peer that joins through the solo node ends solo mode for both.
+        joiner = start_node(solo.visible_maddrs)
+        try:
+            assert not joiner.status()["solo"]
+            assert joiner.status()["reachability"] == "reachable"  # the dial-back ping worked
+            deadline = time.monotonic() + 10
+            while solo.status()["solo"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not solo.status()["solo"]
+            assert joiner.wait_for_round(0, peers=1, timeout=30)[0].body == b"trained alone"
+        finally:
+            joiner.shutdown()
+    finally:
+        solo.shutdown()
 
 
-
-def test_fetch_dials_an_author_it_never_met() -> None:
+def test_fetch_dials_a_holder_it_never_met() -> None:
     # The reader's p2pd knows nothing about the author (separate DHTs), so the first stream
-    # open fails and the fetch must dial the addresses from the signed announce.
+    # open fails and the download must dial the addresses from the signed record.
     author, loner = start_node(), start_node()
     try:
         body = os.urandom(10_000)
         author.publish(0, body)
-        record = seal(author.identity, Kind.ANNOUNCE, 1, pack({
-            "round": 0, "sha256": hashlib.sha256(body).digest(), "size": len(body),
-            "p2p": author._p2p.peer_id.to_base58(), "maddrs": author.visible_maddrs,
-        }))
-
-        async def fetch_directly() -> bytes:
-            announce = loner._parse_announce(0, author.identity.peer_id, record)
-            return await loner._download(announce)
-
-        assert loner._call(fetch_directly(), 30) == body
+        digest = hashlib.sha256(body).digest()
+        got = loner._call(download(loner._p2p, author._p2p.peer_id, author.visible_maddrs, digest, len(body), timeout=10), 30)
+        assert got == body
+        with pytest.raises(BadBody, match="size"):
+            loner._call(download(loner._p2p, author._p2p.peer_id, author.visible_maddrs, digest, len(body) + 1, timeout=10), 30)
     finally:
         author.shutdown()
         loner.shutdown()

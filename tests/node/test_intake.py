@@ -141,3 +141,28 @@ def test_fingerprint_staleness_and_future_rounds(world, tokenizer):
     assert (future.outcome, future.reason) == ("reject", "future_round")
     in_window = intake.admit(peer.peer_id, _envelope(peer, rollouts, seq=4, round=1), current_round=3)
     assert in_window.outcome == "accept"
+
+
+def test_blame_goes_to_the_signer_or_to_the_holder_that_served_it(world, tokenizer):
+    tasks, intake, _ = world
+    peer, mallory = Identity.generate(), Identity.generate()
+    rollouts = _rollouts(tasks, tokenizer)
+    lie = [dataclasses.replace(rollouts[0], reward=1.0 - rollouts[0].reward)]
+    signed_lie = intake.admit(peer.peer_id, _envelope(peer, lie, seq=2), current_round=3)
+    assert signed_lie.outcome == "reject" and signed_lie.blame("hs-relay") == peer.peer_id  # the author signed it
+    flipped = bytearray(_envelope(peer, rollouts, seq=3))
+    flipped[-10] ^= 0x01
+    forged = intake.admit(peer.peer_id, bytes(flipped), current_round=3)
+    assert forged.signed_by == "" and forged.blame("hs-relay") == "hs-relay"  # unsigned junk: whoever served it
+    claimed = intake.admit(peer.peer_id, _envelope(mallory, rollouts, seq=4), current_round=3)
+    assert claimed.reason == "author_mismatch" and claimed.blame("hs-relay") == "hs-relay"
+
+
+def test_private_swarm_allowlist(world, tokenizer):
+    tasks, _, store = world
+    member, outsider = Identity.generate(), Identity.generate()
+    intake = Intake(fingerprint=FINGERPRINT, vocab_size=len(tokenizer), tasks=tasks, tokenizer=tokenizer, store=store,
+                    staleness_rounds=2, allowlist=frozenset({member.public_key}))
+    rollouts = _rollouts(tasks, tokenizer)
+    assert intake.admit(outsider.peer_id, _envelope(outsider, rollouts), current_round=3).reason == "not_on_allowlist"
+    assert intake.admit(member.peer_id, _envelope(member, rollouts), current_round=3).outcome == "accept"

@@ -120,3 +120,29 @@ def test_concurrent_adds_from_two_threads(tmp_path: Path) -> None:
     assert sum(inserted) == 450
     assert store.counts()["total"] == 450
     store.close()
+
+
+def test_existing_answers_in_one_query_and_replay_log_is_pruned(tmp_path: Path) -> None:
+    with RolloutStore(tmp_path / "s.sqlite") as store:
+        rows = [make_rollout(i) for i in range(3)]
+        store.add_rollouts(rows[:2])
+        assert store.existing([r.content_hash for r in rows] * 300) == {rows[0].content_hash, rows[1].content_hash}
+        for seq in range(10):
+            assert store.remember_envelope("alice", seq, ts=1000.0 + seq)
+        assert store.remember_envelope("bob", 1, ts=1000.0)
+        assert store.prune_envelopes(older_than=1005.0) == 5  # alice's 0..4; bob's only (highest) row is kept
+        assert store.envelope_count() == 6
+        assert store.replay_high_water() == {"alice": 9, "bob": 1}
+        assert not store.remember_envelope("alice", 9, ts=1009.0)  # still a replay
+
+
+def test_an_old_replay_log_gains_timestamps(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE envelopes (author TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (author, seq)) WITHOUT ROWID")
+    conn.execute("INSERT INTO envelopes VALUES ('alice', 1)")
+    conn.commit()
+    conn.close()
+    with RolloutStore(path) as store:
+        assert not store.remember_envelope("alice", 1)
+        assert store.prune_envelopes(older_than=0.0) == 0  # migrated rows count as seen now

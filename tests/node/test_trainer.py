@@ -1,16 +1,23 @@
-"""GRPO trainer with truncated importance weights, on a tiny float64 model."""
+"""GRPO/PPO trainer with filtered truncated importance sampling, on tiny models."""
 
 import math
 
 import pytest
 import torch
+from hivespec.kernels.importance import importance_weights
+from hivespec.node.model import load_model
+from hivespec.node.trainer import (
+    OWN,
+    ImportanceSettings,
+    Trainer,
+    TrainSample,
+    group_advantages,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hivespec.node.trainer import OWN, Trainer, TrainSample, group_advantages
 
-
-def _tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
+def _tiny(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
@@ -27,8 +34,15 @@ def _logp(model, prompt, completion) -> list[float]:
 
 
 def _trainer(model, **kwargs) -> Trainer:
-    defaults = dict(learning_rate=1e-2, tis_clip=2.0, micro_batch_size=3, autocast_dtype=None)
+    defaults = {"learning_rate": 1e-2, "micro_batch_size": 3, "autocast_dtype": None}
     return Trainer(model, **{**defaults, **kwargs})
+
+
+def _group(model, prompt, completions, rewards, group="g", source=OWN, behaviour=None):
+    return [
+        TrainSample(prompt, c, behaviour(c) if behaviour else _logp(model, prompt, c), r, group, source)
+        for c, r in zip(completions, rewards)
+    ]
 
 
 def test_group_advantages_by_hand():
@@ -41,19 +55,23 @@ def test_group_advantages_by_hand():
     assert mean_std == pytest.approx([2 / std, -1 / std, -1 / std])
 
 
-def test_on_policy_own_samples_have_weight_one():
-    model = _tiny()
-    prompt = [1, 2, 3]
-    samples = [
-        TrainSample(prompt, c, _logp(model, prompt, c), r, "g")
-        for c, r in (([4, 5, 6], 1.0), ([7, 8], 0.0), ([9], 0.0))
-    ]
-    stats = _trainer(model).step(samples)
-    assert stats.own is not None and stats.foreign is None
-    assert stats.own.mean_weight == pytest.approx(1.0, abs=1e-9)
-    assert stats.own.max_weight == pytest.approx(1.0, abs=1e-9)
-    assert stats.own.truncated_fraction == 0.0
-    assert stats.trained_samples == 3 and stats.tokens == 6
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_policy_own_samples_have_weight_exactly_one(autocast):
+    """Behaviour log-probs from the trainer's own path (same micro batches, kernels, dtype and
+    autocast) give log-ratios of exactly 0, so weights, PPO ratios and ESS/n are exactly 1."""
+    model = load_model("tiny", dtype=torch.float32)
+    trainer = _trainer(model, micro_batch_size=2, autocast_dtype=torch.bfloat16 if autocast else None)
+    prompt = [1, 2, 3, 4]
+    shapes = [([40, 41, 42], 1.0), ([50, 51], 0.0), ([60], 0.0), ([70, 71, 72, 73], 1.0), ([80, 81], 1.0), ([90], 1.0)]
+    draft = [TrainSample(prompt, c, [0.0] * len(c), r, "g" if i < 4 else "h") for i, (c, r) in enumerate(shapes)]
+    behaviour = trainer.logprobs(draft)
+    samples = [TrainSample(s.prompt_ids, s.completion_ids, b, s.reward, s.group) for s, b in zip(draft, behaviour)]
+    stats = trainer.step(samples)
+    assert stats.own is not None and stats.foreign is None and set(stats.sources) == {OWN}
+    assert stats.own.mean_weight == 1.0 and stats.own.max_weight == 1.0 and stats.own.ess_fraction == 1.0
+    assert stats.own.kept_fraction == 1.0 and stats.own.truncated_fraction == 0.0
+    assert stats.own.tokens == 13 and stats.trained_samples == 4 and stats.kept_tokens == 10
+    assert stats.clip_fraction == 0.0
 
 
 def test_step_moves_probability_towards_rewarded_completion():
@@ -62,34 +80,122 @@ def test_step_moves_probability_towards_rewarded_completion():
     trainer = _trainer(model, learning_rate=5e-2)
     before = sum(_logp(model, prompt, good)) - sum(_logp(model, prompt, bad))
     for _ in range(3):
-        trainer.step(
-            [TrainSample(prompt, good, _logp(model, prompt, good), 1.0, "g"),
-             TrainSample(prompt, bad, _logp(model, prompt, bad), 0.0, "g")]
-        )
+        trainer.step(_group(model, prompt, [good, bad], [1.0, 0.0]))
     after = sum(_logp(model, prompt, good)) - sum(_logp(model, prompt, bad))
     assert after > before + 1.0
     assert trainer.version == 3
 
 
 @pytest.mark.parametrize("forged", [-20.0, 0.0])
-def test_forged_foreign_logprobs_stay_bounded_and_counted(forged):
+@pytest.mark.parametrize("mask", ["none", "token", "sequence"])
+def test_forged_foreign_logprobs_stay_bounded_and_counted_per_peer(forged, mask):
     model = _tiny()
     prompt = [3, 4]
-    samples = [
-        TrainSample(prompt, [5, 6, 7], [forged] * 3, 1.0, "p", source="peer-a"),
-        TrainSample(prompt, [8, 9, 10], [forged] * 3, 0.0, "p", source="peer-a"),
-        TrainSample(prompt, [11], _logp(model, prompt, [11]), 0.0, "own-group"),
-    ]
-    stats = _trainer(model).step(samples)
-    assert stats.foreign is not None and stats.foreign.tokens == 6
-    assert stats.foreign.max_weight <= 2.0
-    assert all(math.isfinite(v) for v in (stats.foreign.mean_weight, stats.loss, stats.grad_norm))
-    if forged == -20.0:  # pi/mu is astronomically large: every token is truncated at C
-        assert stats.foreign.truncated_fraction == 1.0 and stats.foreign.max_weight == 2.0
-    else:  # mu claims certainty: pi/mu = pi < 1, nothing truncated
-        assert stats.foreign.truncated_fraction == 0.0 and stats.foreign.max_weight < 1.0
-    assert stats.foreign_samples == 2
-    assert stats.own is not None  # the zero-advantage own sample still gets weight statistics
+    samples = _group(model, prompt, [[5, 6, 7], [8, 9, 10]], [1.0, 0.0], "p", "peer-a", lambda c: [forged] * len(c))
+    samples += _group(model, prompt, [[11], [12, 13]], [0.0, 1.0], "own-group")
+    stats = _trainer(model, importance=ImportanceSettings(mask=mask)).step(samples)
+    peer = stats.sources["peer-a"]
+    assert stats.foreign == peer and peer.tokens == 6 and stats.foreign_samples == 2
+    assert peer.max_weight <= 2.0
+    assert all(math.isfinite(v) for v in (peer.mean_weight, stats.loss, stats.grad_norm))
+    if mask == "none" and forged == -20.0:  # pi/mu is astronomically large: every token is truncated at C
+        assert peer.truncated_fraction == 1.0 and peer.max_weight == 2.0 and peer.kept_fraction == 1.0
+    elif mask == "none":  # mu claims certainty: pi/mu = pi < 1, nothing truncated
+        assert peer.truncated_fraction == 0.0 and peer.max_weight < 1.0
+    else:  # the filters drop every token of the forgery, and say so
+        assert peer.masked_fraction == 1.0 and peer.kept_fraction == 0.0 and peer.ess_fraction == 0.0
+    assert stats.own is not None and stats.own.kept_fraction == 1.0
+    assert stats.kept_tokens == 3 + (6 if peer.kept_fraction == 1.0 else 0)
+
+
+def test_masked_tokens_leave_the_denominator():
+    """A fully masked foreign group changes neither the gradient nor K: same update as without it."""
+    prompt = [1, 2]
+    grads = []
+    for with_forgery in (False, True):
+        model = _tiny()
+        samples = _group(model, prompt, [[10, 11], [20]], [1.0, 0.0])
+        if with_forgery:
+            samples += _group(model, prompt, [[30, 31], [32]], [1.0, 0.0], "q", "peer-b", lambda c: [-20.0] * len(c))
+        trainer = _trainer(model, max_grad_norm=1e9, micro_batch_size=8)
+        stats = trainer.step(samples)
+        assert stats.kept_tokens == 3
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=1e-9) for a, b in zip(*grads))
+
+
+def test_per_peer_statistics_match_the_kernel():
+    model = _tiny()
+    prompt = [5]
+    offsets = {"peer-a": 0.1, "peer-b": -0.6}
+    samples = _group(model, prompt, [[7, 8], [9]], [1.0, 0.0])
+    for peer, offset in offsets.items():
+        samples += _group(
+            model, prompt, [[10, 11, 12], [13]], [0.0, 1.0], peer, peer,
+            lambda c, o=offset: [v + o for v in _logp(model, prompt, c)],
+        )
+    stats = _trainer(model, importance=ImportanceSettings(mask="token")).step(samples)
+    assert set(stats.sources) == {OWN, "peer-a", "peer-b"}
+    for peer, offset in offsets.items():
+        # log pi - log mu = -offset on every token: ratio exp(-offset), inside [0.5, 2] for both
+        expected = importance_weights(torch.full((4,), -offset), torch.zeros(4), torch.ones(4, dtype=torch.bool),
+                                      clip=2.0, token_bounds=(0.5, 2.0)).stats()
+        got = stats.sources[peer]
+        assert got.tokens == 4 and got.mean_weight == pytest.approx(expected.mean_weight, abs=1e-6)
+    assert stats.foreign.tokens == 8
+    assert stats.sources["peer-b"].mean_weight == pytest.approx(math.exp(0.6), abs=1e-6)
+
+
+def test_ppo_surrogate_by_hand():
+    """Advantage +1, eps 0.2, weight 0.5: ratio 1.1 keeps the gradient w*A*r, ratio 1.5 is clipped (no gradient)."""
+    trainer = _trainer(_tiny(), clip_epsilon=0.2)
+    old = torch.zeros(3, dtype=torch.float32)
+    logp = torch.tensor([math.log(1.1), math.log(1.5), math.log(0.5)], requires_grad=True)
+    weights = importance_weights(old, torch.zeros(3), torch.ones(3, dtype=torch.bool), clip=2.0)
+    weights = type(weights)(torch.full((3,), 0.5), weights.valid, weights.kept, weights.truncated, weights.vetoed)
+
+    class Batch:
+        advantage = torch.tensor([1.0, 1.0, -1.0])
+        behaviour = torch.zeros(3)
+
+    loss, clipped, _ = trainer._loss(logp, old, weights, Batch)
+    loss.backward()
+    # token 0: -0.5*1.1; token 1: clipped at 1.2 -> -0.5*1.2; token 2 (A<0, r=0.5 < 0.8): max(0.5, 0.8)*0.5 -> clipped
+    assert float(loss.detach()) == pytest.approx(-0.5 * 1.1 - 0.5 * 1.2 + 0.5 * 0.8, abs=1e-6)
+    assert clipped == 2
+    assert logp.grad.tolist() == pytest.approx([-0.5 * 1.1, 0.0, 0.0], abs=1e-6)
+
+
+def test_multi_epoch_reuse_clips_and_single_epoch_never_does():
+    prompt = [1, 2]
+    completions, rewards = [[10, 11, 12], [20, 21], [30]], [1.0, 0.0, 0.0]
+    one = _trainer(_tiny(), learning_rate=5e-2).step(_group(_tiny(), prompt, completions, rewards))
+    assert one.clip_fraction == 0.0
+    model = _tiny()
+    many = _trainer(model, learning_rate=5e-2, ppo_epochs=4, clip_epsilon=0.05).step(_group(model, prompt, completions, rewards))
+    assert 0.0 < many.clip_fraction <= 1.0 and math.isfinite(many.loss)
+    assert many.version == 1  # one policy version per step, however many epochs
+
+
+def test_kl_to_behaviour_is_reported_and_bounded_for_forgeries():
+    model = _tiny()
+    prompt = [3, 4]
+    samples = _group(model, prompt, [[5, 6, 7], [8]], [1.0, 0.0])
+    samples += _group(model, prompt, [[9, 10], [11]], [1.0, 0.0], "p", "peer", lambda c: [0.0] * len(c))
+    settings = ImportanceSettings(mask="none")  # let the forgery (mu = 1) into the loss
+    stats = _trainer(model, kl_coef=1.0, importance=settings, max_grad_norm=1e9).step(samples)
+    assert stats.kl is not None and 0.0 <= stats.kl <= math.log(2.0)  # k3 on log-ratios clamped to [log .5, log 2]
+    assert math.isfinite(stats.grad_norm) and math.isfinite(stats.loss)
+    assert _trainer(_tiny()).step(_group(_tiny(), prompt, [[5], [6]], [1.0, 0.0])).kl is None
+
+
+def test_plain_mode_trains_without_weights_or_stats():
+    model = _tiny()
+    prompt = [1]
+    samples = _group(model, prompt, [[2, 3], [4]], [1.0, 0.0], "p", "peer", lambda c: [-20.0] * len(c))
+    stats = _trainer(model, importance=ImportanceSettings(enabled=False)).step(samples)
+    assert stats.own is None and stats.foreign is None and stats.sources == {}
+    assert stats.kept_tokens == 3 and stats.grad_norm > 0.0
 
 
 def test_zero_advantage_step_changes_nothing():
@@ -97,5 +203,16 @@ def test_zero_advantage_step_changes_nothing():
     before = [p.detach().clone() for p in model.parameters()]
     prompt = [1]
     stats = _trainer(model).step([TrainSample(prompt, [2], _logp(model, prompt, [2]), 1.0, "g", OWN)] * 2)
-    assert stats.trained_samples == 0 and stats.loss == 0.0
+    assert stats.trained_samples == 0 and stats.loss == 0.0 and stats.own.tokens == 2
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bad_settings_and_samples():
+    with pytest.raises(ValueError, match="unbounded"):
+        ImportanceSettings(clip=None, mask="sequence")
+    with pytest.raises(ValueError, match="mask bounds"):
+        ImportanceSettings(mask_low=1.5)
+    with pytest.raises(ValueError, match="ppo_epochs"):
+        _trainer(_tiny(), ppo_epochs=0)
+    with pytest.raises(ValueError, match="pair one to one"):
+        _trainer(_tiny()).step([TrainSample([1], [2, 3], [0.0], 1.0, "g"), TrainSample([1], [4], [0.0], 0.0, "g")])

@@ -1,0 +1,138 @@
+"""Soak: 3 nodes on loopback train for a long time; are memory, file descriptors and errors flat?
+
+Every `--sample-every` seconds it records, per node, the resident memory and the open file
+descriptors of the node process and its p2pd child. After a warm-up (the first 20 % of the run,
+while caches and allocator pools fill) it fits a least-squares line to each series and reports
+the worst node's slope per hour. "Unhandled" counts tracebacks and CRITICAL lines in the node
+logs, watchdog stall reports, and nodes that exited on their own. As a side-by-side ratio it
+prints the worst node's RSS at the end over its RSS at the end of the warm-up.
+
+    python bench/soak.py                    # 30 minutes, tiny model
+    python bench/soak.py --quick            # 4 minutes
+    python bench/soak.py --model smollm2-135m-instruct --minutes 30
+
+Ends with one line `RESULT {json}` with `rss_slope_mb_per_h`, `fd_slope_per_h`, `unhandled`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from swarm_harness import SwarmNode, prepare_model, start_swarm
+
+_UNHANDLED = re.compile(r"^Traceback \(most recent call last\)|\bCRITICAL\b|watchdog: loop .* made no progress", re.MULTILINE)
+
+
+def _usage(node: SwarmNode) -> tuple[float, int] | None:
+    """(RSS in MB, open fds) of a node process plus its children (p2pd)."""
+    try:
+        process = psutil.Process(node.process.pid)
+        members = [process, *process.children(recursive=True)]
+        rss = sum(p.memory_info().rss for p in members) / 1e6
+        fds = sum(p.num_fds() for p in members)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return rss, fds
+
+
+def _slope_per_hour(points: list[tuple[float, float]]) -> float:
+    if len(points) < 3:
+        return 0.0
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return 0.0
+    return sum((t - mean_t) * (y - mean_y) for t, y in points) / var * 3600.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 minutes instead of 30")
+    parser.add_argument("--minutes", type=float, help="length of the run (default 30, quick 4)")
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--model", default="tiny", help="tiny (default) or smollm2-135m-instruct")
+    parser.add_argument("--sample-every", type=float, default=10.0)
+    parser.add_argument("--dir", help="keep node homes here (default: a temp dir)")
+    args = parser.parse_args()
+    minutes = args.minutes or (4.0 if args.quick else 30.0)
+    prepare_model()
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hivespec-soak-"))
+    sets = [
+        f"model.name={args.model}",
+        f"swarm.expected_peers={args.nodes - 1}",
+        "swarm.round_timeout=30",
+        "checkpoint.every_rounds=5",
+        "status.enabled=false",
+    ]
+    print(f"soak: {args.nodes} nodes, model {args.model}, {minutes:.0f} min; homes in {root}", flush=True)
+    nodes = start_swarm(root, args.nodes, sets)
+    started = time.monotonic()
+    series: dict[str, list[tuple[float, float, int]]] = {n.name: [] for n in nodes}
+    exited = []
+    next_print = started
+    while time.monotonic() - started < minutes * 60:
+        now = time.monotonic() - started
+        for node in nodes:
+            node.poll()
+            if not node.alive():
+                if node.name not in exited:
+                    exited.append(node.name)
+                    print(f"{node.name} exited with {node.process.returncode}", flush=True)
+                continue
+            usage = _usage(node)
+            if usage is not None:
+                series[node.name].append((now, *usage))
+        if time.monotonic() >= next_print:
+            next_print += 300
+            row = "  ".join(
+                f"{n.name}: {len(n.rounds())} rnd {series[n.name][-1][1]:.0f} MB {series[n.name][-1][2]} fd"
+                for n in nodes if series[n.name]
+            )
+            print(f"[{now / 60:5.1f} min] {row}", flush=True)
+        time.sleep(args.sample_every)
+    for node in nodes:
+        node.stop()
+        node.poll()
+
+    warmup = 0.2 * minutes * 60
+    rss_slopes, fd_slopes, growth = {}, {}, {}
+    for name, points in series.items():
+        steady = [p for p in points if p[0] >= warmup]
+        rss_slopes[name] = _slope_per_hour([(t, rss) for t, rss, _ in steady])
+        fd_slopes[name] = _slope_per_hour([(t, fds) for t, _, fds in steady])
+        if steady:
+            growth[name] = steady[-1][1] / steady[0][1]
+    unhandled_lines = {n.name: len(_UNHANDLED.findall(n.log_text())) for n in nodes}
+    unhandled = sum(unhandled_lines.values()) + len(exited)
+    worst = max(rss_slopes, key=lambda k: abs(rss_slopes[k]))
+    result = {
+        "minutes": minutes,
+        "model": args.model,
+        "nodes": args.nodes,
+        "rounds": {n.name: len(n.rounds()) for n in nodes},
+        "rss_slope_mb_per_h": round(max(rss_slopes.values(), key=abs), 2),
+        "fd_slope_per_h": round(max(fd_slopes.values(), key=abs), 2),
+        "unhandled": unhandled,
+        "unhandled_by_node": unhandled_lines,
+        "exited": exited,
+        "rss_end_over_warm_ratio": round(growth.get(worst, 1.0), 4),
+        "rss_mb_end": {k: round(v[-1][1], 1) for k, v in series.items() if v},
+        "fds_end": {k: v[-1][2] for k, v in series.items() if v},
+        "rss_slopes_mb_per_h": {k: round(v, 2) for k, v in rss_slopes.items()},
+        "fd_slopes_per_h": {k: round(v, 2) for k, v in fd_slopes.items()},
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

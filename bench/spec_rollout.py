@@ -1,0 +1,187 @@
+"""Lossless speculative rollouts on an RL-epoch workload: plain vs speculative, same seeds, one process.
+
+P GSM8K-style prompts x G samples x E epochs on the embedded model. Epoch 0 is decoded plainly
+and warms the drafter (as in RL, the same prompt set comes back every epoch); every later
+epoch is decoded twice with the same seeds, plain and speculative, side by side, and then fed
+to the drafter. Prints per epoch and in total: wall ratio plain / speculative, tokens per target
+forward (per sequence; plain = 1.0), acceptance, the fraction of sequences identical token for
+token, the drafter's share of the speculative wall time and its cost per draft token.
+
+Variant ("swarm"): a second drafter is also fed with other nodes' rollouts of the same prompts
+(different seeds, generated in the warm-up epoch), and the last epoch is decoded with it too,
+to show what the swarm's rollouts add to acceptance.
+
+    python bench/spec_rollout.py --quick
+    python bench/spec_rollout.py --prompts 12 --generations 2 --epochs 3 --max-new-tokens 96
+    python bench/spec_rollout.py --quick --model tiny       # smoke run, random weights
+
+Ends with one line ``RESULT {json}``: wall_ratio, tokens_per_forward, identical_fraction,
+drafter_share, plus details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hivespec.node.model import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer
+from hivespec.node.tasks import GSM_MINI_PATH, TaskSource
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (under 2 minutes on 2 cores)")
+    parser.add_argument("--prompts", type=int, help="prompts (default 8, quick 4)")
+    parser.add_argument("--generations", type=int, default=2, help="samples per prompt per epoch")
+    parser.add_argument("--epochs", type=int, help="epochs, the first warms the drafter (default 3, quick 2)")
+    parser.add_argument("--max-new-tokens", type=int, help="default 96, quick 64")
+    parser.add_argument("--peers", type=int, default=2, help="other nodes whose warm-up rollouts feed the swarm variant (0: skip it)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the target is batch 1)")
+    parser.add_argument("--budget", type=int, default=16, help="num_speculative_tokens (max draft per step)")
+    parser.add_argument("--model", default=EMBEDDED_MODEL)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.prompts = args.prompts or (4 if args.quick else 8)
+    args.epochs = args.epochs or (2 if args.quick else 3)
+    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 96)
+    if args.epochs < 2:
+        parser.error("--epochs must be >= 2: the first one only warms the drafter")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    threads = configure_threads(args.threads)
+    from hivespec.node.drafter import SuffixDrafter
+    from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
+    from hivespec.node.model import cache_dir
+    from hivespec.node.speculation import (
+        CALIBRATION_BATCHES,
+        LengthAwarePolicy,
+        curve_key,
+        load_or_calibrate,
+        model_identity,
+    )
+
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    source = TaskSource([("jsonl", 1, 1.0)], jsonl_path=GSM_MINI_PATH)
+    jsonl = source.families["jsonl"]
+    tasks = [jsonl.make(i, 1) for i in range(args.prompts)]  # type: ignore[attr-defined]
+    prompts = [tuple(source.chat_prompt_ids(tokenizer, task)) for task in tasks]
+    params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+
+    def requests(seed: int) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(prompt, seed=seed, sample_index=p * args.generations + g)
+            for p, prompt in enumerate(prompts)
+            for g in range(args.generations)
+        ]
+
+    plain_engine = TorchEngine(model, max_batch_size=args.batch_size)
+    batches = sorted({b for b in CALIBRATION_BATCHES if b <= args.batch_size} | {args.batch_size})
+    started = time.perf_counter()
+    key = curve_key(model_identity(model.config, args.dtype), args.dtype, "cpu", threads)
+    curve = load_or_calibrate(cache_dir() / "speculation", key, plain_engine.time_forwards, batches=batches)
+    print(f"model {args.model} {args.dtype}, {threads} threads, batch {args.batch_size}; verify cost (cached or measured "
+          f"in {time.perf_counter() - started:.1f}s):", flush=True)
+    for b in batches:
+        print(f"  B={b:<3} T(k+1)/T(1) for k=1,2,4,8,16: " + " ".join(f"{curve.ratio(b, k + 1):.2f}" for k in (1, 2, 4, 8, 16)))
+
+    own = SuffixDrafter()
+    swarm = SuffixDrafter()
+    spec_engine = TorchEngine(model, max_batch_size=args.batch_size, drafter=own, policy=LengthAwarePolicy(curve, own, max_budget=args.budget))
+    swarm_engine = TorchEngine(model, max_batch_size=args.batch_size, drafter=swarm, policy=LengthAwarePolicy(curve, swarm, max_budget=args.budget))
+
+    def feed(drafters: Sequence[SuffixDrafter], samples) -> None:
+        for drafter in drafters:
+            for sample in samples:
+                drafter.observe(sample.prompt_ids, sample.completion_ids)
+
+    warm = plain_engine.generate(requests(args.seed * 1000), params)
+    feed([own, swarm], warm)
+    for peer in range(1, args.peers + 1):  # other nodes: same prompts, their own seeds
+        feed([swarm], plain_engine.generate(requests(args.seed * 1000 + 100 * peer), params))
+    print(f"warm-up epoch: {sum(len(s.completion_ids) for s in warm)} tokens; swarm drafter also fed {args.peers} peers' rollouts", flush=True)
+
+    total_plain = SpeculationStats()
+    total_spec = SpeculationStats()
+    identical = sequences = 0
+    max_logprob_diff = 0.0
+    swarm_stats = SpeculationStats()
+    print(f"{'epoch':>5} {'tokens':>7} {'plain s':>8} {'spec s':>7} {'ratio':>6} {'tok/fwd':>8} {'accept':>7} {'same':>6} {'draft%':>7} {'us/tok':>7}")
+    for epoch in range(1, args.epochs):
+        epoch_requests = requests(args.seed * 1000 + epoch)
+        plain_stats, spec_stats = SpeculationStats(), SpeculationStats()
+        plain = plain_engine.generate(epoch_requests, params, stats=plain_stats)
+        spec = spec_engine.generate(epoch_requests, params, stats=spec_stats)
+        same = sum(a.completion_ids == b.completion_ids for a, b in zip(plain, spec, strict=True))
+        for a, b in zip(plain, spec, strict=True):
+            if a.completion_ids == b.completion_ids and a.logprobs:
+                max_logprob_diff = max(max_logprob_diff, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
+        if epoch == args.epochs - 1 and args.peers:
+            swarm_engine.generate(epoch_requests, params, stats=swarm_stats)
+        identical += same
+        sequences += len(plain)
+        total_plain.add(plain_stats)
+        total_spec.add(spec_stats)
+        feed([own, swarm], plain)
+        print(
+            f"{epoch:>5} {plain_stats.tokens:>7} {plain_stats.generate_seconds:>8.2f} {spec_stats.generate_seconds:>7.2f} "
+            f"{plain_stats.generate_seconds / spec_stats.generate_seconds:>6.2f} {spec_stats.tokens_per_forward:>8.2f} "
+            f"{spec_stats.acceptance_rate:>7.2f} {same / len(plain):>6.2f} "
+            f"{100 * spec_stats.draft_seconds / spec_stats.generate_seconds:>6.1f}% {spec_stats.draft_us_per_token:>7.1f}",
+            flush=True,
+        )
+
+    wall_ratio = total_plain.generate_seconds / total_spec.generate_seconds
+    result = {
+        "wall_ratio": round(wall_ratio, 3),
+        "tokens_per_forward": round(total_spec.tokens_per_forward, 3),
+        "identical_fraction": round(identical / sequences, 4),
+        "drafter_share": round(total_spec.draft_seconds / total_spec.generate_seconds, 4),
+        "acceptance": round(total_spec.acceptance_rate, 4),
+        "draft_us_per_token": round(total_spec.draft_us_per_token, 2),
+        "speculative_steps": total_spec.speculative_steps,
+        "batch_forwards_plain": total_plain.batch_forwards,
+        "batch_forwards_spec": total_spec.batch_forwards,
+        "max_logprob_diff_identical": max_logprob_diff,
+        "sequences": sequences,
+        "tokens": total_plain.tokens,
+        "plain_seconds": round(total_plain.generate_seconds, 2),
+        "spec_seconds": round(total_spec.generate_seconds, 2),
+        "model": args.model,
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "temperature": args.temperature,
+        "threads": threads,
+    }
+    if args.peers:
+        result["swarm_tokens_per_forward"] = round(swarm_stats.tokens_per_forward, 3)
+        result["swarm_acceptance"] = round(swarm_stats.acceptance_rate, 4)
+        print(
+            f"swarm variant (last epoch, drafter also fed {args.peers} peers' rollouts): tokens/forward "
+            f"{swarm_stats.tokens_per_forward:.2f}, acceptance {swarm_stats.acceptance_rate:.2f}, "
+            f"wall {swarm_stats.generate_seconds:.2f}s"
+        )
+    print(
+        f"total: wall plain/spec {wall_ratio:.2f}x, {total_spec.tokens_per_forward:.2f} tokens per target forward, "
+        f"identical {identical}/{sequences}, drafter {100 * result['drafter_share']:.1f}% of wall, "
+        f"{total_spec.draft_us_per_token:.1f} us per draft token"
+    )
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Local swarm harness for the churn and soak benchmarks: real `hivespec join` processes on 127.0.0.1.
+
+Each node is a child process with its own home (identity, journal, checkpoints), an events file
+(JSON lines: ready, round, done) and a log. A node can be SIGKILLed, SIGSTOPped and restarted with
+the same home (so it resumes from its checkpoint), optionally with `HIVESPEC_FAULTS` armed so it
+kills itself at an exact point (mid-save, mid-store). Imported by the bench scripts from their
+own folder; never put the repository root on sys.path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 240.0
+
+
+@dataclass
+class Incarnation:
+    """One process lifetime of a node."""
+
+    process: subprocess.Popen
+    started: float
+    faults: str = ""
+    ready_at: float | None = None
+    first_round_at: float | None = None
+
+
+@dataclass
+class SwarmNode:
+    name: str
+    home: Path
+    sets: list[str]
+    local_nodes: int
+    lives: list[Incarnation] = field(default_factory=list)
+    _offset: int = 0
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self.lives[-1].process if self.lives else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, initial_peers: list[str], faults: str = "") -> None:
+        command = [
+            sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join", "--config", "tiny",
+            "--home", str(self.home), "--name", self.name, "--events", str(self.home / "events.jsonl"),
+            "--local-nodes", str(self.local_nodes), "--rounds", "0", "--linger", "0",
+        ]
+        for item in self.sets:
+            command += ["--set", item]
+        for maddr in initial_peers:
+            command += ["--initial-peer", maddr]
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = (self.home / "node.log").open("ab")
+        env = dict(os.environ, HIVESPEC_FAULTS=faults)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.lives.append(Incarnation(process, time.monotonic(), faults))
+
+    def poll(self) -> list[dict]:
+        """New events since the last call (also appended to `events`, tagged with the incarnation)."""
+        path = self.home / "events.jsonl"
+        if not path.exists():
+            return []
+        with path.open("rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        life = self.lives[-1] if self.lives else None
+        for event in new:
+            event["life"] = len(self.lives) - 1
+            if life is not None and event["event"] == "ready" and life.ready_at is None:
+                life.ready_at = time.monotonic()
+            if life is not None and event["event"] == "round" and life.first_round_at is None:
+                life.first_round_at = time.monotonic()
+        self.events.extend(new)
+        return new
+
+    def maddrs(self) -> list[str]:
+        ready = [e for e in self.events if e["event"] == "ready" and e["life"] == len(self.lives) - 1]
+        return ready[-1]["maddrs"] if ready else []
+
+    def rounds(self) -> list[dict]:
+        return [e for e in self.events if e["event"] == "round"]
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self, timeout: float = 90.0) -> None:
+        """SIGTERM (finish the round, checkpoint), then SIGKILL after `timeout`."""
+        if not self.alive():
+            return
+        self.process.send_signal(signal.SIGCONT)
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def journal(self) -> dict[str, int]:
+        """Rows in the node's rollout journal (read-only; call with the node stopped)."""
+        path = self.home / "rollouts.sqlite"
+        if not path.exists():
+            return {"own": 0, "foreign": 0}
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            total, own = conn.execute("SELECT COUNT(*), COALESCE(SUM(own), 0) FROM rollouts").fetchone()
+        finally:
+            conn.close()
+        return {"own": own, "foreign": total - own}
+
+    def log_text(self) -> str:
+        path = self.home / "node.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_ready(node: SwarmNode, timeout: float = READY_TIMEOUT_S) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        node.poll()
+        if node.maddrs():
+            return node.maddrs()
+        if not node.alive():
+            raise RuntimeError(f"{node.name} exited with {node.process.returncode} before it was ready:\n{node.log_text()[-3000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"{node.name} not ready after {timeout:.0f} s:\n{node.log_text()[-3000:]}")
+
+
+def start_swarm(root: Path, count: int, sets: list[str]) -> list[SwarmNode]:
+    """Start `count` nodes: the first alone, the rest bootstrapped from it."""
+    nodes = [SwarmNode(f"node-{i}", root / f"node-{i}", sets, local_nodes=count) for i in range(count)]
+    nodes[0].start([])
+    first = wait_ready(nodes[0])
+    for node in nodes[1:]:
+        node.start(first)
+    for node in nodes[1:]:
+        wait_ready(node)
+    return nodes
+
+
+def live_maddrs(nodes: list[SwarmNode], exclude: SwarmNode | None = None) -> list[str]:
+    """Bootstrap addresses of the nodes that are up now (for a restarted node to join through)."""
+    found = []
+    for node in nodes:
+        if node is not exclude and node.alive():
+            found += node.maddrs()[:1]
+    return found
+
+
+def prepare_model() -> None:
+    """Convert the embedded GGUF once (the tiny model uses its tokenizer) before N nodes start."""
+    from hivespec.node.model import ensure_embedded_cache
+
+    ensure_embedded_cache()

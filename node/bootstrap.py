@@ -1,0 +1,303 @@
+"""Joining a swarm: where bootstrap peers come from, how we dial them, solo mode, and who may run as us.
+
+Sources, tried in this order and deduplicated: the config's `initial_peers`, the
+``HIVESPEC_INITIAL_PEERS`` environment variable (whitespace or comma separated), a peers file
+(one multiaddr per line, ``#`` comments), and an on-disk cache of peers we met recently
+(`PeerCache`, in the node's home). A candidate must be a multiaddr ending in ``/p2p/<peer id>``.
+
+`Joiner` dials candidates from gossip's event loop: connect (p2pd), DHT ping, then a lookup of
+our own id to fill the routing table, each under a timeout. At start it retries with
+exponential backoff until `bootstrap_timeout`; if nobody answered, the node runs **solo**
+(logged as a warning, visible in `Gossip.status()`) and keeps retrying in the background. Once
+joined it re-bootstraps every `rebootstrap_interval` seconds, which merges a DHT that started
+split (hivemind#624). Reachability is measured, not guessed: a DHT ping with ``validate=True``
+asks the peer to dial us back.
+
+`HomeLock` holds an exclusive lock on the node's home, so a second node with the same identity
+file refuses to start instead of fighting the first over its peer id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import dht_pb2
+from hivemind.utils.multiaddr import Multiaddr
+from hivespec.protocol.private import PrivateSwarm, parse_allowlist, parse_secret
+
+logger = logging.getLogger(__name__)
+
+PEERS_ENV = "HIVESPEC_INITIAL_PEERS"
+SECRET_ENV = "HIVESPEC_SWARM_SECRET"
+CACHE_FILE = "peers.cache.json"
+LOCK_FILE = "node.lock"
+MAX_CACHED_PEERS = 64
+_MADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/(tcp|udp)/\d{1,5}(/[^\s]*)?/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
+
+
+class IdentityInUse(RuntimeError):
+    """Another running node holds this home (and so this identity)."""
+
+
+class HomeLock:
+    """An exclusive, non-blocking `flock` on ``<home>/node.lock``, released on close or process exit."""
+
+    def __init__(self, home: Path) -> None:
+        self.path = Path(home) / LOCK_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise IdentityInUse(
+                f"another hivespec node (pid {holder}) is already running with the identity in {home}; "
+                "two nodes with one identity would share a peer id. Stop that node, or give this one its "
+                "own --home (a new identity is created there)"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def close(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def is_bootstrap_maddr(text: str) -> bool:
+    """Whether `text` looks like a dialable multiaddr with a ``/p2p/<peer id>`` part."""
+    return isinstance(text, str) and _MADDR.fullmatch(text.strip()) is not None
+
+
+def read_peers_file(path: Path) -> list[str]:
+    """Multiaddrs from a peers file; raises ValueError naming the first line that is not one."""
+    peers = []
+    for number, raw in enumerate(Path(path).read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not is_bootstrap_maddr(line):
+            raise ValueError(f"peers file {path} line {number}: {line[:120]!r} is not a multiaddr ending in /p2p/<peer id>")
+        peers.append(line)
+    return peers
+
+
+@dataclass
+class PeerCache:
+    """Recently seen peers' multiaddrs in the node's home, newest first, at most MAX_CACHED_PEERS."""
+
+    path: Path
+    entries: dict[str, float] = field(default_factory=dict)  # maddr -> last seen (wall clock)
+
+    @classmethod
+    def load(cls, path: Path) -> PeerCache:
+        """The cache at `path`; an unreadable or malformed file gives an empty cache (it is only a hint)."""
+        cache = cls(Path(path))
+        try:
+            data = json.loads(cache.path.read_text())
+        except (OSError, ValueError):
+            return cache
+        if isinstance(data, dict):
+            cache.entries = {
+                m: float(t) for m, t in data.items() if is_bootstrap_maddr(m) and isinstance(t, (int, float))
+            }
+        return cache
+
+    def maddrs(self) -> list[str]:
+        return sorted(self.entries, key=self.entries.get, reverse=True)
+
+    def remember(self, maddrs: Sequence[str], now: float | None = None) -> None:
+        """Mark `maddrs` as seen now and save (atomically); keeps the newest MAX_CACHED_PEERS."""
+        now = time.time() if now is None else now
+        for m in maddrs:
+            if is_bootstrap_maddr(m):
+                self.entries[m] = now
+        self.entries = dict(sorted(self.entries.items(), key=lambda kv: kv[1], reverse=True)[:MAX_CACHED_PEERS])
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            logger.debug("could not save the peer cache %s: %s", self.path, exc)
+
+
+def bootstrap_candidates(
+    initial_peers: Sequence[str],
+    *,
+    peers_file: Path | None = None,
+    cache: PeerCache | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[tuple[str, str]]:
+    """(source, multiaddr) for every configured bootstrap peer, in source order, without repeats.
+
+    Raises ValueError on a malformed entry from config, env or the peers file (the cache is a hint
+    and is filtered instead).
+    """
+    env = os.environ if environ is None else environ
+    sources: list[tuple[str, list[str]]] = [("config", list(initial_peers))]
+    if env.get(PEERS_ENV):
+        sources.append(("env", [p for p in re.split(r"[\s,]+", env[PEERS_ENV]) if p]))
+    if peers_file is not None:
+        sources.append(("peers_file", read_peers_file(peers_file)))
+    if cache is not None:
+        sources.append(("cache", cache.maddrs()))
+    seen, out = set(), []
+    for source, maddrs in sources:
+        for m in maddrs:
+            m = m.strip()
+            if source != "cache" and not is_bootstrap_maddr(m):
+                raise ValueError(f"bootstrap peer {m[:120]!r} from {source} is not a multiaddr ending in /p2p/<peer id>")
+            if m not in seen:
+                seen.add(m)
+                out.append((source, m))
+    return out
+
+
+def load_private_swarm(
+    swarm: str, *, allowlist_file: str | None, secret_file: str | None, environ: Mapping[str, str] | None = None
+) -> PrivateSwarm | None:
+    """The private swarm described by the config (None for a public swarm); raises ValueError with the fix."""
+    env = os.environ if environ is None else environ
+    if allowlist_file is None:
+        if secret_file or env.get(SECRET_ENV):
+            raise ValueError("a swarm secret is set but swarm.private.allowlist_file is not: a private swarm needs both")
+        return None
+    if secret_file:
+        secret_text = Path(secret_file).expanduser().read_text()
+    elif env.get(SECRET_ENV):
+        secret_text = env[SECRET_ENV]
+    else:
+        raise ValueError(f"swarm.private.allowlist_file is set but no secret: set swarm.private.secret_file or ${SECRET_ENV}")
+    return PrivateSwarm.create(swarm, parse_secret(secret_text), parse_allowlist(Path(allowlist_file).expanduser().read_text()))
+
+
+def _without_peer_id(maddr: Multiaddr) -> Multiaddr:
+    # p2pd's connect takes the peer id separately and transport addresses only.
+    if "p2p" in [proto.name for proto in maddr.protocols()]:
+        return maddr.decapsulate(Multiaddr(f"/p2p/{maddr.value_for_protocol('p2p')}"))
+    return maddr
+
+
+async def dial(p2p: P2P, peer: PeerID, maddrs: Sequence[str], timeout: float) -> None:
+    """Make p2pd connect to `peer` at `maddrs` (P2P has no public connect(); hivemind uses _client the same way)."""
+    addrs = [_without_peer_id(Multiaddr(m)) for m in maddrs]
+    await asyncio.wait_for(p2p._client.connect(peer, addrs), timeout)
+
+
+@dataclass
+class Joiner:
+    """Bootstraps a DHTNode from candidate multiaddrs; runs on gossip's event loop."""
+
+    p2p: P2P
+    dht: DHTNode
+    candidates: list[tuple[str, str]]
+    cache: PeerCache | None = None
+    rpc_timeout: float = 3.0
+    solo: bool = True
+    joined_via: str = ""  # "<source> <maddr>" of the last peer that answered
+    reachability: str = "unknown"
+    last_attempt: float = 0.0
+
+    async def join_once(self) -> bool:
+        """Try every candidate once (concurrently); True if at least one answered a DHT ping."""
+        self.last_attempt = time.time()
+        own = {str(self.p2p.peer_id)}
+        todo = [(s, m) for s, m in self.candidates if Multiaddr(m).value_for_protocol("p2p") not in own]
+        if not todo:
+            return False
+        results = await asyncio.gather(*(self._try(s, m) for s, m in todo))
+        answered = [r for r in results if r is not None]
+        if not answered:
+            return False
+        self.solo = False
+        self.joined_via = answered[0][0]
+        try:
+            await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), 3 * self.rpc_timeout)
+        except TimeoutError:
+            logger.debug("routing table refresh timed out after a successful bootstrap ping")
+        self.reachability = await self._reachability(answered[0][1])
+        await self.remember_peers()
+        return True
+
+    async def _try(self, source: str, maddr: str) -> tuple[str, PeerID] | None:
+        try:
+            peer = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+            await dial(self.p2p, peer, [maddr], self.rpc_timeout)
+            node_id = await asyncio.wait_for(self.dht.protocol.call_ping(peer), self.rpc_timeout)
+        except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: try the next one
+            logger.debug("bootstrap peer %s (%s) did not answer: %s: %s", maddr, source, type(exc).__name__, exc)
+            return None
+        return (f"{source} {maddr}", peer) if node_id is not None else None
+
+    async def _reachability(self, peer: PeerID) -> str:
+        """'public' / 'private' by whether `peer` could dial us back; 'relayed' if we only have relay addresses."""
+        maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
+        if maddrs and all("p2p-circuit" in m for m in maddrs):
+            return "relayed"
+        try:
+            request = dht_pb2.PingRequest(peer=self.dht.protocol.node_info, validate=True)
+            response = await self.dht.protocol.get_stub(peer).rpc_ping(request, timeout=self.rpc_timeout)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("reachability check failed: %s: %s", type(exc).__name__, exc)
+            return "unknown"
+        return "reachable" if response.available else "unreachable"
+
+    async def remember_peers(self) -> None:
+        """Save the addresses of peers p2pd is connected to in the peer cache."""
+        if self.cache is None:
+            return
+        try:
+            peers = await asyncio.wait_for(self.p2p.list_peers(), self.rpc_timeout)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("could not list peers for the cache: %s", exc)
+            return
+        maddrs = [f"{addr}/p2p/{info.peer_id}" for info in peers for addr in info.addrs if "p2p-circuit" not in str(addr)]
+        self.cache.remember(maddrs)
+
+    async def start(self, timeout: float) -> bool:
+        """Retry `join_once` with exponential backoff (1 s doubling, jittered) for up to `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 1.0
+        while True:
+            if await self.join_once():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.candidates:
+                return False
+            await asyncio.sleep(min(remaining, delay * random.uniform(0.8, 1.2)))
+            delay = min(delay * 2, 30.0)
+
+    async def keep_joined(self, interval: float) -> None:
+        """Background task: while solo retry with backoff; once joined re-bootstrap every `interval` s."""
+        delay = 1.0
+        while True:
+            await asyncio.sleep((delay if self.solo else interval) * random.uniform(0.8, 1.2))
+            was_solo = self.solo
+            try:
+                ok = await self.join_once()
+            except Exception as exc:  # noqa: BLE001 - a failed attempt must not end the task
+                logger.debug("re-bootstrap failed: %s: %s", type(exc).__name__, exc)
+                ok = False
+            if ok and was_solo:
+                logger.warning("left solo mode: joined the swarm via %s", self.joined_via)
+            if not ok and not self.solo and not self.dht.protocol.routing_table.uid_to_peer_id:
+                self.solo = True
+                logger.warning("solo mode: every known peer is gone; retrying the bootstrap sources")
+            delay = 1.0 if ok else min(delay * 2, interval)

@@ -1,0 +1,349 @@
+"""``hivespec doctor``: checks a machine and a config before (or while) a node runs there.
+
+Each check returns one `Check` line: OK, WARN (works, but worth knowing), SKIP (could not be
+checked here, and why) or FAIL, with what was found and, when it is not OK, what to do. The
+command exits non-zero when any check fails. The checks are the failures volunteers hit most
+(RL Swarm's issue tracker: p2pd that does not start, unreachable bootstrap peers, out-of-memory
+hours into a run, a full disk): torch and CUDA, RAM and VRAM against the model's training
+footprint, vLLM, the embedded model, p2pd, ports, bootstrap peers, the identity key file, disk
+space for checkpoints, and clock skew against peers (hivemind needs clocks within 3 s).
+
+The network checks start a real p2pd and DHT node on 127.0.0.1 (hivemind is imported here, and
+only when those checks run); nothing is announced or stored in the swarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import platform
+import shutil
+import socket
+import stat
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import psutil
+import torch
+
+from hivespec.node.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
+from hivespec.node.config import NodeConfig, node_home
+
+Status = Literal["ok", "warn", "skip", "fail"]
+MAX_CLOCK_SKEW_S = 3.0  # hivemind's DHT rejects records beyond this discrepancy
+_ADAM_BYTES_PER_PARAM = 4 + 4 + 4 + 4  # fp32 master weight, gradient, exp_avg, exp_avg_sq
+_HEADROOM_BYTES = 1 << 30  # activations, KV cache, tokenizer, python
+
+
+@dataclass(frozen=True)
+class Check:
+    """One doctor line: `name`, its status, what was found and what to do."""
+
+    name: str
+    status: Status
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status.upper():<4}  {self.name:<12} {self.detail}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+# ----- local checks -------------------------------------------------------------------------
+
+
+def check_python() -> Check:
+    return Check("python", "ok", f"{platform.python_version()} ({sys.executable})")
+
+
+def check_torch(config: NodeConfig) -> Check:
+    wants_cuda = config.model.device.startswith("cuda")
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        return Check("torch", "ok", f"torch {torch.__version__}, CUDA {torch.version.cuda}: {names}")
+    if wants_cuda:
+        return Check("torch", "fail", f"torch {torch.__version__} sees no CUDA device but model.device is {config.model.device!r}: "
+                     "install a CUDA build of torch and check `nvidia-smi`, or set model.device=cpu")
+    return Check("torch", "ok", f"torch {torch.__version__}, CPU only (no CUDA device; fine for the CPU demo and the tiny model)")
+
+
+def parameter_count(model_name: str) -> int:
+    """Parameters of the configured model, read from file headers (no weights are loaded)."""
+    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, embedded_gguf_path, load_model
+
+    if model_name == TINY_MODEL:
+        return sum(p.numel() for p in load_model(TINY_MODEL).parameters())
+    if model_name == EMBEDDED_MODEL:
+        import gguf
+
+        return sum(int(t.n_elements) for t in gguf.GGUFReader(embedded_gguf_path()).tensors)
+    from safetensors import safe_open
+
+    total = 0
+    files = sorted(Path(model_name).expanduser().glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_name}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shape = f.get_slice(key).get_shape()
+                total += int(torch.tensor(shape).prod()) if shape else 1
+    return total
+
+
+def check_model(config: NodeConfig) -> tuple[Check, int | None]:
+    try:
+        params = parameter_count(config.model.name)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        return Check("model", "fail", f"{config.model.name!r}: {exc}"), None
+    return Check("model", "ok", f"{config.model.name}: {params / 1e6:.1f}M parameters"), params
+
+
+def training_bytes(params: int, engine_dtype: str) -> int:
+    """RAM a node needs: trainer weights, gradients and AdamW state in fp32, the engine copy, headroom."""
+    engine = {"bfloat16": 2, "float32": 4, "float64": 8}[engine_dtype]
+    return params * (_ADAM_BYTES_PER_PARAM + engine) + _HEADROOM_BYTES
+
+
+def check_memory(config: NodeConfig, params: int | None) -> list[Check]:
+    available = psutil.virtual_memory().available
+    checks = []
+    if params is None:
+        checks.append(Check("ram", "skip", f"{_gib(available)} available; model size unknown (see the model line)"))
+    else:
+        need = training_bytes(params, config.model.engine_dtype)
+        if config.model.device.startswith("cuda"):
+            need = _HEADROOM_BYTES  # weights and optimizer live in VRAM
+        if available < need:
+            checks.append(Check("ram", "fail", f"{_gib(available)} available, a node needs ~{_gib(need)}: close other "
+                                "programs, run fewer local nodes, or use a smaller model"))
+        else:
+            checks.append(Check("ram", "ok", f"{_gib(available)} available, a node needs ~{_gib(need)}"))
+    if not torch.cuda.is_available():
+        checks.append(Check("vram", "skip", "no CUDA device"))
+        return checks
+    for index in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(index)
+        need = training_bytes(params, config.model.engine_dtype) if params else 0
+        status: Status = "ok" if free >= need else "fail"
+        advice = "" if status == "ok" else ": stop other GPU processes (nvidia-smi) or use a smaller model"
+        checks.append(Check("vram", status, f"cuda:{index} {_gib(free)} free of {_gib(total)}, a node needs ~{_gib(need)}{advice}"))
+    return checks
+
+
+def check_vllm() -> Check:
+    if importlib.util.find_spec("vllm") is None:
+        if torch.cuda.is_available():
+            return Check("vllm", "warn", "not installed; the native torch engine is used. For faster GPU rollouts: "
+                         "pip install 'hivespec[gpu]'")
+        return Check("vllm", "ok", "not installed (not needed on CPU; the native torch engine is used)")
+    try:
+        import vllm
+    except Exception as exc:  # noqa: BLE001 - a broken install must be a doctor line, not a crash
+        return Check("vllm", "fail", f"installed but does not import ({type(exc).__name__}: {exc}); reinstall with "
+                     "pip install --force-reinstall 'hivespec[gpu]'")
+    return Check("vllm", "ok", f"vllm {vllm.__version__} imports")
+
+
+def check_identity(home: Path) -> Check:
+    from hivespec.node.identity import load_or_create_identity
+
+    path = home / "identity.key"
+    if not path.exists():
+        return Check("identity", "ok", f"no key yet at {path}; `hivespec join` creates it (mode 0600)")
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        return Check("identity", "fail", f"{path} is not a regular file; move it away")
+    if st.st_mode & 0o077:
+        return Check("identity", "fail", f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: run `chmod 600 {path}` "
+                     "(and treat the key as leaked if others could read it)")
+    if st.st_uid != os.getuid():
+        return Check("identity", "warn", f"{path} belongs to uid {st.st_uid}, not you ({os.getuid()})")
+    try:
+        identity = load_or_create_identity(path)
+    except ValueError as exc:
+        return Check("identity", "fail", str(exc))
+    return Check("identity", "ok", f"{identity.name} ({identity.peer_id}), {path} mode 0600")
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk(config: NodeConfig, home: Path, params: int | None) -> Check:
+    directory = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else home / "checkpoints"
+    free = shutil.disk_usage(_existing_parent(directory)).free
+    if params is None:
+        return Check("disk", "skip", f"{_gib(free)} free at {directory}; model size unknown")
+    checkpoint = params * 12  # fp32 weights + AdamW exp_avg and exp_avg_sq
+    need = checkpoint * (config.checkpoint.keep + 1) + _HEADROOM_BYTES  # keep + the one being written + the journal
+    if free < need:
+        return Check("disk", "fail", f"{_gib(free)} free at {directory}, checkpoints need ~{_gib(need)} "
+                     f"({config.checkpoint.keep + 1} x {_gib(checkpoint)} + journal): free space, lower checkpoint.keep "
+                     "or set checkpoint.dir to a larger disk")
+    return Check("disk", "ok", f"{_gib(free)} free at {directory}, checkpoints need ~{_gib(need)}")
+
+
+def check_checkpoints(config: NodeConfig, home: Path) -> Check:
+    directory = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else home / "checkpoints"
+    found = list_checkpoints(directory)  # read-only: a running node's temp directory is left alone
+    if not found:
+        return Check("checkpoint", "ok", f"none yet in {directory}")
+    bad = []
+    for path in reversed(found):
+        try:
+            meta = verify_checkpoint(path)
+        except CorruptCheckpoint as exc:
+            bad.append(f"{path.name}: {exc}")
+            continue
+        detail = f"{path.name} verifies (resumes at round {meta.get('next_round')}, policy version {meta.get('policy_version')})"
+        if bad:
+            return Check("checkpoint", "warn", f"{detail}; newer unusable: {'; '.join(bad)} (a resume skips them)")
+        return Check("checkpoint", "ok", detail)
+    return Check("checkpoint", "fail", f"no checkpoint in {directory} verifies ({'; '.join(bad)}): a resume starts from "
+                 "the initial weights; move the directory away to keep it for inspection")
+
+
+def check_ports(config: NodeConfig) -> list[Check]:
+    checks = []
+    wanted = [("swarm port", config.swarm.host, config.swarm.port, "swarm.port")]
+    status_cfg = getattr(config, "status", None)
+    if status_cfg is not None and getattr(status_cfg, "enabled", False):
+        wanted.append(("status port", status_cfg.host, status_cfg.port, "status.port"))
+    for name, host, port, key in wanted:
+        if port == 0:
+            checks.append(Check(name, "ok", f"{host}: any free port (0)"))
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                checks.append(Check(name, "fail", f"{host}:{port} cannot be bound ({exc.strerror}): another process uses "
+                                    f"it (`ss -ltnp | grep :{port}`), or set {key}"))
+                continue
+        checks.append(Check(name, "ok", f"{host}:{port} is free"))
+    return checks
+
+
+# ----- network checks -----------------------------------------------------------------------
+
+
+def _tcp_target(maddr: str) -> tuple[str, int] | None:
+    parts = maddr.strip("/").split("/")
+    host = port = None
+    for proto, value in zip(parts[::2], parts[1::2]):
+        if proto in ("ip4", "ip6", "dns", "dns4", "dns6"):
+            host = value
+        elif proto == "tcp":
+            port = int(value)
+    return (host, port) if host and port else None
+
+
+async def _network_checks(config: NodeConfig, timeout: float) -> list[Check]:
+    from hivemind.dht.node import DHTNode
+    from hivemind.p2p import P2P
+    from hivemind.proto import dht_pb2
+    from hivemind.utils import get_dht_time
+
+    checks = []
+    started = time.perf_counter()
+    try:
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - every failure here is the finding
+        return [Check("p2pd", "fail", f"does not start ({type(exc).__name__}: {exc}); reinstall hivemind "
+                      "(pip install --force-reinstall hivemind==1.1.12) and check that /tmp is writable")]
+    checks.append(Check("p2pd", "ok", f"started in {time.perf_counter() - started:.1f} s"))
+    dht = None
+    try:
+        peers = config.swarm.initial_peers
+        if not peers:
+            checks.append(Check("peers", "skip", "no initial peers configured (solo, or the first node of a swarm)"))
+            checks.append(Check("clock", "skip", "no peers to compare clocks with"))
+            return checks
+        unreachable = []
+        for maddr in peers:
+            target = _tcp_target(maddr)
+            if target is None:
+                unreachable.append(f"{maddr} (no ip/tcp part)")
+                continue
+            try:
+                socket.create_connection(target, timeout=timeout).close()
+            except OSError as exc:
+                unreachable.append(f"{maddr} ({exc.strerror or exc})")
+        try:
+            dht = await asyncio.wait_for(DHTNode.create(p2p=p2p, initial_peers=peers, wait_timeout=timeout), 3 * timeout)
+            known = list(dht.protocol.routing_table.uid_to_peer_id.values())
+        except Exception as exc:  # noqa: BLE001 - the finding is that bootstrap failed
+            known = []
+            unreachable.append(f"DHT bootstrap failed: {type(exc).__name__}: {exc}")
+        if not known:
+            checks.append(Check("peers", "fail", f"no initial peer answered ({'; '.join(unreachable) or 'DHT empty'}): check "
+                                "the multiaddrs, that those nodes run, and firewalls/NAT on their port"))
+            checks.append(Check("clock", "skip", "no reachable peer to compare clocks with"))
+            return checks
+        status: Status = "warn" if unreachable else "ok"
+        detail = f"{len(known)} DHT peer(s) reachable" + (f"; unreachable: {'; '.join(unreachable)}" if unreachable else "")
+        checks.append(Check("peers", status, detail))
+        skews = []
+        for peer_id in known[:8]:
+            request = dht_pb2.PingRequest(peer=dht.protocol.node_info, validate=False)
+            sent = get_dht_time()
+            try:
+                response = await dht.protocol.get_stub(peer_id).rpc_ping(request, timeout=timeout)
+            except Exception:  # noqa: BLE001, S112 - a peer that does not answer is left out of the estimate
+                continue
+            received = get_dht_time()
+            if response.dht_time:
+                skews.append(response.dht_time - (sent + received) / 2)
+        if not skews:
+            checks.append(Check("clock", "skip", "no peer answered a ping with its time"))
+        else:
+            worst = max(skews, key=abs)
+            if abs(worst) > MAX_CLOCK_SKEW_S:
+                checks.append(Check("clock", "fail", f"off by {worst:+.1f} s from a peer (hivemind allows {MAX_CLOCK_SKEW_S:g} s): "
+                                    "enable NTP (`timedatectl set-ntp true`) on this machine"))
+            else:
+                checks.append(Check("clock", "ok", f"within {abs(worst):.2f} s of {len(skews)} peer(s)"))
+        return checks
+    finally:
+        if dht is not None:
+            await dht.shutdown()
+        await p2p.shutdown()
+
+
+def network_checks(config: NodeConfig, *, timeout: float = 10.0) -> list[Check]:
+    """p2pd start-up, bootstrap reachability and clock skew (a real p2pd on 127.0.0.1)."""
+    return asyncio.run(_network_checks(config, timeout))
+
+
+def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.0,
+               on_check: Callable[[Check], None] | None = None) -> list[Check]:
+    """Every check in order; `on_check` sees each as soon as it is done (for a live printout)."""
+    home = node_home(config)
+    checks: list[Check] = []
+
+    def add(*new: Check) -> None:
+        for check in new:
+            checks.append(check)
+            if on_check is not None:
+                on_check(check)
+
+    add(check_python(), check_torch(config))
+    model, params = check_model(config)
+    add(model, *check_memory(config, params), check_vllm())
+    add(*check_ports(config))
+    if network:
+        add(*network_checks(config, timeout=timeout))
+    else:
+        add(Check("p2pd", "skip", "--offline"), Check("peers", "skip", "--offline"), Check("clock", "skip", "--offline"))
+    add(check_identity(home), check_disk(config, home, params), check_checkpoints(config, home))
+    return checks

@@ -1,0 +1,372 @@
+"""When and how much to speculate: the verify-cost curve and the length-aware budget policy.
+
+A speculative step feeds K + 1 tokens per row instead of one, so it pays only when the tokens
+it expects to emit outgrow what the wider forward costs. That cost ratio, T(B, K + 1) / T(B, 1)
+for a batch of B rows, depends on the device, dtype, model and thread count (on this 2-core
+CPU in fp32: ~1.6x for 8 drafts at B = 1, ~3x at B = 8), so it is measured once at start-up
+(`calibrate_verify_cost`) and cached on disk under the model cache dir, keyed by all of those
+(`load_or_calibrate`).
+
+`LengthAwarePolicy` (DAS, "Beat the long tail") then decides each step:
+- each request gets a draft cap from its prompt's length class, predicted from the completion
+  lengths of that prompt's recent rollouts against all recent ones: long prompts set the
+  makespan, so they get the full budget, medium half, short a quarter;
+- the step's width K is the one that maximises expected emitted tokens per unit verify cost,
+  summing each row's draft-prefix probabilities (from the drafter's statistics, scaled by the
+  acceptance actually observed) and weighting long rows up;
+- K = 0 (no drafting at all) wherever the batch is compute-bound, i.e. no K could pay even if
+  every draft were accepted.
+`UniformPolicy` drafts a fixed budget for every row (the baseline the length-aware one is
+measured against, and what tests use to force speculation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from hivespec.protocol.rollout import decode_rollout
+
+if TYPE_CHECKING:
+    from hivespec.node.config import SpeculationConfig
+    from hivespec.node.drafter import Draft, SuffixDrafter
+    from hivespec.node.engine import TorchEngine
+    from hivespec.node.store import RolloutStore
+
+__all__ = [
+    "LengthAwarePolicy",
+    "RowPlan",
+    "SpeculationPolicy",
+    "UniformPolicy",
+    "VerifyCostCurve",
+    "build_speculation",
+    "calibrate_verify_cost",
+    "length_class",
+    "load_or_calibrate",
+    "model_identity",
+    "rebuild_drafter",
+]
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
+CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
+_CURVE_FORMAT = 2
+
+# Draft cap and objective weight per length class (DAS's hard / medium / easy budgets 16 / 8 / 4).
+_CLASS_CAP_SHARE = {"long": 1.0, "medium": 0.5, "short": 0.25}
+_CLASS_WEIGHT = {"long": 2.0, "medium": 1.0, "short": 0.5}
+
+
+@dataclass(frozen=True)
+class VerifyCostCurve:
+    """Measured forward time T(B, W) of W new tokens per row at batch B, as ratios to T(B, 1).
+
+    `ratios[i][j]` belongs to batches[i] and widths[j]; widths[0] is 1 (ratio 1.0). Between
+    measured points the ratio is interpolated linearly in the width and taken from the next
+    larger measured batch (the conservative side); beyond the largest width it is extrapolated
+    along the last segment.
+    """
+
+    batches: tuple[int, ...]
+    widths: tuple[int, ...]
+    ratios: tuple[tuple[float, ...], ...]
+    base_seconds: tuple[float, ...]  # T(B, 1) per batch, for reports
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.batches or list(self.batches) != sorted(set(self.batches)):
+            raise ValueError(f"batches must be increasing and non-empty, got {self.batches}")
+        if len(self.widths) < 2 or self.widths[0] != 1 or list(self.widths) != sorted(set(self.widths)):
+            raise ValueError(f"widths must be increasing, start at 1 and have >= 2 entries, got {self.widths}")
+        if len(self.ratios) != len(self.batches) or any(len(row) != len(self.widths) for row in self.ratios):
+            raise ValueError(f"ratios must be [{len(self.batches)}][{len(self.widths)}], got {self.ratios}")
+
+    def ratio(self, batch: int, width: int) -> float:
+        """T(batch, width) / T(batch, 1)."""
+        if width <= 1:
+            return 1.0
+        row = self.ratios[min(bisect_left(self.batches, batch), len(self.batches) - 1)]
+        j = min(max(bisect_left(self.widths, width), 1), len(self.widths) - 1)
+        w0, w1 = self.widths[j - 1], self.widths[j]
+        r0, r1 = row[j - 1], row[j]
+        return max(1.0, r0 + (r1 - r0) * (width - w0) / (w1 - w0))
+
+    def to_json(self) -> str:
+        return json.dumps({"format": _CURVE_FORMAT, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> VerifyCostCurve:
+        data = json.loads(text)
+        if data.pop("format", None) != _CURVE_FORMAT:
+            raise ValueError("verify-cost cache has an old format; it will be re-measured")
+        return cls(
+            batches=tuple(data["batches"]),
+            widths=tuple(data["widths"]),
+            ratios=tuple(tuple(float(r) for r in row) for row in data["ratios"]),
+            base_seconds=tuple(float(s) for s in data["base_seconds"]),
+            key=str(data.get("key", "")),
+        )
+
+
+TimeForwards = Callable[[int, Sequence[int]], list[float]]
+
+
+def calibrate_verify_cost(
+    time_forwards: TimeForwards,
+    *,
+    batches: Sequence[int] = CALIBRATION_BATCHES,
+    widths: Sequence[int] = CALIBRATION_WIDTHS,
+    key: str = "",
+) -> VerifyCostCurve:
+    """Measure the curve with `time_forwards(batch, widths) -> seconds` (e.g. `TorchEngine.time_forwards`)."""
+    ratios, base = [], []
+    for batch in batches:
+        seconds = time_forwards(batch, list(widths))
+        base.append(seconds[0])
+        # A wider forward never costs less than a narrower one; noise only adds time, so a
+        # narrow width that measured slower than a wider one takes the wider one's time.
+        row, ceiling = [], float("inf")
+        for s in reversed(seconds[1:]):
+            ceiling = min(ceiling, s / seconds[0])
+            row.append(round(max(1.0, ceiling), 4))
+        ratios.append((1.0, *reversed(row)))
+    return VerifyCostCurve(tuple(batches), tuple(widths), tuple(ratios), tuple(base), key)
+
+
+def curve_key(model_identity: str, dtype: str, device: str, threads: int) -> str:
+    """Cache key of a curve: what the timings depend on (model, dtype, device and its name, threads, torch)."""
+    import torch
+
+    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
+    blob = json.dumps([model_identity, dtype, device, device_name, threads, torch.__version__, _CURVE_FORMAT])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_or_calibrate(cache_folder: Path, key: str, time_forwards: TimeForwards, **kwargs) -> VerifyCostCurve:
+    """The cached curve for `key`, or a fresh measurement written to the cache (atomically)."""
+    path = cache_folder / f"verify-cost-{key}.json"
+    try:
+        curve = VerifyCostCurve.from_json(path.read_text())
+        if curve.key == key:
+            return curve
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        if path.exists():
+            log.info("re-measuring verify cost: %s unreadable (%s)", path, error)
+    log.info("measuring the verify-cost curve T(k)/T(1) once for this device, dtype and model")
+    curve = calibrate_verify_cost(time_forwards, key=key, **kwargs)
+    cache_folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(curve.to_json())
+    tmp.replace(path)
+    return curve
+
+
+def model_identity(model_config: object, dtype: str) -> str:
+    """What a model's forward cost depends on: its architecture config and dtype (weights do not matter)."""
+    to_dict = getattr(model_config, "to_dict", None)
+    config = to_dict() if callable(to_dict) else vars(model_config)
+    shape = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+    return hashlib.sha256(json.dumps([shape, dtype], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def rebuild_drafter(drafter: SuffixDrafter, store: RolloutStore, limit: int) -> int:
+    """Replay the `limit` most recent stored rollouts (own and accepted foreign) into the drafter, oldest first.
+
+    Returns how many were replayed; rows whose payload no longer decodes are skipped (logged).
+    """
+    replayed = 0
+    for row in reversed(store.recent(limit)):
+        verdict, rollout = decode_rollout(row.payload)
+        if rollout is None:
+            log.debug("drafter rebuild: skipping a stored rollout that does not decode (%s)", verdict.reason)
+            continue
+        drafter.observe(rollout.prompt_ids.tolist(), rollout.completion_ids.tolist())
+        replayed += 1
+    return replayed
+
+
+def build_speculation(
+    config: SpeculationConfig,
+    engine: TorchEngine,
+    store: RolloutStore | None,
+    *,
+    model_config: object,
+    dtype: str,
+    device: str,
+    max_batch_size: int,
+) -> tuple[SuffixDrafter, LengthAwarePolicy]:
+    """The drafter (replayed from the store) and the length-aware policy on the cached verify-cost curve."""
+    import torch
+    from hivespec.node.drafter import SuffixDrafter
+    from hivespec.node.model import cache_dir
+
+    drafter = SuffixDrafter(
+        window=config.window,
+        global_max_tokens=config.global_max_tokens,
+        max_prompts=config.max_prompts,
+        min_prob=config.min_prob,
+        spec_factor=config.spec_factor,
+    )
+    if store is not None and config.rebuild_rollouts:
+        replayed = rebuild_drafter(drafter, store, config.rebuild_rollouts)
+        log.info("drafter rebuilt from %d stored rollouts", replayed)
+    batches = sorted({b for b in CALIBRATION_BATCHES if b <= max_batch_size} | {max_batch_size})
+    key = curve_key(model_identity(model_config, dtype), dtype, device, torch.get_num_threads())
+    curve = load_or_calibrate(cache_dir() / "speculation", key, engine.time_forwards, batches=batches)
+    policy = LengthAwarePolicy(curve, drafter, max_budget=config.num_speculative_tokens)
+    paying = [b for b in batches if policy.wants_drafts(b)]
+    log.info(
+        "speculation: verify cost T(9)/T(1) = %s for batches %s; drafting pays at batch sizes %s",
+        [curve.ratio(b, 9) for b in batches], batches, paying or "none",
+    )
+    return drafter, policy
+
+
+def length_class(history: Sequence[int], population: Sequence[int]) -> str:
+    """'long', 'medium' or 'short': the mean of a prompt's past lengths against all recent lengths' terciles.
+
+    A prompt with no history is 'medium'.
+    """
+    if not history or len(population) < 3:
+        return "medium"
+    ordered = sorted(population)
+    low, high = ordered[len(ordered) // 3], ordered[(2 * len(ordered)) // 3]
+    mean = sum(history) / len(history)
+    if mean > high:
+        return "long"
+    if mean < low:
+        return "short"
+    return "medium"
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """A request's speculation plan: its draft cap per step and its weight in the width choice."""
+
+    cap: int
+    weight: float = 1.0
+    length_class: str = "medium"
+
+
+class SpeculationPolicy(Protocol):
+    """What the engine asks each batch and each step."""
+
+    def plan(self, prompt_ids: Sequence[int]) -> RowPlan:
+        """The plan of a request of this prompt (cap 0: never draft for it)."""
+        ...
+
+    def width(self, drafts: Sequence[Draft], plans: Sequence[RowPlan]) -> int:
+        """The step's draft width K (0: a plain step) for these rows' drafts."""
+        ...
+
+    def wants_drafts(self, batch: int) -> bool:
+        """False when a batch this large is compute-bound: skip drafting altogether."""
+        ...
+
+    def observe(self, expected: float, accepted: int) -> None:
+        """What a step's drafts were expected to yield and what the target accepted."""
+        ...
+
+
+@dataclass
+class UniformPolicy:
+    """Draft up to `budget` tokens for every row at every step, whatever it costs."""
+
+    budget: int
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise ValueError(f"budget must be >= 0, got {self.budget}")
+
+    def plan(self, prompt_ids: Sequence[int]) -> RowPlan:
+        return RowPlan(self.budget)
+
+    def width(self, drafts: Sequence[Draft], plans: Sequence[RowPlan]) -> int:
+        return max((len(d.tokens) for d in drafts), default=0)
+
+    def wants_drafts(self, batch: int) -> bool:
+        return self.budget > 0
+
+    def observe(self, expected: float, accepted: int) -> None:
+        return None
+
+
+class LengthAwarePolicy:
+    """Budgets from the prompt's length class and the calibrated verify-cost curve (see the module docstring)."""
+
+    def __init__(self, curve: VerifyCostCurve, drafter: SuffixDrafter, *, max_budget: int = 16, min_gain: float = 1.02) -> None:
+        if max_budget < 1:
+            raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+        if min_gain < 1.0:
+            raise ValueError(f"min_gain must be >= 1 (a step must beat a plain one), got {min_gain}")
+        self.curve = curve
+        self.drafter = drafter
+        self.max_budget = max_budget
+        self.min_gain = min_gain
+        self._expected = 1.0  # acceptance calibration: observed / predicted accepted drafts (EMA)
+        self._accepted = 1.0
+        self._population: list[int] = []
+        self._population_at = -1  # drafter.observed when _population was taken
+
+    @property
+    def acceptance_scale(self) -> float:
+        """Accepted drafts per draft token the index statistics predicted, clamped to [0.25, 1.5]."""
+        return min(1.5, max(0.25, self._accepted / self._expected))
+
+    def plan(self, prompt_ids: Sequence[int]) -> RowPlan:
+        if self._population_at != self.drafter.observed:
+            self._population = sorted(self.drafter.all_lengths())
+            self._population_at = self.drafter.observed
+        kind = length_class(self.drafter.length_history(prompt_ids), self._population)
+        return RowPlan(max(1, round(self.max_budget * _CLASS_CAP_SHARE[kind])), _CLASS_WEIGHT[kind], kind)
+
+    def wants_drafts(self, batch: int) -> bool:
+        return any((1 + k) / self.curve.ratio(batch, k + 1) >= self.min_gain for k in range(1, self.max_budget + 1))
+
+    def width(self, drafts: Sequence[Draft], plans: Sequence[RowPlan]) -> int:
+        batch = len(drafts)
+        longest = max((len(d.tokens) for d in drafts), default=0)
+        if longest == 0:
+            return 0
+        scale = self.acceptance_scale
+        weights = [plan.weight for plan in plans]
+        total_weight = sum(weights)
+        # gain[k]: weighted expected tokens emitted per row by a width-k step (1 + accepted drafts).
+        gain = [total_weight] * (longest + 1)
+        for draft, weight in zip(drafts, weights, strict=True):
+            running = 0.0
+            for k, prob in enumerate(draft.probs, start=1):
+                running += prob
+                gain[k] += weight * scale * running
+            for k in range(len(draft.probs) + 1, longest + 1):
+                gain[k] += weight * scale * running
+        best, best_rate = 0, 1.0
+        for k in range(1, longest + 1):
+            rate = gain[k] / (total_weight * self.curve.ratio(batch, k + 1))
+            if rate > best_rate * (self.min_gain if best == 0 else 1.0):
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, expected: float, accepted: int) -> None:
+        decay = 0.95
+        self._expected = decay * self._expected + (1 - decay) * max(expected, 1e-6)
+        self._accepted = decay * self._accepted + (1 - decay) * accepted

@@ -1,0 +1,452 @@
+"""Node telemetry: what the round loop reports, turned into status snapshots (protocol's schema).
+
+`StatusBoard` keeps each `RoundReport`, every admission (per-peer tallies) and the phase, and
+builds a `StatusSnapshot` on demand, reading the live counters of gossip, intake and the store.
+`RunControl` is the pause/resume/stop switch the round loop checks between rounds; `LogBuffer`
+keeps the node's recent WARNING-or-worse records. `node/status_server.py` serves all of it.
+
+Nothing here blocks the round loop: the loop only appends to in-memory buffers under a lock held
+for microseconds; snapshots are built in the server's threads (and cached for a fraction of a
+second, so several dashboards cost what one does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hivespec.protocol.codec import safe_unpack
+from hivespec.protocol.identity import PUBLIC_KEY_BYTES, peer_id_of, readable_name
+from hivespec.protocol.status import (
+    STATUS_VERSION,
+    GossipStatus,
+    IntakeStatus,
+    LogLine,
+    NodeInfo,
+    PeerRow,
+    RoundPoint,
+    SourceStats,
+    StatusSnapshot,
+    StoreStatus,
+    SupervisionStatus,
+    SyncStatus,
+    TrainerStatus,
+    encode_status,
+)
+
+if TYPE_CHECKING:
+    from hivespec.node.intake import Admission
+    from hivespec.node.runtime import Node, RoundReport
+
+log = logging.getLogger(__name__)
+
+ROUNDS_KEPT = 240  # history in a snapshot: more than any terminal is wide
+LOGS_KEPT = 200
+LOGS_SENT = 60
+SNAPSHOT_CACHE_S = 0.2
+
+
+class RunControl:
+    """Pause/resume/stop for the round loop, checked between rounds (a round is never cut in half)."""
+
+    def __init__(self) -> None:
+        self._runnable = threading.Event()
+        self._runnable.set()
+        self._stop = threading.Event()
+
+    @property
+    def paused(self) -> bool:
+        return not self._runnable.is_set() and not self._stop.is_set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def set_paused(self, paused: bool) -> None:
+        if paused:
+            self._runnable.clear()
+        else:
+            self._runnable.set()
+        log.info("training %s (requested over the status server or the dashboard)", "paused" if paused else "resumed")
+
+    def stop(self) -> None:
+        """Finish the current round, then leave the loop."""
+        self._stop.set()
+        self._runnable.set()
+
+    def wait_to_run(self) -> bool:
+        """Block while paused; True when the next round may start, False when stopping."""
+        while not self._runnable.wait(0.5):
+            pass
+        return not self._stop.is_set()
+
+
+class LogBuffer(logging.Handler):
+    """Ring buffer of the node's WARNING-or-worse log records, for the dashboard's log panel."""
+
+    def __init__(self, capacity: int = LOGS_KEPT) -> None:
+        super().__init__(level=logging.WARNING)
+        self._lines: deque[LogLine] = deque(maxlen=capacity)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.exc_info and record.exc_info[1] is not None:
+                exc = record.exc_info[1]
+                message += f" ({type(exc).__name__}: {exc})"
+            self._lines.append(LogLine(time=record.created, level=record.levelname, logger=record.name, message=message[:500]))
+            self.counts[record.levelname] = self.counts.get(record.levelname, 0) + 1
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+    def recent(self, limit: int = LOGS_SENT) -> list[LogLine]:
+        return list(self._lines)[-limit:]
+
+
+@dataclass
+class _PeerTally:
+    name: str = ""
+    last_seen: float | None = None
+    batches: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    ignored: int = 0
+    last_reason: str = ""
+
+
+@dataclass
+class _BoardState:
+    phase: str = "starting"
+    round_started_at: float | None = None
+    rounds: deque = field(default_factory=lambda: deque(maxlen=ROUNDS_KEPT))
+    last_report: Any = None
+    peers: dict[str, _PeerTally] = field(default_factory=dict)
+    checkpoint: tuple[str, int, float] | None = None  # (name, round, unix time)
+    oom_retries: int = 0
+
+
+class StatusBoard:
+    """What the round loop reports, turned into `StatusSnapshot`s on demand (thread-safe)."""
+
+    def __init__(self, node: Node, *, clock: Callable[[], float] = time.time) -> None:
+        self.node = node
+        self.clock = clock
+        self.started_at = clock()
+        self.logs = LogBuffer()
+        self._lock = threading.Lock()
+        self._state = _BoardState()
+        self._gossip_mark = (0, 0)
+        self._cache: tuple[float, bytes] | None = None
+
+    # ----- called by the round loop ------------------------------------------------------
+
+    def round_started(self, round_index: int) -> None:
+        stats = _gossip_stats(self.node)
+        with self._lock:
+            self._state.phase = "running"
+            self._state.round_started_at = self.clock()
+            self._gossip_mark = (stats.get("bytes_in", 0), stats.get("bytes_out", 0))
+
+    def record_admission(self, admission: Admission, envelope: bytes) -> None:
+        """Count one peer batch's outcome; the peer's readable name comes from its (verified) key."""
+        author = admission.author
+        if not author:
+            return
+        with self._lock:
+            tally = self._state.peers.get(author)
+            if tally is None:
+                tally = self._state.peers[author] = _PeerTally()
+            tally.last_seen = self.clock()
+            tally.batches += 1
+            if admission.outcome == "accept":
+                tally.accepted += len(admission.rollouts)
+            else:
+                tally.last_reason = str(admission.reason)
+                if admission.outcome == "reject":
+                    tally.rejected += 1
+                else:
+                    tally.ignored += 1
+            needs_name = not tally.name
+        if needs_name and admission.outcome == "accept":
+            name = _author_name(envelope, author)
+            if name:
+                with self._lock:
+                    tally.name = name
+
+    def record_round(self, report: RoundReport) -> None:
+        stats = _gossip_stats(self.node)
+        now = self.clock()
+        seconds = report.seconds or {}
+        rollout_s, round_s = seconds.get("rollout", 0.0), seconds.get("round", 0.0)
+        with self._lock:
+            bytes_in0, bytes_out0 = self._gossip_mark
+            point = RoundPoint(
+                round=report.round,
+                finished_at=now,
+                policy_version=report.policy_version,
+                seconds=round_s,
+                rollout_seconds=rollout_s,
+                made=report.made,
+                accepted=report.accepted,
+                rejected=report.rejected,
+                reward_mean=report.reward_mean,
+                foreign_reward_mean=report.foreign_reward_mean,
+                loss=report.loss,
+                tokens_generated=report.tokens_generated,
+                tokens_per_second=report.tokens_generated / rollout_s if rollout_s > 0 else None,
+                rollouts_per_minute=60.0 * report.made / round_s if round_s > 0 else None,
+                tokens_per_target_forward=report.spec_tokens_per_forward,
+                draft_acceptance=report.spec_acceptance,
+                gossip_bytes_in=max(0, stats.get("bytes_in", 0) - bytes_in0),
+                gossip_bytes_out=max(0, stats.get("bytes_out", 0) - bytes_out0),
+                delta_bytes=report.delta_bytes,
+                delta_density=report.delta_density,
+            )
+            self._state.rounds.append(point)
+            self._state.last_report = report
+            self._state.oom_retries += report.oom_retries
+            if report.checkpoint:
+                self._state.checkpoint = (report.checkpoint, report.round, now)
+            self._state.round_started_at = None
+            self._state.phase = "between"
+            self._cache = None
+
+    def finished(self) -> None:
+        with self._lock:
+            self._state.phase = "done"
+            self._state.round_started_at = None
+            self._cache = None
+
+    # ----- snapshots ---------------------------------------------------------------------
+
+    def snapshot(self) -> StatusSnapshot:
+        """A consistent snapshot of the node now; safe to call from any thread."""
+        node = self.node
+        now = self.clock()
+        with self._lock:
+            state = self._state
+            rounds = list(state.rounds)
+            report = state.last_report
+            tallies = dict(state.peers)
+            phase, round_started_at = state.phase, state.round_started_at
+            checkpoint, oom_retries = state.checkpoint, state.oom_retries
+        scores = _peer_scores(node) or {p: {"score": v} for p, v in (report.peer_scores if report is not None else {}).items()}
+        peers = [_peer_row(peer_id, tallies.get(peer_id, _PeerTally()), scores.get(peer_id, {}))
+                 for peer_id in sorted(set(tallies) | set(scores))]
+        swarm = _gossip_swarm_status(node)
+        control = node.control
+        if control.stopping and phase != "done":
+            phase = "stopping"
+        elif control.paused and phase != "done":
+            phase = "pausing" if round_started_at is not None else "paused"
+        elif phase == "between":
+            phase = "running"
+        config = node.config
+        maddrs = swarm.get("maddrs")
+        if not isinstance(maddrs, list):
+            maddrs = []
+        if not swarm and report is not None:  # gossip down or being rebuilt: what the last round saw
+            swarm = {"reachability": report.swarm_reachability, "solo": report.swarm_solo}
+        reachability = swarm.get("reachability")
+        info = NodeInfo(
+            name=node.name,
+            peer_id=node.identity.peer_id,
+            swarm=config.swarm.swarm,
+            model=config.model.name,
+            device=config.model.device,
+            policy_version=node.trainer.version,
+            round=report.round if report is not None else -1,
+            rounds_target=config.rounds,
+            phase=phase,
+            paused=control.paused,
+            started_at=self.started_at,
+            uptime_s=max(0.0, now - self.started_at),
+            round_started_at=round_started_at,
+            maddrs=[str(m) for m in maddrs[:8]],
+            reachability=reachability if isinstance(reachability, str) and reachability != "unknown" else None,
+            checkpoint=checkpoint[0] if checkpoint else None,
+            checkpoint_round=checkpoint[1] if checkpoint else None,
+            checkpoint_at=checkpoint[2] if checkpoint else None,
+            solo=swarm["solo"] if isinstance(swarm.get("solo"), bool) else None,
+            private=swarm["private"] if isinstance(swarm.get("private"), bool) else None,
+        )
+        supervision = SupervisionStatus(
+            oom_retries=oom_retries,
+            gossip_restarts=report.gossip_restarts if report is not None else None,
+            watchdog_stalls=report.watchdog_stalls if report is not None else None,
+        )
+        return StatusSnapshot(
+            version=STATUS_VERSION,
+            time=now,
+            node=info,
+            peers=sorted(peers, key=lambda p: (p.name or p.peer_id)),
+            rounds=rounds,
+            trainer=_trainer_status(report),
+            sync=_sync_status(report),
+            gossip=_gossip_status(_gossip_stats(node)),
+            intake=_intake_status(node),
+            store=_store_status(node),
+            supervision=supervision,
+            logs=self.logs.recent(),
+        )
+
+    def snapshot_bytes(self) -> bytes:
+        """`encode_status(snapshot())`, cached for `SNAPSHOT_CACHE_S` (dashboards poll at 2-4 Hz)."""
+        now = time.monotonic()
+        cached = self._cache
+        if cached is not None and now - cached[0] < SNAPSHOT_CACHE_S:
+            return cached[1]
+        data = encode_status(self.snapshot())
+        self._cache = (now, data)
+        return data
+
+
+def _peer_row(peer_id: str, tally: _PeerTally, score: dict) -> PeerRow:
+    value, graylisted = score.get("score"), score.get("graylisted")
+    return PeerRow(
+        peer_id=peer_id,
+        name=tally.name,
+        last_seen=tally.last_seen,
+        batches=tally.batches,
+        accepted=tally.accepted,
+        rejected=tally.rejected,
+        ignored=tally.ignored,
+        last_reason=tally.last_reason,
+        score=float(value) if isinstance(value, (int, float)) else None,
+        graylisted=graylisted if isinstance(graylisted, bool) else None,
+    )
+
+
+def _author_name(envelope: bytes, author: str) -> str:
+    """The readable name of an envelope's author key, if it matches the admitted author id."""
+    verdict, obj = safe_unpack(envelope, max_size=len(envelope), max_depth=2)
+    if not verdict.ok or not isinstance(obj, dict):
+        return ""
+    key = obj.get("author")
+    if not isinstance(key, bytes) or len(key) != PUBLIC_KEY_BYTES or peer_id_of(key) != author:
+        return ""
+    return readable_name(key)
+
+
+def _gossip_stats(node: Node) -> dict[str, int]:
+    # stats() copies counters the gossip thread updates; a copy racing an insert can raise.
+    for _ in range(3):
+        try:
+            return dict(node.gossip.stats())
+        except RuntimeError:
+            continue
+        except Exception:
+            log.debug("gossip.stats() failed", exc_info=True)
+            return {}
+    return {}
+
+
+def _gossip_swarm_status(node: Node) -> dict[str, Any]:
+    """gossip.status(): reachability, solo, private, maddrs; {} while gossip is down."""
+    try:
+        return dict(node.gossip.status())
+    except Exception:  # noqa: BLE001 - gossip not started yet, shut down, or being rebuilt
+        return {}
+
+
+def _peer_scores(node: Node) -> dict[str, dict]:
+    """Per-peer gossip scores by peer id, when the node keeps them."""
+    scores = getattr(node.gossip, "peers", None)
+    if scores is None:
+        return {}
+    try:
+        return dict(scores.snapshot())
+    except Exception:
+        log.debug("peer scores unavailable", exc_info=True)
+        return {}
+
+
+def _gossip_status(stats: dict[str, int]) -> GossipStatus:
+    ints = {k: int(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    named = ("bytes_in", "bytes_out", "bodies_fetched", "bodies_served", "published", "known_peers", "bad_records", "fetch_failures")
+    return GossipStatus(**{k: ints.get(k, 0) for k in named}, counters=ints)
+
+
+def _intake_status(node: Node) -> IntakeStatus:
+    counters = node.intake.counters
+    for _ in range(3):
+        try:
+            return IntakeStatus(
+                accepted_rollouts=counters.accepted_rollouts,
+                outcomes={str(k): int(v) for k, v in dict(counters.outcomes).items()},
+                reasons={str(k): int(v) for k, v in dict(counters.reasons).items()},
+            )
+        except RuntimeError:  # the round thread inserted a key while we copied
+            continue
+    return IntakeStatus(accepted_rollouts=counters.accepted_rollouts)
+
+
+def _store_status(node: Node) -> StoreStatus:
+    try:
+        counts = node.store.counts()
+    except Exception:  # noqa: BLE001 - store closed at shutdown
+        return StoreStatus()
+    return StoreStatus(own=counts.get("own", 0), foreign=counts.get("foreign", 0), total=counts.get("total", 0))
+
+
+def _trainer_status(report: RoundReport | None) -> TrainerStatus:
+    if report is None:
+        return TrainerStatus()
+    by_source = report.importance_by_source
+    own = report.trained_samples - report.foreign_used
+    sources = [_source_stats("own", by_source["own"]) if "own" in by_source
+               else SourceStats(source="own", samples=own, mean_weight=report.own_weight_mean)]
+    if report.importance_foreign:
+        sources.append(_source_stats("foreign", {**report.importance_foreign, "samples": report.foreign_used}))
+    elif report.foreign_used:
+        sources.append(SourceStats(source="foreign", samples=report.foreign_used, kept_fraction=report.foreign_kept,
+                                   mean_weight=report.foreign_weight_mean, max_weight=report.foreign_weight_max))
+    sources += [_source_stats(peer, stats) for peer, stats in sorted(by_source.items()) if peer != "own"]
+    return TrainerStatus(
+        step_round=report.round,
+        trained_samples=report.trained_samples,
+        foreign_used=report.foreign_used,
+        foreign_share=report.foreign_used / report.trained_samples if report.trained_samples else None,
+        loss=report.loss,
+        kl=report.kl,
+        ppo_clip_fraction=report.ppo_clip_fraction,
+        sources=sources,
+    )
+
+
+def _source_stats(source: str, stats: dict) -> SourceStats:
+    """SourceStats from an ImportanceStats dict (plus "samples"); other keys are ignored."""
+
+    def number(key: str) -> float | None:
+        value = stats.get(key)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    samples = stats.get("samples")
+    return SourceStats(
+        source=source,
+        samples=samples if isinstance(samples, int) else None,
+        kept_fraction=number("kept_fraction"),
+        truncated_fraction=number("truncated_fraction"),
+        masked_fraction=number("masked_fraction"),
+        vetoed_fraction=number("vetoed_fraction"),
+        ess_fraction=number("ess_fraction"),
+        mean_weight=number("mean_weight"),
+        max_weight=number("max_weight"),
+    )
+
+
+def _sync_status(report: RoundReport | None) -> SyncStatus:
+    if report is None:
+        return SyncStatus()
+    return SyncStatus(
+        delta_bytes=report.delta_bytes,
+        dense_bytes=report.dense_bytes,
+        density=report.delta_density,
+        engine_mismatch=report.engine_mismatch,
+    )

@@ -1,0 +1,331 @@
+"""Supervision inside a node: watchdogs, gossip restart with backoff, out-of-memory split-and-retry.
+
+- `Watchdog`: every loop of the node beats (`beat("round", phase)`), and probe loops (the gossip
+  event loop and its p2pd child) are beaten by a health probe the watchdog thread runs. A loop
+  silent for `stall_after` seconds is reported once, with the stack of every thread, and again
+  each further `stall_after` while it stays stuck; `status()` shows it to the dashboard.
+- `GossipSupervisor`: the round loop calls `check()` at the start of every round; a gossip
+  whose p2pd died or whose loop stopped answering is shut down and rebuilt from the same
+  factory (same Ed25519 identity, same host, port and bootstrap peers). A failed rebuild is
+  retried at later rounds with exponential backoff; rounds run solo meanwhile, never blocked.
+- `generate_splitting_on_oom` / `train_step_with_oom_retry`: an out-of-memory error halves the
+  batch (generation: the request list; training: the micro-batch size) and retries. Keyed
+  sampling makes a completion independent of its batch, and the optimizer steps once over the
+  same samples whatever the micro-batch size, so a retry changes no result.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from hivespec.node.gossip import Gossip
+    from hivespec.node.trainer import StepStats, Trainer, TrainSample
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+# ----- watchdog -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Loop:
+    phase: str
+    last_beat: float
+    stall_after: float
+    reported_at: float | None = None
+    stalls: int = 0
+
+
+class Watchdog:
+    """Reports loops that stop making progress; a daemon thread checks every `check_every` seconds."""
+
+    def __init__(self, *, stall_after: float = 600.0, check_every: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if stall_after <= 0 or check_every <= 0:
+            raise ValueError(f"stall_after and check_every must be > 0, got {stall_after} and {check_every}")
+        self.stall_after = stall_after
+        self.check_every = check_every
+        self._clock = clock
+        self._loops: dict[str, _Loop] = {}
+        self._probes: dict[str, tuple[Callable[[], bool], float]] = {}
+        self._probed_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self, loop: str, phase: str = "", *, stall_after: float | None = None) -> None:
+        """Record progress of `loop` (now in `phase`); the first beat starts watching it."""
+        now = self._clock()
+        with self._lock:
+            state = self._loops.get(loop)
+            if state is None:
+                self._loops[loop] = _Loop(phase, now, stall_after or self.stall_after)
+                return
+            if state.reported_at is not None:
+                log.warning("watchdog: loop %r made progress again after %.0f s (now in %r)", loop, now - state.last_beat, phase)
+            state.phase, state.last_beat, state.reported_at = phase, now, None
+            if stall_after is not None:
+                state.stall_after = stall_after
+
+    def forget(self, loop: str) -> None:
+        """Stop watching `loop` (it ended on purpose)."""
+        with self._lock:
+            self._loops.pop(loop, None)
+            self._probes.pop(loop, None)
+
+    def watch(self, loop: str, probe: Callable[[], bool], *, every: float, stall_after: float) -> None:
+        """Beat `loop` whenever `probe()` returns True; the watchdog thread calls it every `every` seconds."""
+        with self._lock:
+            self._probes[loop] = (probe, every)
+        self.beat(loop, "probe ok", stall_after=stall_after)
+
+    def check(self) -> list[str]:
+        """Run due probes and report stalled loops; returns the names of loops stalled now."""
+        now = self._clock()
+        with self._lock:
+            due = [(name, probe) for name, (probe, every) in self._probes.items() if now - self._probed_at.get(name, -1e18) >= every]
+        for name, probe in due:
+            self._probed_at[name] = now
+            try:
+                healthy = probe()
+            except Exception:  # a probe that raises is a failed probe, not a dead watchdog
+                log.debug("watchdog probe %r raised", name, exc_info=True)
+                healthy = False
+            if healthy:
+                self.beat(name, "probe ok")
+        stalled = []
+        now = self._clock()
+        with self._lock:
+            for name, state in self._loops.items():
+                idle = now - state.last_beat
+                if idle < state.stall_after:
+                    continue
+                stalled.append(name)
+                if state.reported_at is None or now - state.reported_at >= state.stall_after:
+                    state.reported_at = now
+                    state.stalls += 1
+                    log.error(
+                        "watchdog: loop %r made no progress for %.0f s (last phase %r); thread stacks:\n%s",
+                        name, idle, state.phase, _thread_stacks(),
+                    )
+        return stalled
+
+    def status(self) -> dict[str, dict[str, float | str | bool | int]]:
+        """Per loop: phase, seconds since its last beat, whether it is stalled now, stalls reported."""
+        now = self._clock()
+        with self._lock:
+            return {
+                name: {
+                    "phase": s.phase,
+                    "idle_s": round(now - s.last_beat, 1),
+                    "stalled": now - s.last_beat >= s.stall_after,
+                    "stalls": s.stalls,
+                }
+                for name, s in self._loops.items()
+            }
+
+    def stalls(self) -> int:
+        with self._lock:
+            return sum(s.stalls for s in self._loops.values())
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hivespec-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.check_every + 30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.check_every):
+            try:
+                self.check()
+            except Exception:  # the watchdog must outlive whatever it watches
+                log.exception("watchdog check failed")
+
+
+def _thread_stacks() -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame, limit=12)))
+    return "\n".join(parts)
+
+
+# ----- gossip restart -----------------------------------------------------------------------
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff: `initial`, `initial * factor`, ... capped at `maximum` seconds."""
+
+    initial: float = 1.0
+    factor: float = 2.0
+    maximum: float = 60.0
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        delay = min(self.maximum, self.initial * self.factor**self.attempt)
+        self.attempt += 1
+        return delay
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class GossipSupervisor:
+    """Keeps a working `Gossip`: probes it, and rebuilds it from `factory` when it died.
+
+    `factory()` returns a started Gossip (same identity and addresses each time) or raises.
+    `check()` never sleeps: while a rebuild keeps failing it returns the dead gossip and the next
+    try waits for the backoff delay, so rounds go on solo in between.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Gossip],
+        gossip: Gossip,
+        *,
+        backoff: Backoff | None = None,
+        probe_timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.factory = factory
+        self.gossip = gossip
+        self.backoff = backoff or Backoff()
+        self.probe_timeout = probe_timeout
+        self.restarts = 0
+        self.failures = 0
+        self._clock = clock
+        self._next_try = 0.0
+        self._down_since: float | None = None
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self.gossip.healthy(timeout=self.probe_timeout))
+        except Exception:
+            log.debug("gossip probe raised", exc_info=True)
+            return False
+
+    def check(self) -> Gossip:
+        """The current gossip, rebuilt first if the probe fails and the backoff allows a try."""
+        if self.healthy():
+            self.backoff.reset()
+            self._down_since = None
+            return self.gossip
+        now = self._clock()
+        if self._down_since is None:
+            self._down_since = now
+            log.error("gossip is down (p2pd exited or its loop stopped answering); rebuilding it with the same identity")
+        if now < self._next_try:
+            return self.gossip
+        return self.restart()
+
+    def restart(self) -> Gossip:
+        """Shut the current gossip down and build a new one; on failure schedule the next try."""
+        try:
+            self.gossip.shutdown()
+        except Exception:  # it is dead already; tearing down must not stop the rebuild
+            log.debug("shutting the dead gossip down raised", exc_info=True)
+        try:
+            fresh = self.factory()
+        except Exception:
+            self.failures += 1
+            delay = self.backoff.next_delay()
+            self._next_try = self._clock() + delay
+            log.exception("gossip rebuild failed; next try in %.0f s, rounds run solo meanwhile", delay)
+            return self.gossip
+        self.gossip = fresh
+        self.restarts += 1
+        self.backoff.reset()
+        down = self._clock() - self._down_since if self._down_since is not None else 0.0
+        self._down_since = None
+        log.warning("gossip rebuilt (restart %d, down %.1f s); listening on %s", self.restarts, down, fresh.visible_maddrs)
+        return fresh
+
+
+# ----- out of memory ------------------------------------------------------------------------
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def generate_splitting_on_oom(
+    generate: Callable[[list[T]], list[R]], items: Sequence[T], *, on_split: Callable[[int], None] | None = None
+) -> list[R]:
+    """`generate(items)`, or on out-of-memory the two halves separately (recursively), in order.
+
+    Re-raises the error when a single item does not fit. `on_split(size)` is told each split.
+    """
+    items = list(items)
+    try:
+        return generate(items)
+    except BaseException as exc:
+        if not is_out_of_memory(exc) or len(items) <= 1:
+            raise
+        log.warning("out of memory generating %d completions (%s); retrying as two batches of %d and %d",
+                    len(items), type(exc).__name__, len(items) // 2, len(items) - len(items) // 2)
+    _release_memory()
+    if on_split is not None:
+        on_split(len(items))
+    half = len(items) // 2
+    return generate_splitting_on_oom(generate, items[:half], on_split=on_split) + generate_splitting_on_oom(
+        generate, items[half:], on_split=on_split
+    )
+
+
+def _optimizer_steps(optimizer: torch.optim.Optimizer) -> float:
+    return sum(float(state.get("step", 0)) for state in optimizer.state.values())
+
+
+def train_step_with_oom_retry(
+    trainer: Trainer, samples: Sequence[TrainSample], *, on_retry: Callable[[int], None] | None = None
+) -> StepStats:
+    """`trainer.step(samples)`, halving `trainer.micro_batch_size` after each out-of-memory error.
+
+    The lowered micro-batch size stays for later steps (the memory pressure is likely to come
+    back). An error raised after the optimizer started updating, or at micro-batch size 1, is
+    re-raised: retrying then would apply a partial update twice.
+    """
+    while True:
+        steps_before = _optimizer_steps(trainer.optimizer)
+        try:
+            return trainer.step(samples)
+        except BaseException as exc:
+            if not is_out_of_memory(exc) or trainer.micro_batch_size <= 1:
+                raise
+            if _optimizer_steps(trainer.optimizer) != steps_before:
+                raise
+            smaller = max(1, trainer.micro_batch_size // 2)
+            log.warning("out of memory in a training step at micro_batch_size %d (%s); retrying with %d",
+                        trainer.micro_batch_size, type(exc).__name__, smaller)
+            trainer.micro_batch_size = smaller
+        trainer.optimizer.zero_grad(set_to_none=True)
+        _release_memory()
+        if on_retry is not None:
+            on_retry(trainer.micro_batch_size)

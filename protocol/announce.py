@@ -1,0 +1,136 @@
+"""The index record a node keeps in the DHT per (topic, slot): which bodies it holds and where to get them.
+
+One record per holder per DHT key, stored under subkey = the holder's peer id and sealed as a
+`Kind.ANNOUNCE` envelope by that holder. Body (msgpack map, exact keys):
+
+    {"key": str,          # the DHT key this record is stored under (binds it to its topic and slot)
+     "expires": float,    # the DHT expiration it is stored with (binds it: nobody can extend it)
+     "p2p": str,          # the holder's libp2p peer id (base58), to open a body stream to
+     "maddrs": [str],     # the holder's multiaddrs, at most MAX_MADDRS
+     "items": [{"author": str, "sha256": bin32, "size": int}, ...]}   # 1..MAX_ITEMS bodies
+
+A holder is the author of its first item or a peer that fetched and verified the body and now
+serves it too, so a body outlives its author. Binding the key and the expiration into the signed
+bytes is what hivemind's own `RSASignatureValidator` does (it signs key, subkey, value and
+expiration): without it anyone could copy a valid record under another slot or re-store it with
+a far-future expiration, which the DHT would prefer over the owner's newer record.
+
+In a private swarm the whole body is AEAD-encrypted (see `private.py`) before sealing; decoding
+takes the already-decrypted bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from .codec import Reject, check_keys, pack, safe_unpack
+from .identity import PEER_ID_PREFIX
+from .limits import KIB
+from .verdict import Reason, Verdict
+
+ANNOUNCE_MAX_BYTES = 4 * KIB  # a sealed record with MAX_ITEMS items is ~1.5 KiB
+MAX_ITEMS = 9  # own body plus up to 8 relayed ones: a key's value stays ~N x 1.5 KiB for N peers
+MAX_MADDRS = 8
+MAX_KEY_LEN = 256
+MAX_MADDR_LEN = 256
+_KEYS = frozenset({"key", "expires", "p2p", "maddrs", "items"})
+_ITEM_KEYS = frozenset({"author", "sha256", "size"})
+_PEER_ID = re.compile(rf"{PEER_ID_PREFIX}[0-9a-f]{{16}}")
+_BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
+
+
+@dataclass(frozen=True)
+class AnnouncedBody:
+    """One body a holder serves: its author's peer id, sha256 and size in bytes."""
+
+    author: str
+    sha256: bytes
+    size: int
+
+
+@dataclass(frozen=True)
+class Announce:
+    """A decoded, schema-checked index record (its envelope signature is checked separately)."""
+
+    key: str
+    expires: float
+    p2p: str
+    maddrs: tuple[str, ...]
+    items: tuple[AnnouncedBody, ...]
+
+
+def encode_announce(announce: Announce) -> bytes:
+    """Encode an announce body; raises ValueError if it would not pass `decode_announce`."""
+    data = pack(
+        {
+            "key": announce.key,
+            "expires": float(announce.expires),
+            "p2p": announce.p2p,
+            "maddrs": list(announce.maddrs[:MAX_MADDRS]),
+            "items": [{"author": i.author, "sha256": i.sha256, "size": int(i.size)} for i in announce.items],
+        }
+    )
+    verdict, _ = decode_announce(data, max_body_bytes=max((i.size for i in announce.items), default=1))
+    if not verdict.ok:
+        raise ValueError(f"announce would be rejected by peers: {verdict}")
+    return data
+
+
+def decode_announce(data: bytes, *, max_body_bytes: int) -> tuple[Verdict, Announce | None]:
+    """Decode and validate an announce body from a peer; never raises.
+
+    `max_body_bytes` bounds each item's announced size. Whether the key is the expected one,
+    the expiration within the allowed TTL and the signer owns the subkey is the caller's check.
+    """
+    verdict, obj = safe_unpack(data, max_size=ANNOUNCE_MAX_BYTES, max_depth=3)
+    if not verdict.ok:
+        return verdict, None
+    try:
+        m = check_keys(obj, _KEYS, "announce")
+        key = _text(m["key"], "key", MAX_KEY_LEN)
+        expires = m["expires"]
+        if not isinstance(expires, float) or not math.isfinite(expires) or expires <= 0:
+            raise Reject(Reason.BAD_VALUE, f"expires must be a positive finite float, got {expires!r:.40}")
+        p2p = _text(m["p2p"], "p2p", 64)
+        if not _BASE58.fullmatch(p2p):
+            raise Reject(Reason.BAD_VALUE, f"p2p {p2p!r} is not a base58 libp2p peer id")
+        maddrs = m["maddrs"]
+        if not isinstance(maddrs, list) or len(maddrs) > MAX_MADDRS:
+            raise Reject(Reason.BAD_LENGTH, f"maddrs must be a list of at most {MAX_MADDRS}")
+        maddrs = tuple(_text(a, "maddr", MAX_MADDR_LEN) for a in maddrs)
+        items = m["items"]
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_ITEMS:
+            raise Reject(Reason.BAD_LENGTH, f"items must be a list of 1..{MAX_ITEMS}")
+        parsed = tuple(_item(item, max_body_bytes) for item in items)
+        if len({i.sha256 for i in parsed}) != len(parsed):
+            raise Reject(Reason.BAD_VALUE, "items repeat a sha256")
+    except Reject as rejected:
+        return rejected.verdict, None
+    return Verdict.accept(), Announce(key, expires, p2p, maddrs, parsed)
+
+
+def _text(value: object, what: str, max_len: int) -> str:
+    if not isinstance(value, str):
+        raise Reject(Reason.BAD_TYPE, f"{what} must be str, got {type(value).__name__}")
+    if not 0 < len(value) <= max_len or not value.isprintable():
+        raise Reject(Reason.BAD_VALUE, f"{what} {value[:64]!r} is empty, longer than {max_len} or unprintable")
+    return value
+
+
+def _item(obj: object, max_body_bytes: int) -> AnnouncedBody:
+    m = check_keys(obj, _ITEM_KEYS, "announce item")
+    author, digest, size = m["author"], m["sha256"], m["size"]
+    if not isinstance(author, str) or not _PEER_ID.fullmatch(author):
+        raise Reject(Reason.BAD_VALUE, f"item author {author!r:.40} is not a hivespec peer id")
+    if not isinstance(digest, bytes) or len(digest) != 32:
+        raise Reject(Reason.BAD_LENGTH, "item sha256 must be 32 bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= max_body_bytes:
+        raise Reject(Reason.BAD_VALUE, f"item size {size!r:.40} outside (0, {max_body_bytes}]")
+    return AnnouncedBody(author, digest, size)
+
+
+def is_peer_id(value: object) -> bool:
+    """Whether `value` is a well-formed hivespec peer id (``hs`` + 16 hex digits)."""
+    return isinstance(value, str) and _PEER_ID.fullmatch(value) is not None

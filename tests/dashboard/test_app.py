@@ -1,0 +1,175 @@
+"""Pilot tests of the dashboard: every key, every panel, a lost node, several local nodes, 80 x 24."""
+
+import asyncio
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from fakes import FakeSource, make_snapshot, screen_text
+from hivespec.dashboard.app import PANELS, DashboardApp
+from hivespec.dashboard.help import HelpScreen
+from hivespec.dashboard.log import LogPanel
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE = os.environ.get("HIVESPEC_UPDATE_SNAPSHOTS") == "1"
+
+
+async def _until(pilot, condition, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await pilot.pause(0.02)
+
+
+def _app(*sources, **kwargs) -> DashboardApp:
+    return DashboardApp(list(sources), poll_interval=0.2, **kwargs)
+
+
+def _run(coro):
+    asyncio.run(coro)
+
+
+def test_every_key_does_what_the_footer_says():
+    source = FakeSource(make_snapshot())
+
+    async def scenario():
+        app = _app(source)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _until(pilot, lambda: app.feed.snapshot is not None)
+            tabs = app.query_one("#panels")
+            assert tabs.active == "swarm"
+            for key, panel in (("2", "throughput"), ("3", "training"), ("4", "sync"), ("1", "swarm")):
+                await pilot.press(key)
+                assert tabs.active == panel
+            for panel in (*PANELS[1:], PANELS[0]):  # tab cycles and wraps
+                await pilot.press("tab")
+                assert tabs.active == panel
+
+            log = app.query_one(LogPanel)
+            assert not log.display
+            await pilot.press("l")
+            assert log.display and "reward_mismatch" in screen_text(app)
+            await pilot.press("l")
+            assert not log.display
+
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen) and "tab, 1-4" in screen_text(app)
+            await pilot.press("escape")
+            assert not isinstance(app.screen, HelpScreen)
+
+            await pilot.press("p")
+            await _until(pilot, lambda: source.pause_requests == [True])
+            await _until(pilot, lambda: "PAUSED after round 5/10 (p resumes)" in screen_text(app))
+            await pilot.press("p")
+            await _until(pilot, lambda: source.pause_requests == [True, False])
+            await _until(pilot, lambda: "training round 6/10" in screen_text(app))
+
+            await pilot.press("q")
+            await pilot.pause()
+            assert not app.is_running
+
+    _run(scenario())
+
+
+def test_footer_lists_every_key_at_80x24():
+    async def scenario():
+        app = _app(FakeSource(make_snapshot()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _until(pilot, lambda: "quit" in screen_text(app).splitlines()[-1])
+            footer = screen_text(app).splitlines()[-1]
+            for key in ("tab/1-4 panels", "q quit", "p pause/resume", "l log", "? help"):
+                assert key in footer
+            assert "next node" not in footer  # one node: nothing to switch to
+
+    _run(scenario())
+
+
+def test_a_lost_node_is_shown_as_lost_keeps_its_last_view_and_recovers():
+    source = FakeSource(make_snapshot())
+    now = [1000.0]
+
+    async def scenario():
+        app = _app(source, clock=lambda: now[0])
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _until(pilot, lambda: app.feed.snapshot is not None)
+            source.fail = "no answer from http://127.0.0.1:4483 (Connection refused); is the node running?"
+            await _until(pilot, lambda: app.feed.error is not None)
+            now[0] += 12
+            await _until(pilot, lambda: "LOST  for 12s: no answer from http://127.0.0.1:4483" in screen_text(app))
+            assert "swift-otter-3fa2" in screen_text(app)  # the last snapshot stays on screen
+            fetches = source.fetches
+            await pilot.press("p")
+            assert source.pause_requests == []  # nothing to pause while lost
+            source.fail = None
+            await _until(pilot, lambda: app.feed.error is None and source.fetches > fetches)
+            await _until(pilot, lambda: "LOST" not in screen_text(app))
+
+    _run(scenario())
+
+
+def test_a_node_that_never_answered_says_so():
+    source = FakeSource(make_snapshot(), label="127.0.0.1:9")
+    source.fail = "no answer from http://127.0.0.1:9 (Connection refused); is the node running?"
+
+    async def scenario():
+        app = _app(source)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _until(pilot, lambda: "LOST" in screen_text(app))
+            assert "127.0.0.1:9" in screen_text(app)
+
+    _run(scenario())
+
+
+def test_n_switches_between_local_nodes_and_names_peers_by_their_node_names():
+    first = make_snapshot()
+    second = make_snapshot(name="node-1", peer_id="hs0123456789abcdef")  # is PEER_A of the first node
+    sources = [FakeSource(first, label="a"), FakeSource(second, label="b")]
+
+    async def scenario():
+        app = _app(*sources)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await _until(pilot, lambda: "[node-0]" in screen_text(app) and "n next node" in screen_text(app))
+            text = screen_text(app)
+            assert "[node-0]" in text and " node-1 " in text and "n next node" in text
+            assert "node-1" in text.split("peer")[1]  # PEER_A shown by its local node name
+            await pilot.press("n")
+            assert app.current == 1
+            await _until(pilot, lambda: "[node-1]" in screen_text(app))
+            await pilot.press("n")
+            assert app.current == 0
+
+    _run(scenario())
+
+
+@pytest.mark.parametrize(("panel", "size", "keys"), [
+    ("swarm", (80, 24), ()),
+    ("throughput", (80, 24), ()),
+    ("training", (80, 24), ()),
+    ("sync", (80, 24), ()),
+    ("swarm", (80, 24), ("l",)),
+    ("swarm", (120, 36), ()),
+])
+def test_screens_match_their_snapshots(panel, size, keys):
+    """Whole-screen text against tests/dashboard/snapshots/ (HIVESPEC_UPDATE_SNAPSHOTS=1 rewrites them)."""
+    snapshot = replace(make_snapshot(), logs=make_snapshot().logs)
+
+    async def scenario() -> str:
+        app = _app(FakeSource(snapshot), initial_panel=panel)
+        async with app.run_test(size=size) as pilot:
+            await _until(pilot, lambda: "quit" in screen_text(app).splitlines()[-1] and "node-0" in screen_text(app))
+            for key in keys:
+                await pilot.press(key)
+            await pilot.pause(0.3)
+            return screen_text(app)
+
+    text = asyncio.run(scenario())
+    name = f"{panel}-{size[0]}x{size[1]}{''.join('-' + k for k in keys)}.txt"
+    path = SNAPSHOTS / name
+    if UPDATE or not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; inspect and rerun with HIVESPEC_UPDATE_SNAPSHOTS=1"
+    lines = text.splitlines()
+    assert len(lines) == size[1] and all(len(line) <= size[0] for line in lines)

@@ -1,0 +1,87 @@
+"""dashboard.view and dashboard.plot: the health answers and the drawing helpers, as pure functions."""
+
+from dataclasses import replace
+
+import pytest
+from fakes import PEER_A, PEER_B, make_snapshot
+from hivespec.dashboard.plot import Series, braille_canvas, value_range
+from hivespec.dashboard.text import render_text
+from hivespec.dashboard.view import (
+    active_peers,
+    flow_health,
+    fmt_bytes,
+    fmt_duration,
+    peers_health,
+    reward_health,
+    reward_trend,
+    speculation_health,
+)
+from hivespec.protocol.status import GossipStatus, IntakeStatus
+
+
+def test_connected_peers_are_those_that_sent_rollouts_recently():
+    snapshot = make_snapshot()
+    assert [p.peer_id for p in active_peers(snapshot)] == [PEER_A]  # PEER_B was last seen 700 s ago
+    answer = peers_health(snapshot)
+    assert answer.level == "good" and answer.text.startswith("1 connected")
+    stale = replace(snapshot, peers=[replace(p, last_seen=snapshot.time - 3600) for p in snapshot.peers])
+    assert peers_health(stale).level == "bad" and peers_health(stale).text.startswith("0 connected: 2 seen")
+    assert peers_health(replace(snapshot, peers=[], rounds=[])).level == "unknown"
+
+
+def test_flow_says_whether_rollouts_move_both_ways():
+    snapshot = make_snapshot()
+    both = flow_health(snapshot)
+    assert both.level == "good" and both.text.startswith("both ways") and "in 176 from 2 peers" in both.text
+    only_in = replace(snapshot, gossip=GossipStatus(bodies_served=0))
+    assert flow_health(only_in).level == "warn" and "one way only" in flow_health(only_in).text
+    nothing = replace(snapshot, gossip=GossipStatus(), intake=IntakeStatus(), peers=[])
+    assert flow_health(nothing).level == "bad"
+
+
+def test_speculation_pays_only_above_one_token_per_target_forward():
+    assert speculation_health(make_snapshot()).text.startswith("pays: 2.30 tokens/target forward")
+    plain = make_snapshot(speculation=False)
+    assert speculation_health(plain).level == "unknown"
+    snapshot = make_snapshot()
+    flat = replace(snapshot, rounds=[replace(r, tokens_per_target_forward=1.0) for r in snapshot.rounds])
+    assert speculation_health(flat).level == "warn" and speculation_health(flat).text.startswith("not paying")
+
+
+def test_reward_trend_is_a_least_squares_fit():
+    assert reward_trend([0.0, 1.0, 2.0]) == pytest.approx(1.0)
+    assert reward_trend([0.5, 0.5, 0.5, 0.5]) == 0.0
+    assert reward_trend([0.3]) == 0.0
+    snapshot = make_snapshot()
+    assert reward_health(snapshot).level == "good" and reward_health(snapshot).text.startswith("rising: 0.25 -> 0.56")
+    falling = replace(snapshot, rounds=[replace(r, reward_mean=1.0 - 0.1 * r.round) for r in snapshot.rounds])
+    assert reward_health(falling).level == "bad"
+    flat = replace(snapshot, rounds=[replace(r, reward_mean=0.4 + 0.001 * (r.round % 2)) for r in snapshot.rounds])
+    assert reward_health(flat).level == "warn"
+    assert reward_health(make_snapshot(rounds=2)).text.startswith("too early: 2 rounds")
+
+
+def test_formatting():
+    assert fmt_bytes(None) == "-" and fmt_bytes(999) == "999B" and fmt_bytes(16_500_000) == "16.5MB"
+    assert fmt_duration(42) == "42s" and fmt_duration(185) == "3m05s" and fmt_duration(7620) == "2h07m"
+    assert fmt_duration(3 * 86400 + 4 * 3600) == "3d04h"
+
+
+def test_braille_canvas_draws_a_rising_line_corner_to_corner():
+    canvas = braille_canvas([Series("r", [0.0, 1.0], "green")], width=4, height=2, low=0.0, high=1.0)
+    assert len(canvas) == 2 and all(len(row) == 4 for row in canvas)
+    # bottom-left and top-right cells are drawn by series 0; the other corners stay blank
+    assert canvas[1][0][1] == 0 and canvas[0][3][1] == 0
+    assert canvas[0][0] == ("\u2800", None) and canvas[1][3] == ("\u2800", None)
+    gap = braille_canvas([Series("r", [0.5, None, 0.5], "green")], width=3, height=1, low=0.0, high=1.0)
+    assert gap[0][1] == ("\u2800", None)  # a missing value leaves a gap instead of a segment
+    assert value_range([Series("r", [None, None], "")]) is None
+    assert value_range([Series("r", [0.3, 0.3], "")]) == pytest.approx((0.27, 0.33))
+
+
+def test_status_text_answers_the_four_questions():
+    text = render_text(make_snapshot())
+    for expected in ("node-0 (hs00112233)", "peers  1 connected", "rollouts  both ways", "speculation  pays",
+                     "reward  rising", "swift-otter-3fa2", "calm-heron-07b1", "last round 5: reward 0.56"):
+        assert expected in text, expected
+    assert PEER_B not in text  # names, not raw ids, when the node knows them

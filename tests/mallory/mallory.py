@@ -1,0 +1,178 @@
+"""Mallory: a hostile peer as a real process (real hivemind, real Ed25519 keys, our own code turned against us).
+
+Usage: python -P mallory.py <honest maddr> <swarm> <victim peer id> <victim libp2p id> <honest peer id> <round> <linger s> <out.json>
+
+It joins the swarm through the honest node and, for slots `round - 1` and `round`, announces and
+serves: rollouts signed by itself with NaN / inf / positive log-probs, out-of-vocabulary ids,
+mismatched lengths, a false reward, a future round and a future policy version; an envelope that
+claims the honest node as author with a forged signature; a body that does not match its
+announced hash; and the honest node's own envelopes (replays). In the DHT it tries to overwrite
+the honest node's and the victim's records, to store a far-future expiration, an oversized and a
+malformed value, and sends raw garbage to the victim's DHT handlers and body stream. It writes
+what it attempted to `out.json` and keeps serving for `linger` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from hivemind.p2p import PeerID
+from hivespec.node.config import load_config
+from hivespec.node.gossip import Gossip
+from hivespec.node.model import load_model, load_tokenizer, model_fingerprint
+from hivespec.node.tasks.source import TaskSource
+from hivespec.node.transfer import STREAM_NAME
+from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
+from hivespec.protocol.codec import pack
+from hivespec.protocol.envelope import Kind, open_envelope, seal, signed_message
+from hivespec.protocol.identity import Identity
+from hivespec.protocol.keys import rollout_round_key
+from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
+
+
+def rollouts(tasks: TaskSource, tokenizer, round_: int, count: int = 2) -> list[Rollout]:
+    """Rollouts that pass every check: real prompts, a real completion, the verifier's own reward."""
+    out = []
+    for i, task in enumerate(tasks.prompts(seed=666, round=round_, count=count)):
+        completion = tokenizer.encode(" 42", add_special_tokens=False) or [1]
+        text = tokenizer.decode(completion, skip_special_tokens=True)
+        out.append(Rollout(task.prompt_id, i, 7, np.asarray(tasks.chat_prompt_ids(tokenizer, task), dtype=np.uint32),
+                           np.asarray(completion, dtype=np.uint32), np.full(len(completion), -0.5, dtype=np.float32),
+                           float(tasks.reward(task, text)), "stop"))
+    return out
+
+
+def attacks(me: Identity, honest_key: bytes, fingerprint: str, vocab: int, base: list[Rollout], round_: int, seq: int) -> dict[str, bytes]:
+    """name -> sealed envelope bytes, one per content attack."""
+    def batch(rs: list[Rollout], *, rnd: int = round_, version: int = 0) -> bytes:
+        return encode_batch(RolloutBatch(rnd, version, fingerprint, tuple(rs)))
+
+    def with_logprob(value: float) -> list[Rollout]:
+        r = base[0]
+        lp = np.array(r.behaviour_logprobs, dtype=np.float32)
+        lp[0] = value
+        return [Rollout(r.prompt_id, r.sample_index, r.seed, r.prompt_ids, r.completion_ids, lp, r.reward, r.finish_reason)]
+
+    r = base[0]
+    oov = Rollout(r.prompt_id, r.sample_index, r.seed, r.prompt_ids, np.array([vocab + 5], dtype=np.uint32),
+                  np.array([-0.1], dtype=np.float32), r.reward, "stop")
+    false_reward = Rollout(r.prompt_id, r.sample_index, r.seed, r.prompt_ids, r.completion_ids, r.behaviour_logprobs,
+                           1e9 if r.reward != 1e9 else 0.0, "stop")
+    mismatched = pack({"round": round_, "policy_version": 0, "fingerprint": fingerprint, "rollouts": [{
+        "prompt_id": r.prompt_id, "sample_index": 0, "seed": 7, "prompt_ids": r.prompt_ids.tobytes(),
+        "completion_ids": r.completion_ids.tobytes(), "behaviour_logprobs": b"\x00\x00\x00\xbf" * (len(r.completion_ids) + 3),
+        "reward": r.reward, "finish_reason": "stop"}]})
+    bodies = {
+        "nan_logprob": batch(with_logprob(float("nan"))),
+        "inf_logprob": batch(with_logprob(float("-inf"))),
+        "positive_logprob": batch(with_logprob(0.7)),
+        "out_of_vocab": batch([oov]),
+        "mismatched_lengths": mismatched,
+        "false_reward": batch([false_reward]),
+        "future_round": batch(base, rnd=round_ + 50),
+        "future_policy_version": batch(base, version=10_000),
+    }
+    out = {name: seal(me, Kind.ROLLOUTS, seq + i, body) for i, (name, body) in enumerate(bodies.items())}
+    # Claims the honest node wrote it; signed with Mallory's key.
+    body = batch(base)
+    ts = time.time()
+    bad_sig = me.sign(signed_message(1, "rollouts", honest_key, seq + 99, ts, body))
+    out["forged_signature"] = pack({"v": 1, "kind": "rollouts", "author": honest_key, "seq": seq + 99, "ts": ts,
+                                    "body": body, "sig": bad_sig})
+    return out
+
+
+async def raw_attacks(g: Gossip, victim_p2p: PeerID) -> dict[str, str]:
+    """Garbage straight at the victim's DHT handlers and body stream; returns what each attempt got back."""
+    results = {}
+    client = g._p2p._client
+    for name, handle in (("dht_store_garbage", "DHTProtocol.rpc_store"), ("dht_find_garbage", "DHTProtocol.rpc_find"),
+                         ("dht_ping_garbage", "DHTProtocol.rpc_ping")):
+        try:
+            await asyncio.wait_for(client.call_unary_handler(victim_p2p, handle, os.urandom(3000)), 10)
+            results[name] = "answered"
+        except Exception as exc:  # noqa: BLE001 - an error reply is the expected outcome
+            results[name] = type(exc).__name__
+    for name, payload in (("stream_short", b"\x01\x02"), ("stream_junk", os.urandom(32) + os.urandom(1000))):
+        try:
+            _, _reader, writer = await asyncio.wait_for(g._p2p.call_binary_stream_handler(victim_p2p, STREAM_NAME), 10)
+            writer.write(payload)
+            await writer.drain()
+            writer.close()
+            results[name] = "sent"
+        except Exception as exc:  # noqa: BLE001
+            results[name] = type(exc).__name__
+    return results
+
+
+def main() -> None:
+    maddr, swarm, victim_id, victim_p2p, honest_id, round_s, linger_s, out_path = sys.argv[1:9]
+    round_ = int(round_s)
+    config = load_config("tiny")
+    tokenizer = load_tokenizer(config.model.name)
+    model = load_model(config.model.name)
+    fingerprint = model_fingerprint(model.config, tokenizer)
+    tasks = TaskSource.from_config(config.tasks)
+    me = Identity.generate()
+    g = Gossip(me, swarm=swarm, initial_peers=[maddr], request_timeout=5.0, bootstrap_timeout=10)
+    g.start()
+    tally: dict[str, object] = {"mallory": me.peer_id, "announced": [], "dht": {}}
+    try:
+        # The honest node's public key and envelopes, read like any peer would.
+        honest = [f for r in (round_ - 2, round_ - 1) if r >= 0 for f in g.fetch_round(r, timeout=10)]
+        honest = [f for f in honest if f.author_peer_id == honest_id]
+        honest_key = Identity.generate().public_key
+        if honest:
+            _, env = open_envelope(honest[0].body, limits=g._relay_limits)
+            honest_key = env.author
+        seq = time.time_ns() // 1000
+        for slot in (round_ - 1, round_):
+            bodies = attacks(me, honest_key, fingerprint, model.config.vocab_size, rollouts(tasks, tokenizer, slot), slot, seq + 1000 * slot)
+            for name, data in bodies.items():
+                g.publish(slot, data)
+                tally["announced"].append(f"{slot}:{name}")
+        for f in honest:
+            # Replays: the honest node's own envelopes, served again by Mallory as a holder.
+            for slot in (round_ - 1, round_):
+                g.publish(slot, f.body)
+                tally["announced"].append(f"{slot}:replay")
+
+        async def dht_attacks() -> dict[str, bool]:
+            out = {}
+            key = rollout_round_key(swarm, round_)
+            junk = os.urandom(2000)
+            item = AnnouncedBody(me.peer_id, hashlib.sha256(junk).digest(), 3_000_000)  # announced size != served
+            g._bodies[item.sha256] = (("rollouts", round_), junk)
+            exp = time.time() + 60
+
+            def record(expires: float, items=(item,)) -> bytes:
+                body = encode_announce(Announce(key, expires, g._p2p.peer_id.to_base58(), tuple(g.visible_maddrs), items))
+                return seal(me, Kind.ANNOUNCE, time.time_ns() // 1000, body)
+
+            out["overwrite_honest"] = await g._dht.store(key, record(exp), exp, subkey=honest_id)
+            out["overwrite_victim"] = await g._dht.store(key, record(exp), exp, subkey=victim_id)
+            far = time.time() + 3e8
+            out["far_future_expiration"] = await g._dht.store(key, record(far), far, subkey=me.peer_id)
+            out["oversized_value"] = await g._dht.store(key, os.urandom(200_000), exp, subkey=me.peer_id)
+            out["malformed_value"] = await g._dht.store(key, b"\xc1\xc1 not msgpack", exp, subkey=me.peer_id)
+            out["regular_key_value"] = await g._dht.store(key, b"no subkey", exp)
+            # Mallory's own node keeps what it stored: it will hand these to anyone who asks.
+            return out
+
+        tally["dht"] = g._call(dht_attacks(), 60)
+        tally["raw"] = g._call(raw_attacks(g, PeerID.from_base58(victim_p2p)), 60)
+        with open(out_path, "w") as f:
+            json.dump(tally, f)
+        time.sleep(float(linger_s))
+    finally:
+        g.shutdown()
+
+
+if __name__ == "__main__":
+    main()

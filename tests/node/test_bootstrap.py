@@ -1,0 +1,105 @@
+"""Bootstrap sources, the peer cache, the home lock, and `hivespec bootstrap` as a real process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hivespec.node.bootstrap import (
+    PEERS_ENV,
+    HomeLock,
+    IdentityInUse,
+    PeerCache,
+    bootstrap_candidates,
+    load_private_swarm,
+    read_peers_file,
+)
+from hivespec.node.gossip import Gossip
+from hivespec.protocol.identity import Identity
+
+ROOT = Path(__file__).resolve().parents[2]
+A = "/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWGAeBwmWNYQwRDrDzeVdFxeWDrou7MZ99wpNfUjFJzWJV"
+B = "/dns4/boot.example.org/tcp/31337/p2p/12D3KooWCGpeCN815n2saDH1K93ukj4cpBWUJPi1RdQWV1nBZwfD"
+C = "/ip4/127.0.0.1/tcp/5000/p2p/12D3KooWH9XFi1iYhnGKNPNWSe3H6PrThK6Yc1gGkoonjSs1pUYG"
+
+
+def test_candidates_come_from_every_source_in_order_without_repeats(tmp_path: Path) -> None:
+    peers_file = tmp_path / "peers.txt"
+    peers_file.write_text(f"# lab bootstrap peers\n{B}\n\n{A}  # again\n")
+    cache = PeerCache(tmp_path / "cache.json")
+    cache.remember([C, "not a multiaddr"], now=100.0)
+    got = bootstrap_candidates([A], peers_file=peers_file, cache=PeerCache.load(cache.path), environ={PEERS_ENV: f"{C}, {B}"})
+    assert got == [("config", A), ("env", C), ("env", B)]
+    assert bootstrap_candidates([], cache=PeerCache.load(cache.path), environ={}) == [("cache", C)]
+
+
+def test_malformed_sources_fail_with_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "peers.txt"
+    bad.write_text(f"{A}\n/ip4/1.2.3.4/tcp/1\n")
+    with pytest.raises(ValueError, match="line 2"):
+        read_peers_file(bad)
+    with pytest.raises(ValueError, match="from env"):
+        bootstrap_candidates([], environ={PEERS_ENV: "hello"})
+    (tmp_path / "cache.json").write_text("[broken")
+    assert PeerCache.load(tmp_path / "cache.json").maddrs() == []  # the cache is a hint: never fatal
+
+
+def test_cache_keeps_the_newest_peers(tmp_path: Path) -> None:
+    cache = PeerCache(tmp_path / "c.json")
+    maddrs = [f"/ip4/10.0.0.{i}/tcp/4001/p2p/12D3KooWGAeBwmWNYQwRDrDzeVdFxeWDrou7MZ99wpNfUjFJzWJV" for i in range(100)]
+    for i, m in enumerate(maddrs):
+        cache.remember([m], now=float(i))
+    assert PeerCache.load(cache.path).maddrs() == maddrs[::-1][:64]
+
+
+def test_home_lock_refuses_a_second_holder(tmp_path: Path) -> None:
+    lock = HomeLock(tmp_path)
+    with pytest.raises(IdentityInUse, match="already running"):
+        HomeLock(tmp_path)
+    lock.close()
+    HomeLock(tmp_path).close()
+
+
+def test_private_swarm_settings_are_checked(tmp_path: Path) -> None:
+    allow = tmp_path / "allow.txt"
+    allow.write_text(Identity.generate().public_key.hex() + "  # alice\n")
+    assert load_private_swarm("lab", allowlist_file=None, secret_file=None, environ={}) is None
+    with pytest.raises(ValueError, match="no secret"):
+        load_private_swarm("lab", allowlist_file=str(allow), secret_file=None, environ={})
+    with pytest.raises(ValueError, match="allowlist_file is not"):
+        load_private_swarm("lab", allowlist_file=None, secret_file=None, environ={"HIVESPEC_SWARM_SECRET": "00" * 32})
+    swarm = load_private_swarm("lab", allowlist_file=str(allow), secret_file=None, environ={"HIVESPEC_SWARM_SECRET": "ab" * 32})
+    assert swarm is not None and len(swarm.allowlist) == 1
+    allow.write_text("deadbeef\n")
+    with pytest.raises(ValueError, match="line 1"):
+        load_private_swarm("lab", allowlist_file=str(allow), secret_file=None, environ={"HIVESPEC_SWARM_SECRET": "ab" * 32})
+
+
+@pytest.mark.timeout(120)
+def test_bootstrap_command_prints_maddrs_and_refuses_a_second_instance(tmp_path: Path) -> None:
+    command = [sys.executable, "-P", "-m", "hivespec.node.cli", "bootstrap", "--config", "tiny", "--home", str(tmp_path),
+               "--set", "swarm.swarm=test-bootstrap", "--duration", "60"]
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [first.stdout.readline() for _ in range(2)]
+        assert "bootstrap peer" in lines[0], lines
+        maddr = lines[1].strip()
+        assert maddr.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in maddr
+
+        second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+        assert second.returncode == 3
+        assert "already running with the identity" in second.stderr
+
+        # A node joins through it.
+        node = Gossip(Identity.generate(), swarm="test-bootstrap", initial_peers=[maddr], bootstrap_timeout=10)
+        node.start()
+        try:
+            status = node.status()
+            assert not status["solo"] and status["joined_via"] == f"config {maddr}"
+        finally:
+            node.shutdown()
+    finally:
+        first.terminate()
+        first.wait(timeout=30)

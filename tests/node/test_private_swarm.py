@@ -1,0 +1,98 @@
+"""Private swarm: AEAD bodies and index records, allowlist, and an outsider process that knows the DHT address."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hivespec.node.gossip import Gossip
+from hivespec.protocol.envelope import Kind, seal
+from hivespec.protocol.identity import Identity
+from hivespec.protocol.private import (
+    OVERHEAD,
+    PrivateSwarm,
+    parse_allowlist,
+    parse_secret,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SWARM = "test-private"
+
+
+def lab(*members: Identity, secret: bytes = b"\x11" * 32) -> PrivateSwarm:
+    return PrivateSwarm.create(SWARM, secret, {m.public_key for m in members})
+
+
+def test_bodies_round_trip_and_fail_anywhere_else() -> None:
+    alice = Identity.generate()
+    swarm = lab(alice)
+    sealed = swarm.seal_body(b"rollouts", context="hivespec/test-private/rollouts/0")
+    assert len(sealed) == len(b"rollouts") + OVERHEAD
+    assert sealed != swarm.seal_body(b"rollouts", context="hivespec/test-private/rollouts/0")  # fresh nonce each time
+    verdict, plain = swarm.open_body(sealed, context="hivespec/test-private/rollouts/0")
+    assert verdict.ok and plain == b"rollouts"
+    assert not swarm.open_body(sealed, context="hivespec/test-private/rollouts/1")[0].ok  # moved to another slot
+    assert not swarm.open_index(sealed, context="hivespec/test-private/rollouts/0")[0].ok  # index key differs
+    assert not lab(alice, secret=b"\x22" * 32).open_body(sealed, context="hivespec/test-private/rollouts/0")[0].ok
+    other = PrivateSwarm.create("other-lab", b"\x11" * 32, {alice.public_key})
+    assert not other.open_body(sealed, context="hivespec/test-private/rollouts/0")[0].ok  # same secret, other swarm id
+    for i in range(len(sealed)):
+        flipped = bytearray(sealed)
+        flipped[i] ^= 0x01
+        assert not swarm.open_body(bytes(flipped), context="hivespec/test-private/rollouts/0")[0].ok
+    for junk in (b"", b"\x01" * (OVERHEAD - 1), b"\x02" + sealed[1:], "text"):
+        assert not swarm.open_body(junk, context="x")[0].ok
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        PrivateSwarm.create(SWARM, b"short", {Identity.generate().public_key})
+    with pytest.raises(ValueError, match="empty"):
+        PrivateSwarm.create(SWARM, b"\x00" * 32, set())
+    with pytest.raises(ValueError, match="64 hex"):
+        parse_secret("abcd")
+    key = Identity.generate().public_key
+    assert parse_allowlist(f"# members\n{key.hex()} alice\n\n") == {key}
+
+
+@pytest.mark.timeout(180)
+def test_an_outsider_can_neither_inject_nor_read(tmp_path: Path) -> None:
+    alice, bob = Identity.generate(), Identity.generate()
+    swarm = lab(alice, bob)
+    a = Gossip(alice, swarm=SWARM, private=swarm, request_timeout=5.0)
+    a.start()
+    b = Gossip(bob, swarm=SWARM, private=swarm, initial_peers=a.visible_maddrs, request_timeout=5.0)
+    b.start()
+    try:
+        marker = os.urandom(16)
+        body = seal(alice, Kind.ROLLOUTS, 1, marker * 100)
+        a.publish(0, body)
+        got = b.wait_for_round(0, peers=1, timeout=30)
+        assert [(f.author_peer_id, f.body) for f in got] == [(alice.peer_id, body)]  # members read each other
+        (digest, (_, wire)), = a._bodies.items()
+        assert marker not in wire and hashlib.sha256(wire).digest() == digest
+
+        # The outsider even gets the ciphertext's hash and size, which it could not learn itself.
+        command = [sys.executable, "-P", str(ROOT / "tests/mallory/outsider.py"), a.visible_maddrs[0], SWARM, "0",
+                   digest.hex(), marker.hex(), str(len(wire))]
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=150, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        seen = json.loads(result.stdout.strip().splitlines()[-1])
+        assert seen["records_seen"] >= 1  # the records are there, but sealed
+        assert not seen["marker_in_records"] and not seen["marker_in_body"]
+        assert seen["body_bytes"] == len(wire)  # what it downloaded is the ciphertext, useless without the secret
+
+        # Its own announce was refused by the members' validators; members fetch nothing from it.
+        assert seen["injected_store_failed"] == 1
+        assert b.fetch_round(0, timeout=5) == [] and a.fetch_round(0, timeout=5) == []
+        refused = a.validator.rejected + b.validator.rejected
+        assert refused["not_on_allowlist"] >= 1, refused
+        assert a.stats()["bodies_fetched"] == 0
+    finally:
+        b.shutdown()
+        a.shutdown()

@@ -1,0 +1,112 @@
+"""Verify-cost curve (calibration, cache, interpolation), length classes and the length-aware width choice."""
+
+import json
+
+import pytest
+import torch
+from hivespec.node.config import SpeculationConfig
+from hivespec.node.drafter import Draft, SuffixDrafter
+from hivespec.node.engine import TorchEngine
+from hivespec.node.model import load_model
+from hivespec.node.speculation import (
+    LengthAwarePolicy,
+    VerifyCostCurve,
+    build_speculation,
+    calibrate_verify_cost,
+    length_class,
+    load_or_calibrate,
+    rebuild_drafter,
+)
+from hivespec.node.store import RolloutStore, StoredRollout
+from hivespec.protocol.rollout import Rollout
+
+torch.set_num_threads(1)
+
+
+def _curve(b1=(1.0, 1.2, 1.3, 1.5, 1.6, 2.0), b8=(1.0, 1.7, 2.2, 2.7, 3.2, 5.0)):
+    return VerifyCostCurve((1, 8), (1, 2, 3, 5, 9, 17), (b1, b8), (0.04, 0.2))
+
+
+def test_ratio_interpolates_and_takes_the_next_larger_batch():
+    curve = _curve()
+    assert curve.ratio(1, 1) == 1.0
+    assert curve.ratio(1, 9) == pytest.approx(1.6)
+    assert curve.ratio(1, 7) == pytest.approx(1.55)
+    assert curve.ratio(4, 9) == pytest.approx(3.2)  # batch 4 uses the batch-8 row
+    assert curve.ratio(32, 17) == pytest.approx(5.0)
+
+
+def test_calibration_ignores_noise_spikes_and_is_cached(tmp_path):
+    calls = []
+
+    def fake(batch, widths):
+        calls.append(batch)
+        seconds = {1: 1.0, 2: 9.0, 3: 1.3, 5: 1.4, 9: 1.6, 17: 2.0}  # width 2 hit by a noise spike
+        return [seconds[w] * batch for w in widths]
+
+    curve = calibrate_verify_cost(fake, batches=(1, 2), key="k")
+    assert curve.ratios[0] == (1.0, 1.3, 1.3, 1.4, 1.6, 2.0)
+    cached = load_or_calibrate(tmp_path, "k", fake, batches=(1, 2))
+    assert load_or_calibrate(tmp_path, "k", fake, batches=(1, 2)) == cached
+    assert calls == [1, 2, 1, 2]  # the second load read the file
+    (tmp_path / "verify-cost-k.json").write_text(json.dumps({"format": 0}))
+    load_or_calibrate(tmp_path, "k", fake, batches=(1,))
+    assert calls[-1] == 1  # an old format is re-measured
+
+
+def test_length_classes_from_history():
+    population = list(range(10, 100, 10))
+    assert length_class([], population) == "medium"
+    assert length_class([95], population) == "long"
+    assert length_class([10, 20], population) == "short"
+    assert length_class([50], population) == "medium"
+
+
+def test_width_follows_the_cost_curve_and_the_length_class():
+    drafter = SuffixDrafter()
+    for p, length in [(1, 10), (2, 20), (3, 200), (3, 220)]:
+        drafter.observe([p], [7] * length)
+    policy = LengthAwarePolicy(_curve(), drafter, max_budget=16)
+    assert policy.plan([3]).length_class == "long" and policy.plan([3]).cap == 16
+    assert policy.plan([1]).cap == 4
+    sure = Draft([5] * 8, [1.0] * 8, 8)
+    unsure = Draft([5] * 8, [0.5**i for i in range(1, 9)], 3)
+    plan = policy.plan([3])
+    # Batch 1, confident draft: all 8 tokens pay (9 tokens for 1.6x a plain step).
+    assert policy.width([sure], [plan]) == 8
+    # A weak draft: only the first tokens are worth their cost.
+    assert 0 < policy.width([unsure], [plan]) < 8
+    # Batch 8 with weak drafts: compute-bound, plain steps.
+    assert policy.width([unsure] * 8, [plan] * 8) == 0
+    assert policy.wants_drafts(1)
+    flat = LengthAwarePolicy(_curve(b8=(1.0, 2.5, 3.5, 6.0, 10.0, 18.0)), drafter)
+    assert not flat.wants_drafts(8)
+
+
+def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path, monkeypatch):
+    import numpy as np
+
+    monkeypatch.setenv("HIVESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    with RolloutStore(tmp_path / "rollouts.sqlite") as store:
+        rows = []
+        for i in range(3):
+            rollout = Rollout(
+                "p", i, 1, np.array([1, 2, 3], dtype=np.uint32), np.array([4, 5, 6 + i], dtype=np.uint32),
+                np.zeros(3, dtype=np.float32), 0.0, "stop",
+            )
+            rows.append(StoredRollout.from_rollout(rollout, author="me", round=0, policy_version=0, own=True, received_at=float(i)))
+        store.add_rollouts(rows)
+        drafter = SuffixDrafter()
+        assert rebuild_drafter(drafter, store, limit=2) == 2
+        assert drafter.length_history([1, 2, 3]) == [3, 3]
+        model = load_model("tiny", dtype=torch.float32)
+        engine = TorchEngine(model, max_batch_size=2)
+        drafter, policy = build_speculation(
+            SpeculationConfig(rebuild_rollouts=10), engine, store, model_config=model.config, dtype="float32",
+            device="cpu", max_batch_size=2,
+        )
+    assert drafter.observed == 3
+    assert policy.curve.batches == (1, 2)
+    assert list((tmp_path / "cache" / "speculation").glob("verify-cost-*.json"))
+    engine.set_speculation(drafter, policy)
+    assert engine.drafter is drafter

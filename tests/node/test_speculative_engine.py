@@ -1,0 +1,136 @@
+"""Speculative decoding is lossless: on a float64 tiny model it equals plain decoding exactly.
+
+Same tokens, same behaviour log-probs (to float64 rounding of different forward shapes), same
+finish reasons, across greedy / temperature / top-p, batch sizes, budgets, stop tokens, and
+drafters that are right (fed the plain output itself), partly right and wrong.
+"""
+
+import random
+
+import pytest
+import torch
+from hivespec.node.drafter import SuffixDrafter
+from hivespec.node.engine import (
+    GenerationRequest,
+    SamplingParams,
+    SpeculationStats,
+    TorchEngine,
+)
+from hivespec.node.model import load_model
+from hivespec.node.speculation import UniformPolicy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", dtype=torch.float64)
+
+
+def _requests(count, seed, vocab):
+    rng = random.Random(seed)
+    # Two prompts shared by several samples each, as in GRPO groups.
+    prompts = [tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 9))) for _ in range(2)]
+    return [GenerationRequest(prompts[i % 2], seed=seed, sample_index=i) for i in range(count)]
+
+
+def _fed_drafter(plain, kind, seed, vocab):
+    drafter = SuffixDrafter(min_prob=0.0 if kind == "wrong" else 0.1)
+    rng = random.Random(seed)
+    for sample in plain:
+        tokens = list(sample.completion_ids)
+        if kind == "partial":
+            for _ in range(max(1, len(tokens) // 6)):
+                tokens[rng.randrange(len(tokens))] = rng.randrange(vocab)
+        elif kind == "wrong":
+            tokens = [rng.randrange(vocab) for _ in tokens]
+        drafter.observe(sample.prompt_ids, tokens)
+    return drafter
+
+
+def _assert_same(plain, spec):
+    for a, b in zip(plain, spec, strict=True):
+        assert b.completion_ids == a.completion_ids
+        assert b.finish_reason == a.finish_reason
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-9)
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sampling=st.sampled_from([(0.0, 1.0), (1.0, 1.0), (0.8, 0.9), (1.3, 0.5)]),
+    count=st.integers(1, 6),
+    max_batch=st.integers(1, 4),
+    budget=st.integers(1, 10),
+    kind=st.sampled_from(["right", "partial", "wrong"]),
+    max_new_tokens=st.integers(1, 32),
+    with_stop=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_speculative_equals_plain(model, sampling, count, max_batch, budget, kind, max_new_tokens, with_stop, seed):
+    vocab = model.config.vocab_size
+    temperature, top_p = sampling
+    requests = _requests(count, seed, vocab)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    plain = TorchEngine(model, max_batch_size=max_batch).generate(requests, params)
+    if with_stop:
+        # A token the first sample draws midway: rows stop on it inside accepted runs too.
+        first = plain[0].completion_ids
+        params = SamplingParams(temperature, top_p, max_new_tokens, stop_token_ids=(first[len(first) // 2],))
+        plain = TorchEngine(model, max_batch_size=max_batch).generate(requests, params)
+    drafter = _fed_drafter(plain, kind, seed, vocab)
+    stats = SpeculationStats()
+    engine = TorchEngine(model, max_batch_size=max_batch, drafter=drafter, policy=UniformPolicy(budget))
+    spec = engine.generate(requests, params, stats=stats)
+    _assert_same(plain, spec)
+    if kind == "right" and max_new_tokens > 4 and temperature > 0:
+        assert stats.accepted > 0 and stats.tokens_per_forward > 1.0
+
+
+def test_right_drafter_accepts_almost_everything_and_counts_add_up(model):
+    vocab = model.config.vocab_size
+    requests = _requests(4, 3, vocab)
+    params = SamplingParams(temperature=1.0, max_new_tokens=48)
+    plain_stats = SpeculationStats()
+    plain = TorchEngine(model).generate(requests, params, stats=plain_stats)
+    assert plain_stats.tokens_per_forward == 1.0
+    drafter = _fed_drafter(plain, "right", 0, vocab)
+    stats = SpeculationStats()
+    spec = TorchEngine(model, drafter=drafter, policy=UniformPolicy(8)).generate(requests, params, stats=stats)
+    _assert_same(plain, spec)
+    assert stats.tokens == sum(len(s.completion_ids) for s in plain)
+    assert stats.accepted == sum(s.accepted for s in spec) and stats.drafted == sum(s.drafted for s in spec)
+    assert stats.acceptance_rate > 0.9
+    assert stats.tokens_per_forward > 4.0
+    assert stats.batch_forwards < plain_stats.batch_forwards / 3
+
+
+def test_holes_are_compacted_without_changing_the_output(model):
+    vocab = model.config.vocab_size
+    requests = [GenerationRequest((5, 6, 7), seed=1, sample_index=0), GenerationRequest((9, 8), seed=1, sample_index=1)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=60)
+    plain = TorchEngine(model).generate(requests, params)
+    # Row 0's drafter is always right, row 1's always wrong: row 1 leaves holes every step.
+    drafter = SuffixDrafter()
+    drafter.observe(plain[0].prompt_ids, plain[0].completion_ids)
+    rng = random.Random(0)
+    drafter.observe(plain[1].prompt_ids, [rng.randrange(vocab) for _ in range(60)])
+    stats = SpeculationStats()
+    spec = TorchEngine(model, drafter=drafter, policy=UniformPolicy(8)).generate(requests, params, stats=stats)
+    _assert_same(plain, spec)
+    assert stats.compactions >= 1
+
+
+def test_speculative_false_and_missing_drafter(model):
+    requests = _requests(2, 1, model.config.vocab_size)
+    params = SamplingParams(max_new_tokens=6)
+    drafter = SuffixDrafter()
+    engine = TorchEngine(model, drafter=drafter, policy=UniformPolicy(4))
+    stats = SpeculationStats()
+    assert engine.generate(requests, params, speculative=False, stats=stats) == TorchEngine(model).generate(requests, params)
+    assert stats.drafted == 0
+    with pytest.raises(ValueError, match="needs an engine built with a drafter"):
+        TorchEngine(model).generate(requests, params, speculative=True)
+    with pytest.raises(ValueError, match="both a drafter and a policy"):
+        TorchEngine(model, drafter=drafter)
