@@ -38,7 +38,7 @@ class StatusHeader(Static):
             text.append(node.name, style="bold cyan")
             text.append(f" {short_id(node.peer_id)}", style="dim")
             parts = [
-                f"round {node.round + 1 if node.round >= 0 else 0}{target}",
+                f"rounds done {node.round + 1}{target}",
                 f"policy v{node.policy_version}",
                 f"up {fmt_duration(node.uptime_s)}",
                 f"swarm {node.swarm}",

@@ -24,7 +24,7 @@ def render_text(snapshot: StatusSnapshot) -> str:
     node = snapshot.node
     target = f"/{node.rounds_target}" if node.rounds_target else ""
     title = (
-        f"{node.name} ({short_id(node.peer_id)})  swarm {node.swarm}  round {node.round + 1}{target}  "
+        f"{node.name} ({short_id(node.peer_id)})  swarm {node.swarm}  rounds done {node.round + 1}{target}  "
         f"policy v{node.policy_version}  up {fmt_duration(node.uptime_s)}  {node.model} on {node.device or DASH}  "
         f"reach {node.reachability or DASH}"
     )

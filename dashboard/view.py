@@ -21,6 +21,7 @@ ACTIVE_WINDOW_ROUNDS = 3.0  # ... or within this many of our round times, whiche
 TREND_ROUNDS = 20  # reward trend: least-squares fit over at most this many recent rounds
 TREND_MIN_ROUNDS = 3
 TREND_FLAT = 0.05  # a fitted change smaller than this over the window reads as flat
+# ... and one within two standard errors of the slope as noise (5 rounds of 16 samples are noisy)
 SPECULATION_PAYS = 1.05  # tokens per target forward above this: drafting saves target passes
 
 
@@ -106,15 +107,16 @@ def phase_text(snapshot: StatusSnapshot) -> tuple[Level, str]:
     """The node's state in a few words, e.g. ('good', 'training round 3/5')."""
     node = snapshot.node
     target = f"/{node.rounds_target}" if node.rounds_target else ""
-    current = node.round + 1
+    done = node.round + 1  # rounds are numbered from 0 on the wire, from 1 on screen
+    current = done + 1
     if node.phase == "paused":
-        return "warn", f"PAUSED after round {node.round}{target} (p resumes)"
+        return "warn", f"PAUSED after round {done}{target} (p resumes)"
     if node.phase == "pausing":
         return "warn", f"pausing after round {current}{target} finishes"
     if node.phase == "stopping":
         return "warn", "stopping after the current round"
     if node.phase == "done":
-        return "good", f"done: {node.round + 1} rounds"
+        return "good", f"done: {done} rounds"
     if node.phase == "starting":
         return "unknown", "starting"
     if node.solo:
@@ -179,18 +181,33 @@ def reward_trend(values: Sequence[float]) -> float:
     return sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values)) / sxx
 
 
+def slope_stderr(values: Sequence[float]) -> float:
+    """Standard error of the least-squares slope (inf for fewer than three values)."""
+    n = len(values)
+    if n < 3:
+        return float("inf")
+    slope = reward_trend(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    sxx = sum((i - mean_x) ** 2 for i in range(n))
+    residual = sum((v - (mean_y + slope * (i - mean_x))) ** 2 for i, v in enumerate(values))
+    return (residual / (n - 2) / sxx) ** 0.5
+
+
 def reward_health(snapshot: StatusSnapshot) -> Health:
     rewards = [r.reward_mean for r in snapshot.rounds[-TREND_ROUNDS:] if r.reward_mean is not None]
     if len(rewards) < TREND_MIN_ROUNDS:
         have = len(rewards)
         return Health("reward", "unknown", f"too early: {have} round{'s' if have != 1 else ''} (a trend needs {TREND_MIN_ROUNDS})")
-    slope = reward_trend(rewards)
+    slope, stderr = reward_trend(rewards), slope_stderr(rewards)
     change = slope * (len(rewards) - 1)
     span = f"{rewards[0]:.2f} -> {rewards[-1]:.2f} over {len(rewards)} rounds ({slope:+.3f}/round)"
-    if change > TREND_FLAT:
+    # A trend must be larger than TREND_FLAT over the window and than twice its own noise.
+    if change > TREND_FLAT and slope > 2 * stderr:
         return Health("reward", "good", f"rising: {span}")
-    if change < -TREND_FLAT:
+    if change < -TREND_FLAT and slope < -2 * stderr:
         return Health("reward", "bad", f"falling: {span}")
+    if abs(change) > TREND_FLAT:
+        return Health("reward", "warn", f"no clear trend yet (noisy): {span}")
     return Health("reward", "warn", f"flat: {span}")
 
 

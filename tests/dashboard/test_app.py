@@ -15,7 +15,7 @@ SNAPSHOTS = Path(__file__).parent / "snapshots"
 UPDATE = os.environ.get("HIVESPEC_UPDATE_SNAPSHOTS") == "1"
 
 
-async def _until(pilot, condition, timeout: float = 5.0) -> None:
+async def _until(pilot, condition, timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not condition():
@@ -61,10 +61,10 @@ def test_every_key_does_what_the_footer_says():
 
             await pilot.press("p")
             await _until(pilot, lambda: source.pause_requests == [True])
-            await _until(pilot, lambda: "PAUSED after round 5/10 (p resumes)" in screen_text(app))
+            await _until(pilot, lambda: "PAUSED after round 6/10 (p resumes)" in screen_text(app))
             await pilot.press("p")
             await _until(pilot, lambda: source.pause_requests == [True, False])
-            await _until(pilot, lambda: "training round 6/10" in screen_text(app))
+            await _until(pilot, lambda: "training round 7/10" in screen_text(app))
 
             await pilot.press("q")
             await pilot.pause()

@@ -59,6 +59,11 @@ def test_reward_trend_is_a_least_squares_fit():
     flat = replace(snapshot, rounds=[replace(r, reward_mean=0.4 + 0.001 * (r.round % 2)) for r in snapshot.rounds])
     assert reward_health(flat).level == "warn"
     assert reward_health(make_snapshot(rounds=2)).text.startswith("too early: 2 rounds")
+    noisy = replace(snapshot, rounds=[replace(r, reward_mean=[0.1, 0.6, 0.0, 0.5, 0.2, 0.7][r.round]) for r in snapshot.rounds])
+    assert reward_health(noisy).text.startswith("no clear trend yet (noisy)")
+    # the real demo's node-0 after four rounds (see the closing note): a clear rise
+    real = replace(snapshot, rounds=[replace(r, reward_mean=v) for r, v in zip(snapshot.rounds, [0.12, 0.25, 0.25, 0.5])])
+    assert reward_health(real).text.startswith("rising: 0.12 -> 0.50 over 4 rounds")
 
 
 def test_formatting():
