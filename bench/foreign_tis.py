@@ -6,15 +6,16 @@ autocast, as a node runs it):
 1. Overhead. One trainer steps on one mixed batch (own rollouts plus the same number of rollouts
    labelled as two peers' samples) alternately with importance sampling on (the defaults: token
    truncation at C = 2, sequence mask on the geometric-mean ratio in [0.5, 2], per-peer stats)
-   and off (RL Swarm's plain on-policy step: weight 1, no filter, no stats), ABAB..., in this
-   run. overhead = median(TIS step) / median(plain step) - 1. The IS code's own time inside the
-   TIS steps is also timed (``overhead_attributed``), which the load of a shared machine cannot blur.
+   and off (RL Swarm's plain on-policy step: weight 1, no filter, no stats), in ABBA order, in
+   this run. overhead = median CPU time (this process, all threads) of a TIS step / of a plain
+   step - 1 (``overhead_wall``: the same in wall time). The CPU time of the IS code inside the
+   TIS steps is also measured (``overhead_attributed``); the load of a shared machine blurs it less.
 2. ESS/n. Policy A (version 0) samples a batch with its engine. A copy B of A is trained k steps
    (GRPO on its own fresh rollouts, the node's learning rate), then B's trainer scores A's batch:
    those are foreign samples k versions old. Reported for k = 1 and k = 4 under each correction:
    none (raw ratios), token TIS, token mask, sequence mask (+ TIS, the default).
 
-    python bench/foreign_tis.py            # 6 prompts x 4 completions x 48 tokens, 3 + 3 timed steps
+    python bench/foreign_tis.py            # 6 prompts x 4 completions x 48 tokens, 4 + 4 timed steps
     python bench/foreign_tis.py --quick    # 4 x 4 x 24, 2 + 2 timed steps
 
 Ends with ``RESULT {json}`` with keys overhead, ess_frac_k1, ess_frac_k4 (filtered ESS/n of the
@@ -53,14 +54,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, help="prompts per batch (default 6, quick 4)")
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, help="default 48, quick 24")
-    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 3, quick 2)")
+    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 4, quick 2)")
     parser.add_argument("--learning-rate", type=float, default=2e-5, help="the node default")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (4 if args.quick else 6)
     args.max_new_tokens = args.max_new_tokens or (24 if args.quick else 48)
-    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.repeats = args.repeats or (2 if args.quick else 4)
     return args
 
 
@@ -196,16 +197,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     batch = own + foreign
     trainer.step(batch)  # warm-up (allocator, autocast caches)
     runs: dict[str, list[tuple[float, float, float]]] = {"plain": [], "tis": []}
-    for _ in range(args.repeats):
-        runs["plain"].append(_timed(trainer, batch, PLAIN))
-        runs["tis"].append(_timed(trainer, batch, DEFAULT))
+    for repeat in range(args.repeats):
+        # ABBA order: a drift of the machine's load over the run hits both modes alike.
+        order = ("plain", "tis") if repeat % 2 == 0 else ("tis", "plain")
+        for mode in order:
+            runs[mode].append(_timed(trainer, batch, PLAIN if mode == "plain" else DEFAULT))
     wall = {mode: statistics.median(r[0] for r in rs) for mode, rs in runs.items()}
     cpu = {mode: statistics.median(r[1] for r in rs) for mode, rs in runs.items()}
     inside = statistics.median(r[2] for r in runs["tis"])
     overhead = cpu["tis"] / cpu["plain"] - 1.0
     attributed = inside / cpu["tis"]
     print(f"\nstep on {len(batch)} samples ({sum(len(s.completion_ids) for s in batch)} completion tokens), "
-          f"{args.repeats} of each, alternating (wall s / CPU s):")
+          f"{args.repeats} of each, ABBA order (wall s / CPU s):")
     for mode in ("plain", "tis"):
         print(f"  {mode:<6} " + "  ".join(f"{w:.2f}/{c:.2f}" for w, c, _ in runs[mode])
               + f"   median {wall[mode]:.2f}/{cpu[mode]:.2f}")

@@ -27,8 +27,12 @@ import time
 from collections.abc import Sequence
 
 import torch
-
-from hivespec.node.model import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer
+from hivespec.node.model import (
+    EMBEDDED_MODEL,
+    configure_threads,
+    load_model,
+    load_tokenizer,
+)
 from hivespec.node.tasks import GSM_MINI_PATH, TaskSource
 
 
@@ -61,7 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     threads = configure_threads(args.threads)
     from hivespec.node.drafter import SuffixDrafter
-    from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
+    from hivespec.node.engine import (
+        GenerationRequest,
+        SamplingParams,
+        SpeculationStats,
+        TorchEngine,
+    )
     from hivespec.node.model import cache_dir
     from hivespec.node.speculation import (
         CALIBRATION_BATCHES,

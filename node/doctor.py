@@ -250,9 +250,10 @@ def _tcp_target(maddr: str) -> tuple[str, int] | None:
 
 async def _network_checks(config: NodeConfig, timeout: float) -> list[Check]:
     from hivemind.dht.node import DHTNode
-    from hivemind.p2p import P2P
+    from hivemind.p2p import P2P, PeerID
     from hivemind.proto import dht_pb2
     from hivemind.utils import get_dht_time
+    from hivemind.utils.multiaddr import Multiaddr
 
     checks = []
     started = time.perf_counter()
@@ -277,8 +278,14 @@ async def _network_checks(config: NodeConfig, timeout: float) -> list[Check]:
                 continue
             try:
                 socket.create_connection(target, timeout=timeout).close()
-            except OSError as exc:
-                unreachable.append(f"{maddr} ({exc.strerror or exc})")
+                # p2pd must know the address before the DHT can ping the peer id; P2P has no public
+                # connect(), and node/gossip.py dials through _client the same way.
+                address = Multiaddr(maddr)
+                peer_id = PeerID.from_base58(address.value_for_protocol("p2p"))
+                transport = address.decapsulate(Multiaddr(f"/p2p/{peer_id.to_base58()}"))
+                await asyncio.wait_for(p2p._client.connect(peer_id, [transport]), timeout)
+            except Exception as exc:  # noqa: BLE001 - refused, timed out or malformed: that is the finding
+                unreachable.append(f"{maddr} ({getattr(exc, 'strerror', None) or exc or type(exc).__name__})")
         try:
             dht = await asyncio.wait_for(DHTNode.create(p2p=p2p, initial_peers=peers, wait_timeout=timeout), 3 * timeout)
             known = list(dht.protocol.routing_table.uid_to_peer_id.values())

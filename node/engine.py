@@ -521,7 +521,7 @@ class TorchEngine:
         return output.logits if keep else output.logits[:, -1, :]
 
     @torch.inference_mode()
-    def time_forwards(self, batch: int, widths: Sequence[int], *, context: int = 128, rounds: int = 3) -> list[float]:
+    def time_forwards(self, batch: int, widths: Sequence[int], *, context: int = 128, rounds: int = 2) -> list[float]:
         """Seconds for one forward of each width of new tokens per row, at `batch` rows over a `context`-token cache.
 
         What the verify-cost calibration measures. Widths are timed in turn, `rounds` times after

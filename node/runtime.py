@@ -111,6 +111,7 @@ class RoundReport:
     spec_tokens_per_forward: float | None = None  # completion tokens per target forward, per sequence (plain = 1.0)
     spec_draft_seconds: float = 0.0  # wall time spent drafting
     drafter_rollouts: int = 0  # rollouts the drafter has observed since start-up (store replay included)
+    policy_hash: str = ""  # hex state_hash of the engine weights after this round's sync (a follower's must match)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -285,6 +286,7 @@ class Node:
             delta_density=sync_stats.density,
             delta_chunks=sync_stats.chunks,
             delta_published=delta_published,
+            policy_hash=self.sync.engine.hash.hex(),
             engine_mismatch=self.sync.mismatched_elements(),
             tokens_generated=tokens_generated,
             seconds={k: round(v, 3) for k, v in timings.items()},
@@ -362,7 +364,11 @@ class Node:
             ],
             "providers": {name: provider.state_dict() for name, provider in self.checkpoint_providers.items()},
             "drafter": "rebuilt from the rollout journal",
+            # Scores are about peers' behaviour, not training state: never rolled back, only flushed here.
+            "peers": "kept in peers.json (node/peers.py)",
         }
+        if self.peer_scores is not None:
+            self.peer_scores.save()
         return self.checkpoints.save(training_snapshot(self.trainer.model, self.trainer.optimizer, meta))
 
     def resume(self, checkpoint: Checkpoint) -> None:

@@ -1,26 +1,36 @@
-"""Sparse indexed weight delta, wire format v2: near the entropy bound, chunked, hash-bound to its base.
+"""Sparse indexed weight delta, wire format v3: near the entropy bound, chunked, hash-bound to its base.
 
 A delta moves a model from `base_version` (whose weights hash to `base_hash`) to `version`
 (hashing to `result_hash`). Per tensor it lists the flat (row-major) positions that changed and
 their new bit patterns (uint16 for bfloat16/float16, uint32 for float32), so applying it is
-bit-exact. Values are coded relative to the base (see `delta_codes`), so a delta only decodes
-against the exact weights it was made from: the base hash is checked first, and `state_hash`
-of the result must equal `result_hash` after applying.
+bit-exact. The coding is conditioned on the base weights (see `delta_codes`): positions per
+magnitude class, values relative to the base with tables chosen by the base exponent. So a
+delta only decodes against the exact weights it was made from: the base hash is checked first,
+and `state_hash` of the result must equal `result_hash` after applying.
 
 Wire form: a list of chunks, each a msgpack map that is one gossip body (under the 4 MiB
 message cap) and decodes on its own given the base:
 
-    {"format": 2, "base_version": int, "version": int, "base_hash": bin32, "result_hash": bin32,
-     "chunk": int, "chunks": int, "tables": [bin, bin, bin], "symbols": bin,
+    {"format": 3, "base_version": int, "version": int, "base_hash": bin32, "result_hash": bin32,
+     "chunk": int, "chunks": int,
+     "position_table": bin, "position_symbols": bin,
+     "value_contexts": [[dtype, exponent, reference | nil], ...], "value_tables": [bin, ...],
+     "value_symbols": bin,
      "pieces": [{"name": str, "shape": [int], "dtype": str, "start": int, "stop": int,
-                 "count": int, "positions": "gaps" | "complement" | "bitmap", "rice": int,
-                 "low": bin, "escapes": bin, "values": "ulp" | "raw", "value_bits": bin}, ...]}
+                 "split": [exponent, ...], "implicit": int,
+                 "classes": [[count, "gaps" | "complement" | "bitmap", rice, low, escapes], ...],
+                 "values": "ulp" | "raw", "value_bits": bin}, ...]}
 
 A piece covers the flat range [start, stop) of one tensor (large tensors are split over
-chunks). "tables" are the rANS frequency tables (gap quotients, 16-bit values, 32-bit values);
-"symbols" is one interleaved rANS stream holding, piece after piece, the piece's gap quotients
-then its value symbols. Decoding validates everything before returning, and a whole delta is
-accepted only if every chunk is, the chunks agree on their header, and no two pieces overlap.
+chunks); its elements fall into len(split) + 1 magnitude classes by base exponent, and each
+class's changed ranks are coded on their own. "position_symbols" is one rANS stream with every
+class's gap quotients (piece after piece, class after class), coded with "position_table".
+"value_symbols" is one rANS stream with the value symbols of the "ulp" pieces, grouped by dtype
+name, then in piece order; each symbol is coded with the table of the last context of its dtype
+whose exponent is <= the base element's exponent, and that context's reference magnitude (if
+any) replaces the base magnitude the step is taken from. Decoding validates everything before
+returning, and a whole delta is accepted only if every chunk is, the chunks agree on their
+header, and no two pieces overlap.
 """
 
 from __future__ import annotations
@@ -35,11 +45,11 @@ import numpy as np
 
 from . import delta_codes as dc
 from .codec import Reject, check_keys, pack, safe_unpack
-from .entropy import CodingError, FrequencyTable, rans_decode, rans_encode
+from .entropy import CodingError, FrequencyTable, entropy_bits, rans_decode, rans_encode
 from .limits import DEFAULT_LIMITS, Limits
 from .verdict import Reason, Verdict
 
-DELTA_FORMAT_VERSION = 2
+DELTA_FORMAT_VERSION = 3
 HASH_BYTES = 32
 # Wire dtype name -> dtype of the bit patterns carried for it.
 VALUE_DTYPES: Mapping[str, np.dtype] = {
@@ -49,11 +59,17 @@ VALUE_DTYPES: Mapping[str, np.dtype] = {
 }
 _EXPONENT_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000}
 _CHUNK_KEYS = frozenset(
-    {"format", "base_version", "version", "base_hash", "result_hash", "chunk", "chunks", "tables", "symbols", "pieces"}
+    {
+        "format", "base_version", "version", "base_hash", "result_hash", "chunk", "chunks", "position_table",
+        "position_symbols", "value_contexts", "value_tables", "value_symbols", "pieces",
+    }
 )
-_PIECE_KEYS = frozenset(
-    {"name", "shape", "dtype", "start", "stop", "count", "positions", "rice", "low", "escapes", "values", "value_bits"}
-)
+_PIECE_KEYS = frozenset({"name", "shape", "dtype", "start", "stop", "split", "implicit", "classes", "values", "value_bits"})
+# Value tables per dtype in a chunk, and how many exponent bins the encoder considers for them.
+MAX_VALUE_CONTEXTS = 8
+_VALUE_CONTEXT_BINS = 48
+# A value context whose base-relative steps cost more than this per element tries a reference magnitude.
+_REFERENCE_MIN_BITS = 6.0
 # Room a chunk needs beyond its pieces' estimated payload: frequency tables and header, plus a
 # margin for rANS lane states (32 bits per 1024 symbols) and the rANS cost above entropy.
 _CHUNK_OVERHEAD = 2048
@@ -170,31 +186,51 @@ class _Piece:
     start: int
     stop: int
     count: int
-    positions: dc.PositionCode
+    split: dc.ClassSplit
+    classes: list[dc.PositionCode]
     value_mode: str
     values: dc.ValueCode | None
+    value_exponents: np.ndarray  # base exponent of each changed element (value context)
+    new_values: np.ndarray  # the changed elements' new and base bit patterns
+    base_values: np.ndarray
     raw: bytes
     estimated_bytes: int
-    elements: int  # decode work: positions for "gaps", the range length otherwise
+    elements: int  # decode work: positions decoded (ranks, or a class's size) plus listed class members
+    scan: int  # base elements scanned for the classes: the range length when split, else 0
 
 
-def _plan_piece(t: TensorDelta, width: int, start: int, stop: int, codes: np.ndarray, values: np.ndarray) -> _Piece:
+def _plan_piece(t: TensorDelta, base: np.ndarray, start: int, stop: int, values: np.ndarray, base_values: np.ndarray) -> _Piece:
+    width = VALUE_DTYPES[t.dtype].itemsize * 8
     lo, hi = np.searchsorted(t.indices, [start, stop])
     local = t.indices[lo:hi] - start
-    positions = dc.code_positions(local, stop - start)
-    value_code = dc.code_values(codes[lo:hi], width)
+    changed_base = base_values[lo:hi]
+    range_bits = base[start:stop]
+    exps = dc.exponents(changed_base, t.dtype)
+    split = dc.choose_split(range_bits, t.dtype, exps)
+    cls = dc.classes(range_bits, t.dtype, split)
+    which = dc.class_of(changed_base, t.dtype, cls) if split.thresholds else np.zeros(local.size, np.int64)
+    codes = [dc.code_positions(r, size) for r, size in zip(dc.ranks_in_classes(local, which, cls), cls.sizes)]
+    value_code = dc.code_values(*dc.value_codes(values[lo:hi], changed_base, width), width)
     ulp_bits, raw_bits = dc.values_size_bits(value_code, width)
     if raw_bits < ulp_bits:
         value_mode, value_code, raw, value_bits = "raw", None, values[lo:hi].astype(VALUE_DTYPES[t.dtype]).tobytes(), raw_bits
     else:
         value_mode, raw, value_bits = "ulp", b"", ulp_bits
     count = int(hi - lo)
-    elements = count if positions.mode == "gaps" else stop - start
-    estimated = int((positions.estimated_bits + value_bits) / 8) + _PIECE_OVERHEAD + len(t.name)
-    return _Piece(t.name, tuple(t.shape), t.dtype, start, stop, count, positions, value_mode, value_code, raw, estimated, elements)
+    work = sum(_decoded(c.mode, c.count, size) for c, size in zip(codes, cls.sizes)) + cls.listed.size
+    estimated = int((sum(c.estimated_bits for c in codes) + value_bits) / 8) + _PIECE_OVERHEAD * len(codes) + len(t.name)
+    return _Piece(
+        t.name, tuple(t.shape), t.dtype, start, stop, count, split, codes, value_mode, value_code, exps,
+        values[lo:hi], changed_base, raw, estimated, work, stop - start if split.thresholds else 0,
+    )
 
 
-def _check_local(t: TensorDelta, base: State) -> tuple[np.ndarray, np.ndarray, int]:
+def _decoded(mode: str, count: int, size: int) -> int:
+    """Positions a class makes the decoder produce: its ranks for "gaps", its whole size otherwise."""
+    return count if mode == "gaps" else size
+
+
+def _check_local(t: TensorDelta, base: State) -> tuple[np.ndarray, np.ndarray]:
     if t.dtype not in VALUE_DTYPES:
         raise ValueError(f"tensor {t.name!r}: dtype {t.dtype!r} not in {sorted(VALUE_DTYPES)}")
     if t.name not in base:
@@ -220,54 +256,180 @@ def _check_local(t: TensorDelta, base: State) -> tuple[np.ndarray, np.ndarray, i
     if indices.size and (indices[0] < 0 or indices[-1] >= numel or (np.diff(indices) <= 0).any()):
         raise ValueError(f"tensor {t.name!r}: indices must be strictly increasing inside [0, {numel})")
     values = values.astype(VALUE_DTYPES[t.dtype], copy=False)
-    codes = dc.ulp_codes(values, local.bits.reshape(-1)[indices], width)
-    return codes, values, width
+    base_values = local.bits.reshape(-1)[indices]
+    if (values == base_values).any():
+        raise ValueError(f"tensor {t.name!r}: a listed element equals its base value; a delta lists changed elements only")
+    return values, base_values
 
 
-def _split(t: TensorDelta, width: int, codes: np.ndarray, values: np.ndarray, start: int, stop: int, budget: int, limits: Limits) -> list[_Piece]:
-    piece = _plan_piece(t, width, start, stop, codes, values)
-    if piece.count == 0:
-        return []
-    if (piece.estimated_bytes <= budget and piece.elements <= limits.max_delta_chunk_elements) or stop - start <= 1:
-        return [piece]
-    middle = (start + stop) // 2
-    return _split(t, width, codes, values, start, middle, budget, limits) + _split(t, width, codes, values, middle, stop, budget, limits)
+def _plan_tensor(t: TensorDelta, base: State, values: np.ndarray, base_values: np.ndarray, budget: int, limits: Limits) -> list[_Piece]:
+    """Pieces for one tensor: ranges halved while over the byte budget or a chunk's decode limits."""
+    flat = base[t.name].bits.reshape(-1)
+    numel = flat.size
+    parts = -(-numel // limits.max_delta_chunk_scan)
+    edges = [numel * i // parts for i in range(parts + 1)]
+    todo = list(itertools.pairwise(edges))
+    pieces = []
+    while todo:
+        start, stop = todo.pop(0)
+        piece = _plan_piece(t, flat, start, stop, values, base_values)
+        if piece.count == 0:
+            continue
+        fits = piece.estimated_bytes <= budget and piece.elements <= limits.max_delta_chunk_elements
+        if fits or stop - start <= 1:
+            pieces.append(piece)
+        else:
+            middle = (start + stop) // 2
+            todo[:0] = [(start, middle), (middle, stop)]
+    return pieces
+
+
+def _segment_cost(cum: np.ndarray) -> np.ndarray:
+    """[i, j]: bits to code bins [i, j) with one static table (entropy plus the table's bytes)."""
+    counts = cum[None, :, :] - cum[:, None, :]  # (B+1, B+1, A)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        clog = np.where(counts > 0, counts * np.log2(np.where(counts > 0, counts, 1)), 0.0).sum(axis=2)
+        total = counts.sum(axis=2)
+        tlog = np.where(total > 0, total * np.log2(np.where(total > 0, total, 1)), 0.0)
+    used = counts > 0
+    last = np.where(used.any(axis=2), counts.shape[2] - np.argmax(used[:, :, ::-1], axis=2), 1)
+    cost = tlog - clog + 16.0 * last
+    upper = np.arange(cum.shape[0])[None, :] > np.arange(cum.shape[0])[:, None]
+    return np.where(upper, cost, np.inf)
+
+
+def _value_contexts(exps: np.ndarray, symbols: np.ndarray, alphabet: int, limit: int = MAX_VALUE_CONTEXTS) -> list[int]:
+    """Exponent cut points (first 0) of the value contexts for one dtype: optimal contiguous
+    exponent ranges under the entropy + table cost, at most `limit`. Zeros and subnormals
+    (exponent 0) get a context of their own: they all move to about the step size."""
+    zero = exps == 0
+    if zero.any() and not zero.all() and limit > 1:
+        return [0] + [max(1, c) for c in _value_contexts(exps[~zero], symbols[~zero], alphabet, limit - 1)]
+    present = np.flatnonzero(np.bincount(exps))
+    bin_of = np.zeros(int(present[-1]) + 1, np.int64)
+    bin_of[present] = np.arange(present.size)
+    bins = bin_of[exps]
+    if present.size > _VALUE_CONTEXT_BINS:  # merge neighbouring exponents into bins of about equal counts
+        cum = np.cumsum(np.bincount(bins, minlength=present.size))
+        group = np.minimum(_VALUE_CONTEXT_BINS - 1, (cum - 1) * _VALUE_CONTEXT_BINS // cum[-1])
+        keep = np.concatenate(([True], np.diff(group) > 0))
+        bins = np.cumsum(keep)[bins] - 1
+        present = present[keep]
+    counts = np.bincount(bins * alphabet + symbols, minlength=present.size * alphabet).reshape(present.size, alphabet)
+    cum = np.concatenate((np.zeros((1, alphabet)), np.cumsum(counts, axis=0, dtype=np.float64)))
+    cost = _segment_cost(cum)
+    b = present.size
+    best, back = [cost[0]], []
+    for _ in range(1, min(limit, b)):
+        total = best[-1][:, None] + cost
+        back.append(np.argmin(total, axis=0))
+        best.append(total[back[-1], np.arange(b + 1)])
+    segments = int(np.argmin([row[b] for row in best]))
+    cuts, j = [], b
+    for s in range(segments, 0, -1):
+        j = int(back[s - 1][j])
+        cuts.append(j)
+    return [0] + [int(present[c]) for c in sorted(cuts)]
 
 
 def _encode_chunk(header: dict, pieces: list[_Piece]) -> bytes:
-    symbols, contexts, wire_pieces = [], [], []
-    counts = [np.zeros(a, np.int64) for a in dc.TABLE_ALPHABETS]
-    for p in pieces:
-        if p.positions.symbols.size:
-            symbols.append(p.positions.symbols)
-            contexts.append(np.full(p.positions.symbols.size, dc.QUOTIENT_TABLE, np.int64))
-            counts[dc.QUOTIENT_TABLE] += np.bincount(p.positions.symbols, minlength=dc.Q_ALPHABET)
-        if p.values is not None and p.count:
-            table = dc.VALUE_TABLE[VALUE_DTYPES[p.dtype].itemsize * 8]
-            symbols.append(p.values.symbols)
-            contexts.append(np.full(p.count, table, np.int64))
-            counts[table] += np.bincount(p.values.symbols, minlength=dc.TABLE_ALPHABETS[table])
-        wire_pieces.append(
-            {
-                "name": p.name,
-                "shape": list(p.shape),
-                "dtype": p.dtype,
-                "start": p.start,
-                "stop": p.stop,
-                "count": p.count,
-                "positions": p.positions.mode,
-                "rice": p.positions.rice,
-                "low": p.positions.low,
-                "escapes": p.positions.escapes,
-                "values": p.value_mode,
-                "value_bits": p.values.extra if p.values is not None else p.raw,
-            }
-        )
-    tables = [FrequencyTable.from_counts(c) for c in counts]
-    stream = b""
-    if symbols:
-        stream = rans_encode(np.concatenate(symbols), np.concatenate(contexts), tables)
-    return pack({**header, "tables": [t.to_bytes() for t in tables], "symbols": stream, "pieces": wire_pieces})
+    position_symbols = [c.symbols for p in pieces for c in p.classes if c.symbols.size]
+    positions = np.concatenate(position_symbols) if position_symbols else np.zeros(0, np.int64)
+    position_table = FrequencyTable.from_counts(np.bincount(positions, minlength=dc.Q_ALPHABET))
+    position_stream = rans_encode(positions, np.zeros(positions.size, np.int64), [position_table]) if positions.size else b""
+
+    ulp = [p for p in pieces if p.values is not None]
+    contexts: list[list] = []
+    tables: list[FrequencyTable] = []
+    value_symbols, value_contexts = [], []
+    for dtype in sorted({p.dtype for p in ulp}):
+        mine = [p for p in ulp if p.dtype == dtype]
+        width = VALUE_DTYPES[dtype].itemsize * 8
+        exps = np.concatenate([p.value_exponents for p in mine])
+        symbols = np.concatenate([p.values.symbols for p in mine])
+        alphabet = dc.value_alphabet(width)
+        cuts = _value_contexts(exps, symbols, alphabet)
+        table_of = np.zeros(dc.max_exponent(dtype) + 1, np.int64)
+        for c, cut in enumerate(cuts):
+            table_of[cut:] = c
+        which = table_of[exps]
+        references = _references(mine, which, symbols, width, len(cuts))
+        if (references >= 0).any():
+            offset = 0
+            for p in mine:
+                ref = references[which[offset : offset + p.count]]
+                p.values = dc.code_values(*dc.value_codes(p.new_values, p.base_values, width, ref), width)
+                offset += p.count
+            symbols = np.concatenate([p.values.symbols for p in mine])
+        per_table = np.bincount(which * alphabet + symbols, minlength=len(cuts) * alphabet).reshape(len(cuts), alphabet)
+        for c, cut in enumerate(cuts):
+            contexts.append([dtype, cut, None if references[c] < 0 else int(references[c])])
+            tables.append(FrequencyTable.from_counts(per_table[c]))
+        value_symbols.append(symbols)
+        value_contexts.append(which + len(contexts) - len(cuts))
+    # The value stream holds the dtypes' symbols in sorted-dtype order, pieces in chunk order.
+    value_stream = b""
+    if value_symbols:
+        value_stream = rans_encode(np.concatenate(value_symbols), np.concatenate(value_contexts), tables)
+    wire_pieces = [
+        {
+            "name": p.name,
+            "shape": list(p.shape),
+            "dtype": p.dtype,
+            "start": p.start,
+            "stop": p.stop,
+            "split": list(p.split.thresholds),
+            "implicit": p.split.implicit,
+            "classes": [[c.count, c.mode, c.rice, c.low, c.escapes] for c in p.classes],
+            "values": p.value_mode,
+            "value_bits": p.values.extra if p.values is not None else p.raw,
+        }
+        for p in pieces
+    ]
+    return pack(
+        {
+            **header,
+            "position_table": position_table.to_bytes(),
+            "position_symbols": position_stream,
+            "value_contexts": contexts,
+            "value_tables": [t.to_bytes() for t in tables],
+            "value_symbols": value_stream,
+            "pieces": wire_pieces,
+        }
+    )
+
+
+def _references(pieces: list[_Piece], which: np.ndarray, symbols: np.ndarray, width: int, count: int) -> np.ndarray:
+    """Per value context, the reference magnitude its steps are taken from, or -1 for the base's.
+
+    Only contexts whose base-relative steps are long (weights far below the step size) are
+    tried; the reference is the median new magnitude, kept where it codes smaller.
+    """
+    references = np.full(count, -1, np.int64)
+    alphabet = dc.value_alphabet(width)
+    extra = dc.extra_bits_of_symbols(width)
+    counts = np.bincount(which * alphabet + symbols, minlength=count * alphabet).reshape(count, alphabet)
+    relative = np.array([entropy_bits(row) for row in counts]) + counts @ extra
+    sizes = counts.sum(axis=1)
+    candidates = np.flatnonzero(relative > _REFERENCE_MIN_BITS * np.maximum(sizes, 1))
+    if candidates.size == 0:
+        return references
+    new = np.concatenate([p.new_values for p in pieces]).astype(np.int64)
+    base = np.concatenate([p.base_values for p in pieces])
+    magnitude = new & ((1 << (width - 1)) - 1)
+    for c in candidates:
+        members = np.flatnonzero(which == c)
+        reference = np.full(members.size, int(np.median(magnitude[members])), np.int64)
+        trial = dc.code_values(*dc.value_codes(new[members], base[members], width, reference), width)
+        bits = entropy_bits(np.bincount(trial.symbols, minlength=alphabet)) + trial.extra_bits
+        if bits < relative[c]:
+            references[c] = reference[0]
+    return references
+
+
+def _value_order(pieces: Sequence) -> list[int]:
+    """Piece indices in value-stream order: by dtype name, then chunk order."""
+    return sorted(range(len(pieces)), key=lambda i: pieces[i].dtype)
 
 
 def encode_delta(delta: WeightDelta, base: State, *, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:
@@ -297,9 +459,9 @@ def encode_delta(delta: WeightDelta, base: State, *, limits: Limits = DEFAULT_LI
     budget = int(limits.max_delta_chunk_bytes * _BUDGET_FRACTION) - min(_CHUNK_OVERHEAD, limits.max_delta_chunk_bytes // 4)
     while True:
         pieces: list[_Piece] = []
-        for t, codes, values, width in checked:
-            if codes.size:
-                pieces += _split(t, width, codes, values, 0, math.prod(t.shape), budget, limits)
+        for t, values, base_values in checked:
+            if values.size:
+                pieces += _plan_tensor(t, base, values, base_values, budget, limits)
         groups = _group(pieces, budget, limits)
         if len(groups) > limits.max_delta_chunks:
             raise ValueError(f"delta needs {len(groups)} chunks, over the limit of {limits.max_delta_chunks}")
@@ -314,19 +476,21 @@ def encode_delta(delta: WeightDelta, base: State, *, limits: Limits = DEFAULT_LI
 def _group(pieces: list[_Piece], budget: int, limits: Limits) -> list[list[_Piece]]:
     """Pieces in order, cut into chunks under the byte budget, the element and the piece limits."""
     groups: list[list[_Piece]] = [[]]
-    size = elements = 0
+    size = elements = scan = 0
     for p in pieces:
         full = groups[-1] and (
             size + p.estimated_bytes > budget
             or elements + p.elements > limits.max_delta_chunk_elements
+            or scan + p.scan > limits.max_delta_chunk_scan
             or len(groups[-1]) >= limits.max_delta_tensors
         )
         if full:
             groups.append([])
-            size = elements = 0
+            size = elements = scan = 0
         groups[-1].append(p)
         size += p.estimated_bytes
         elements += p.elements
+        scan += p.scan
     return groups
 
 
@@ -352,6 +516,14 @@ def _str(value: object, what: str, allowed: Sequence[str]) -> str:
         raise Reject(Reason.BAD_TYPE, f"{what} must be str, got {type(value).__name__}")
     if value not in allowed:
         raise Reject(Reason.BAD_VALUE, f"{what} {value[:32]!r} is not one of {list(allowed)}")
+    return value
+
+
+def _list(value: object, what: str, max_len: int) -> list:
+    if not isinstance(value, list):
+        raise Reject(Reason.BAD_TYPE, f"{what} must be an array, got {type(value).__name__}")
+    if len(value) > max_len:
+        raise Reject(Reason.TOO_LARGE, f"{what} has {len(value)} entries > limit {max_len}")
     return value
 
 
@@ -396,22 +568,49 @@ def read_header(data: bytes, *, limits: Limits = DEFAULT_LIMITS) -> tuple[Verdic
 
 
 @dataclass
+class _WireClass:
+    count: int
+    mode: str
+    rice: int
+    low: bytes
+    escapes: bytes
+
+
+@dataclass
 class _WirePiece:
     name: str
     local: TensorBits
     start: int
     stop: int
-    count: int
-    positions: str
-    rice: int
-    low: bytes
-    escapes: bytes
+    split: dc.ClassSplit
+    classes: list[_WireClass]
     values: str
     value_bits: bytes
 
     @property
+    def dtype(self) -> str:
+        return self.local.dtype
+
+    @property
     def width(self) -> int:
         return self.local.width
+
+    @property
+    def count(self) -> int:
+        return sum(c.count for c in self.classes)
+
+
+def _class(obj: object, where: str, limits: Limits) -> _WireClass:
+    entry = _list(obj, where, 5)
+    if len(entry) != 5:
+        raise Reject(Reason.BAD_LENGTH, f"{where} has {len(entry)} fields, expected [count, mode, rice, low, escapes]")
+    return _WireClass(
+        _int(entry[0], f"{where}.count", limits),
+        _str(entry[1], f"{where}.mode", dc.POSITION_MODES),
+        _int(entry[2], f"{where}.rice", limits),
+        _bin(entry[3], f"{where}.low"),
+        _bin(entry[4], f"{where}.escapes"),
+    )
 
 
 def _piece(obj: object, base: State, limits: Limits, where: str) -> _WirePiece:
@@ -443,47 +642,57 @@ def _piece(obj: object, base: State, limits: Limits, where: str) -> _WirePiece:
     start, stop = _int(m["start"], f"{where}.start", limits), _int(m["stop"], f"{where}.stop", limits)
     if not start < stop <= numel:
         raise Reject(Reason.OUT_OF_RANGE, f"{where}: range [{start}, {stop}) is not inside [0, {numel})")
-    count = _int(m["count"], f"{where}.count", limits)
-    if count > stop - start:
-        raise Reject(Reason.OUT_OF_RANGE, f"{where}: {count} changed elements in a range of {stop - start}")
+    thresholds = tuple(_int(x, f"{where}.split", limits) for x in _list(m["split"], f"{where}.split", dc.MAX_CLASSES - 1))
+    split = dc.ClassSplit(thresholds, _int(m["implicit"], f"{where}.implicit", limits))
+    try:
+        dc.check_split(split, dtype)
+    except CodingError as exc:
+        raise Reject(Reason.MALFORMED, f"{where}: {exc}") from None
+    classes = [_class(c, f"{where}.classes[{i}]", limits) for i, c in enumerate(_list(m["classes"], f"{where}.classes", dc.MAX_CLASSES))]
+    if len(classes) != len(thresholds) + 1:
+        raise Reject(Reason.BAD_LENGTH, f"{where}: {len(classes)} classes for {len(thresholds)} thresholds")
     return _WirePiece(
-        name, local, start, stop, count,
-        _str(m["positions"], f"{where}.positions", dc.POSITION_MODES),
-        _int(m["rice"], f"{where}.rice", limits),
-        _bin(m["low"], f"{where}.low"),
-        _bin(m["escapes"], f"{where}.escapes"),
+        name, local, start, stop, split, classes,
         _str(m["values"], f"{where}.values", dc.VALUE_MODES),
         _bin(m["value_bits"], f"{where}.value_bits"),
     )
 
 
-def _decode_piece(p: _WirePiece, quotients: np.ndarray, value_symbols: np.ndarray | None) -> TensorDelta:
-    where = f"tensor {p.name!r} [{p.start}, {p.stop})"
-    try:
-        local = dc.decode_positions(p.positions, p.rice, quotients, p.low, p.escapes, p.count, p.stop - p.start)
-    except dc.OutOfRange as exc:
-        raise Reject(Reason.OUT_OF_RANGE, f"{where}: {exc}") from None
-    except CodingError as exc:
-        raise Reject(Reason.MALFORMED, f"{where}: positions: {exc}") from None
-    indices = local + p.start
-    value_dtype = VALUE_DTYPES[p.local.dtype]
-    base_values = p.local.bits.reshape(-1)[indices]
-    if value_symbols is not None:
+def _value_lookup(raw_contexts: object, raw_tables: object) -> tuple[dict[str, np.ndarray], list[FrequencyTable], np.ndarray]:
+    """Per dtype, exponent -> value table index; the tables; each table's reference magnitude (-1: the base's)."""
+    contexts = _list(raw_contexts, "value_contexts", MAX_VALUE_CONTEXTS * len(VALUE_DTYPES))
+    tables_raw = _list(raw_tables, "value_tables", MAX_VALUE_CONTEXTS * len(VALUE_DTYPES))
+    if len(contexts) != len(tables_raw):
+        raise Reject(Reason.BAD_LENGTH, f"{len(contexts)} value contexts but {len(tables_raw)} value tables")
+    cuts: dict[str, list[tuple[int, int]]] = {}
+    tables, references = [], np.full(len(contexts), -1, np.int64)
+    for i, (entry, table) in enumerate(zip(contexts, tables_raw)):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise Reject(Reason.BAD_TYPE, f"value_contexts[{i}] must be [dtype, exponent, reference or nil]")
+        dtype = _str(entry[0], f"value_contexts[{i}].dtype", tuple(VALUE_DTYPES))
+        exponent, reference = entry[1], entry[2]
+        if isinstance(exponent, bool) or not isinstance(exponent, int) or not 0 <= exponent <= dc.max_exponent(dtype):
+            raise Reject(Reason.BAD_VALUE, f"value_contexts[{i}]: exponent {exponent!r:.20} outside 0..{dc.max_exponent(dtype)}")
+        width = VALUE_DTYPES[dtype].itemsize * 8
+        if reference is not None:
+            if isinstance(reference, bool) or not isinstance(reference, int) or not 0 <= reference < 1 << (width - 1):
+                raise Reject(Reason.BAD_VALUE, f"value_contexts[{i}]: reference {reference!r:.20} is not a {dtype} magnitude")
+            references[i] = reference
+        mine = cuts.setdefault(dtype, [])
+        if (not mine and exponent != 0) or (mine and exponent <= mine[-1][0]) or len(mine) >= MAX_VALUE_CONTEXTS:
+            raise Reject(Reason.MALFORMED, f"value contexts of {dtype} must start at 0, increase, and number at most {MAX_VALUE_CONTEXTS}")
+        mine.append((exponent, i))
         try:
-            codes = dc.decode_values(value_symbols, p.value_bits, p.width)
+            tables.append(FrequencyTable.from_bytes(_bin(table, f"value_tables[{i}]"), dc.value_alphabet(width)))
         except CodingError as exc:
-            raise Reject(Reason.MALFORMED, f"{where}: values: {exc}") from None
-        values = dc.apply_ulp_codes(codes, base_values, p.width).astype(value_dtype)
-    else:
-        if len(p.value_bits) != p.count * value_dtype.itemsize:
-            raise Reject(Reason.BAD_LENGTH, f"{where}: {len(p.value_bits)} bytes of raw values for {p.count} elements")
-        values = np.frombuffer(p.value_bits, value_dtype).copy()
-        if (values == base_values).any():
-            raise Reject(Reason.BAD_VALUE, f"{where}: a listed element keeps its base value")
-    mask = _EXPONENT_MASK[p.local.dtype]
-    if ((values & mask) == mask).any():
-        raise Reject(Reason.NOT_FINITE, f"{where}: new values contain NaN or infinity")
-    return TensorDelta(p.name, tuple(p.local.bits.shape), p.local.dtype, indices, values)
+            raise Reject(Reason.MALFORMED, f"value table {i}: {exc}") from None
+    lookup = {}
+    for dtype, entries in cuts.items():
+        table_of = np.zeros(dc.max_exponent(dtype) + 1, np.int64)
+        for exponent, i in entries:
+            table_of[exponent:] = i
+        lookup[dtype] = table_of
+    return lookup, tables, references
 
 
 def _decode_chunk(data: bytes, base: State, base_hash: bytes, limits: Limits) -> DeltaChunk:
@@ -495,41 +704,98 @@ def _decode_chunk(data: bytes, base: State, base_hash: bytes, limits: Limits) ->
             f"delta to version {header.version} applies to weights {header.base_hash.hex()[:16]} (version "
             f"{header.base_version}), ours are {base_hash.hex()[:16]}",
         )
-    tables_raw = m["tables"]
-    if not isinstance(tables_raw, list) or len(tables_raw) != len(dc.TABLE_ALPHABETS):
-        raise Reject(Reason.BAD_TYPE, f"tables must be an array of {len(dc.TABLE_ALPHABETS)} bin")
     try:
-        tables = [FrequencyTable.from_bytes(_bin(t, f"tables[{i}]"), a) for i, (t, a) in enumerate(zip(tables_raw, dc.TABLE_ALPHABETS))]
+        position_table = FrequencyTable.from_bytes(_bin(m["position_table"], "position_table"), dc.Q_ALPHABET)
     except CodingError as exc:
-        raise Reject(Reason.MALFORMED, f"frequency table: {exc}") from None
-    items = m["pieces"]
-    if not isinstance(items, list):
-        raise Reject(Reason.BAD_TYPE, f"pieces must be an array, got {type(items).__name__}")
-    if len(items) > limits.max_delta_tensors:
-        raise Reject(Reason.TOO_LARGE, f"{len(items)} pieces > limit {limits.max_delta_tensors}")
+        raise Reject(Reason.MALFORMED, f"position table: {exc}") from None
+    value_lookup, value_tables, references = _value_lookup(m["value_contexts"], m["value_tables"])
+    items = _list(m["pieces"], "pieces", limits.max_delta_tensors)
     pieces = [_piece(obj, base, limits, f"pieces[{i}]") for i, obj in enumerate(items)]
-    work = sum(p.count if p.positions == "gaps" else p.stop - p.start for p in pieces)
-    if work > limits.max_delta_chunk_elements:
-        raise Reject(Reason.TOO_LARGE, f"chunk decodes {work} elements > limit {limits.max_delta_chunk_elements}")
-    sizes, contexts = [], []
+    scan = sum(p.stop - p.start for p in pieces if p.split.thresholds)
+    if scan > limits.max_delta_chunk_scan:
+        raise Reject(Reason.TOO_LARGE, f"chunk scans {scan} base elements > limit {limits.max_delta_chunk_scan}")
+
+    # Positions: class membership from the base, then one stream of gap quotients for every class.
+    structure, counts, work = [], [], 0
     for p in pieces:
-        n_q = dc.position_symbol_count(p.positions, p.count, p.stop - p.start)
-        n_v = p.count if p.values == "ulp" else 0
-        sizes.append((n_q, n_v))
-        contexts.append(np.full(n_q, dc.QUOTIENT_TABLE, np.int64))
-        contexts.append(np.full(n_v, dc.VALUE_TABLE[p.width], np.int64))
-    symbols_data = _bin(m["symbols"], "symbols")
+        cls = dc.classes(p.local.bits.reshape(-1)[p.start : p.stop], p.dtype, p.split)
+        work += cls.listed.size
+        for c, size in zip(p.classes, cls.sizes):
+            if c.count > size:
+                raise Reject(Reason.OUT_OF_RANGE, f"tensor {p.name!r}: {c.count} changed elements in a class of {size}")
+            counts.append(dc.position_symbol_count(c.mode, c.count, size))
+            work += _decoded(c.mode, c.count, size)
+        if work > limits.max_delta_chunk_elements:
+            raise Reject(Reason.TOO_LARGE, f"chunk decodes {work}+ elements > limit {limits.max_delta_chunk_elements}")
+        structure.append(cls)
     try:
-        symbols = rans_decode(symbols_data, np.concatenate(contexts) if contexts else np.zeros(0, np.int64), tables)
+        quotients = rans_decode(_bin(m["position_symbols"], "position_symbols"), np.zeros(sum(counts), np.int64), [position_table])
     except CodingError as exc:
-        raise Reject(Reason.MALFORMED, f"symbol stream: {exc}") from None
-    out, offset = [], 0
-    for p, (n_q, n_v) in zip(pieces, sizes):
-        quotients = symbols[offset : offset + n_q]
-        values = symbols[offset + n_q : offset + n_q + n_v] if p.values == "ulp" else None
-        offset += n_q + n_v
-        out.append((_decode_piece(p, quotients, values), p.start, p.stop))
+        raise Reject(Reason.MALFORMED, f"position stream: {exc}") from None
+    offsets = np.cumsum([0] + counts)
+    indices, base_values, k = [], [], 0
+    for p, cls in zip(pieces, structure):
+        where = f"tensor {p.name!r} [{p.start}, {p.stop})"
+        ranks = []
+        for c, size in zip(p.classes, cls.sizes):
+            try:
+                ranks.append(dc.decode_positions(c.mode, c.rice, quotients[offsets[k] : offsets[k + 1]], c.low, c.escapes, c.count, size))
+            except dc.OutOfRange as exc:
+                raise Reject(Reason.OUT_OF_RANGE, f"{where}: {exc}") from None
+            except CodingError as exc:
+                raise Reject(Reason.MALFORMED, f"{where}: positions: {exc}") from None
+            k += 1
+        index = dc.positions_from_ranks(ranks, cls) + p.start
+        indices.append(index)
+        base_values.append(p.local.bits.reshape(-1)[index])
+
+    # Values: contexts from the base values at the decoded positions, then one stream.
+    order = [i for i in _value_order(pieces) if pieces[i].values == "ulp"]
+    contexts = []
+    for i in order:
+        lookup = value_lookup.get(pieces[i].dtype)
+        if lookup is None:
+            raise Reject(Reason.MALFORMED, f"tensor {pieces[i].name!r}: no value context for dtype {pieces[i].dtype}")
+        contexts.append(lookup[dc.exponents(base_values[i], pieces[i].dtype)])
+    try:
+        symbols = rans_decode(
+            _bin(m["value_symbols"], "value_symbols"), np.concatenate(contexts) if contexts else np.zeros(0, np.int64), value_tables
+        )
+    except CodingError as exc:
+        raise Reject(Reason.MALFORMED, f"value stream: {exc}") from None
+    value_symbols, offset = {}, 0
+    for i, context in zip(order, contexts):
+        value_symbols[i] = (symbols[offset : offset + pieces[i].count], references[context])
+        offset += pieces[i].count
+    out = [
+        (_decode_values(p, indices[i], base_values[i], *value_symbols.get(i, (None, None))), p.start, p.stop)
+        for i, p in enumerate(pieces)
+    ]
     return DeltaChunk(header, tuple(out))
+
+
+def _decode_values(
+    p: _WirePiece, indices: np.ndarray, base_values: np.ndarray, symbols: np.ndarray | None, references: np.ndarray | None
+) -> TensorDelta:
+    where = f"tensor {p.name!r} [{p.start}, {p.stop})"
+    value_dtype = VALUE_DTYPES[p.dtype]
+    if symbols is not None:
+        try:
+            codes, flips = dc.decode_values(symbols, p.value_bits, p.width)
+            reference = references if (references >= 0).any() else None
+            values = dc.apply_value_codes(codes, flips, base_values, p.width, reference).astype(value_dtype)
+        except CodingError as exc:
+            raise Reject(Reason.MALFORMED, f"{where}: values: {exc}") from None
+    else:
+        if len(p.value_bits) != p.count * value_dtype.itemsize:
+            raise Reject(Reason.BAD_LENGTH, f"{where}: {len(p.value_bits)} bytes of raw values for {p.count} elements")
+        values = np.frombuffer(p.value_bits, value_dtype).copy()
+    if (values == base_values).any():  # raw patterns, or steps from a reference, can land on the base
+        raise Reject(Reason.BAD_VALUE, f"{where}: a listed element keeps its base value")
+    mask = _EXPONENT_MASK[p.dtype]
+    if ((values & mask) == mask).any():
+        raise Reject(Reason.NOT_FINITE, f"{where}: new values contain NaN or infinity")
+    return TensorDelta(p.name, tuple(p.local.bits.shape), p.dtype, indices, values)
 
 
 def decode_chunk(data: bytes, *, base: State, base_hash: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[Verdict, DeltaChunk | None]:

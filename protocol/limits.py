@@ -35,11 +35,14 @@ class Limits:
     # Largest signed sequence number / seed we accept: they are packed as uint64 for signing.
     max_uint64: int = (1 << 64) - 1
     # Sparse deltas travel as chunks, each one gossip body under the 4 MiB message cap (room for
-    # the envelope). A chunk decodes at most max_delta_chunk_elements positions or range
-    # elements (the decode-time and memory bound: a few uint64 arrays of that length), holds at
-    # most max_delta_tensors tensor pieces; a delta has at most max_delta_chunks chunks.
+    # the envelope). A chunk decodes at most max_delta_chunk_elements positions or listed
+    # class members (the decode-time and memory bound: a few uint64 arrays of that length),
+    # scans at most max_delta_chunk_scan base elements to find magnitude classes (one compare
+    # pass each), holds at most max_delta_tensors tensor pieces; a delta has at most
+    # max_delta_chunks chunks.
     max_delta_chunk_bytes: int = 4 * MIB - 128 * KIB
     max_delta_chunk_elements: int = 1 << 24
+    max_delta_chunk_scan: int = 1 << 28
     max_delta_chunks: int = 4096
     max_delta_tensors: int = 4096
     max_tensor_rank: int = 8

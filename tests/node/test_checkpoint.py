@@ -197,7 +197,7 @@ def _child(tmp_path, saves: int, full_from: int = 0, faults: str = ""):
     env = dict(os.environ, HIVESPEC_FAULTS=faults)
     return subprocess.run(
         [sys.executable, "-P", "-c", _CHILD, str(tmp_path), str(saves), str(full_from or saves + 1)],
-        capture_output=True, text=True, env=env, timeout=120,
+        check=False, capture_output=True, text=True, env=env, timeout=120,
     )
 
 

@@ -1,4 +1,4 @@
-"""Delta wire format v2: bit-exact round trips (hypothesis), chunking, and every malformed delta rejected."""
+"""Delta wire format v3: bit-exact round trips (hypothesis), conditioning on the base, chunking, and every malformed delta rejected."""
 
 import dataclasses
 from math import lgamma, log
@@ -6,7 +6,6 @@ from math import lgamma, log
 import msgpack
 import numpy as np
 import pytest
-from hivespec.protocol import delta_codes as dc
 from hivespec.protocol.codec import pack
 from hivespec.protocol.delta import (
     PolicyHead,
@@ -73,6 +72,35 @@ def random_delta(rng, base, density, *, big_moves=0.05):
     return WeightDelta(3, 4, state_hash(base), state_hash(new), tuple(tensors)), new
 
 
+def structured(rng, shape, dtype, density):
+    """Base weights as a trained model has them (normal, some tiny, some exact zeros) and an
+    Adam-like step: tiny weights and zeros move to about the step size, the rest by 1 ulp at a
+    rate that falls with their magnitude. Exercises magnitude classes and reference contexts."""
+    np_float = {"bfloat16": None, "float16": np.float16, "float32": np.float32}[dtype]
+    w = rng.normal(0, 0.02, size=shape)
+    w[rng.random(shape) < 0.05] *= 1e-5
+    w[rng.random(shape) < 0.02] = 0.0
+    if dtype == "bfloat16":
+        bits = (np.asarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        bits = np.asarray(w, np_float).view(NP[WIDTH[dtype]])
+    base = TensorBits(dtype, finite(bits.copy(), dtype))
+    flat = base.bits.reshape(-1)
+    width = WIDTH[dtype]
+    magnitude = flat.astype(np.int64) & ((1 << (width - 1)) - 1)
+    tiny = magnitude < np.percentile(magnitude, 8)
+    move = (rng.random(flat.size) < density) | (tiny & (rng.random(flat.size) < 0.9))
+    step = rng.choice([-1, 1], size=flat.size)
+    new = flat.astype(np.int64) + step
+    lr_like = int(np.percentile(magnitude, 5))
+    new[tiny] = (lr_like + rng.integers(-40, 40, size=int(tiny.sum()))) | (rng.integers(0, 2, size=int(tiny.sum())) << (width - 1))
+    new = finite((new % (1 << width)).astype(flat.dtype), dtype)
+    idx = np.flatnonzero(move & (new != flat))
+    after = flat.copy()
+    after[idx] = new[idx]
+    return base, TensorDelta("w", shape, dtype, idx, new[idx]), TensorBits(dtype, after.reshape(shape))
+
+
 SHAPES = {"embed.weight": ((64, 24), "bfloat16"), "norm.weight": ((24,), "float32"), "head.weight": ((7, 9), "float16")}
 
 
@@ -105,10 +133,16 @@ def mutate_chunk(data: bytes, edit) -> bytes:
     rows=st.integers(1, 300),
     cols=st.integers(1, 70),
 )
-def test_round_trip_is_bit_exact(seed, density, dtype, rows, cols):
+@pytest.mark.parametrize("kind", ["random", "structured"])
+def test_round_trip_is_bit_exact(kind, seed, density, dtype, rows, cols):
     rng = np.random.default_rng(seed)
-    base = random_state(rng, {"a": ((rows, cols), dtype), "b": ((cols,), "bfloat16")})
-    delta, new = random_delta(rng, base, density)
+    if kind == "random":
+        base = random_state(rng, {"a": ((rows, cols), dtype), "b": ((cols,), "bfloat16")})
+        delta, new = random_delta(rng, base, density)
+    else:
+        a, tensor, after = structured(rng, (rows * 40, cols), dtype, density)
+        base, new = {"a": a}, {"a": after}
+        delta = WeightDelta(3, 4, state_hash(base), state_hash(new), (dataclasses.replace(tensor, name="a"),) if tensor.indices.size else ())
     chunks = encode_delta(delta, base)
     verdict, out = decode_delta(chunks, base=base, base_hash=delta.base_hash)
     assert verdict.ok, verdict
@@ -121,16 +155,38 @@ def test_round_trip_is_bit_exact(seed, density, dtype, rows, cols):
         assert np.array_equal(applied, new[t.name].bits.reshape(-1))
 
 
+def unconditional_bound_bits(delta, base, n):
+    """log2 C(n, k) + k * H(zigzag ulp steps): the bound that knows nothing of the base."""
+    k = delta.num_changed
+    steps = []
+    for t in delta.tensors:
+        d = (t.values.astype(np.int64) - base[t.name].bits.reshape(-1)[t.indices].astype(np.int64)) % (1 << 16)
+        d = np.where(d >= 1 << 15, d - (1 << 16), d)
+        steps.append(np.where(d > 0, 2 * d, -2 * d + 1))
+    _, counts = np.unique(np.concatenate(steps), return_counts=True)
+    return (lgamma(n + 1) - lgamma(k + 1) - lgamma(n - k + 1)) / log(2) + entropy_bits(counts)
+
+
 def test_size_tracks_the_entropy_bound():
     rng = np.random.default_rng(5)
     base = random_state(rng, {"w": ((1000, 2000), "bfloat16")})
     delta, _ = random_delta(rng, base, 0.02, big_moves=0.0)
     size = sum(map(len, encode_delta(delta, base)))  # ~50 KB: fixed overhead (header, tables) is ~1%
-    k, n = delta.num_changed, 2_000_000
-    codes = dc.ulp_codes(delta.tensors[0].values, base["w"].bits.reshape(-1)[delta.tensors[0].indices], 16)
-    bound = (lgamma(n + 1) - lgamma(k + 1) - lgamma(n - k + 1)) / log(2) + entropy_bits(np.bincount(codes.astype(np.int64)))
-    assert size * 8 < 1.03 * bound
-    assert size < 6 * k / 3  # COO is 6 bytes per changed element
+    assert size * 8 < 1.03 * unconditional_bound_bits(delta, base, 2_000_000)
+    assert size < 6 * delta.num_changed / 3  # COO is 6 bytes per changed element
+
+
+def test_conditioning_on_the_base_beats_the_unconditional_bound():
+    rng = np.random.default_rng(6)
+    base, tensor, after = structured(rng, (1000, 1000), "bfloat16", 0.002)
+    delta = WeightDelta(0, 1, state_hash({"w": base}), state_hash({"w": after}), (tensor,))
+    [chunk] = encode_delta(delta, {"w": base})
+    wire = msgpack.unpackb(chunk, raw=False)
+    assert wire["pieces"][0]["split"], "the tiny weights should form a class of their own"
+    assert any(ref is not None for _, _, ref in wire["value_contexts"]), "zeros and tiny weights step from a reference"
+    assert len(chunk) * 8 < 0.6 * unconditional_bound_bits(delta, {"w": base}, 1_000_000)
+    verdict, out = decode_delta([chunk], base={"w": base}, base_hash=delta.base_hash)
+    assert verdict.ok and out.tensors == (tensor,)
 
 
 def test_chunks_stay_under_the_cap_and_decode_in_any_order():
@@ -162,8 +218,8 @@ def test_a_large_tensor_splits_into_pieces_and_overlapping_pieces_are_rejected()
     first = msgpack.unpackb(chunks[0], raw=False)
 
     def overlap(chunk):
-        chunk["pieces"] = first["pieces"]
-        chunk["symbols"], chunk["tables"] = first["symbols"], first["tables"]
+        for key in ("pieces", "position_table", "position_symbols", "value_contexts", "value_tables", "value_symbols"):
+            chunk[key] = first[key]
 
     check([chunks[0], mutate_chunk(chunks[1], overlap)] + chunks[2:], Reason.UNSORTED, base=base, limits=limits)
 
@@ -186,6 +242,13 @@ def piece_edit(key, value, index=0):
     return edit
 
 
+def class_edit(field, value, index=0):
+    """Set field (0 count, 1 mode, 2 rice, 3 low, 4 escapes) of piece `index`'s first class."""
+    def edit(chunk):
+        chunk["pieces"][index]["classes"][0][field] = value
+    return edit
+
+
 def test_malformed_pieces_are_rejected():
     base, delta, _ = make()
     [chunk] = encode_delta(delta, base)
@@ -193,21 +256,33 @@ def test_malformed_pieces_are_rejected():
     cases = [
         (piece_edit("stop", n + 1), Reason.OUT_OF_RANGE),
         (piece_edit("start", n), Reason.OUT_OF_RANGE),
-        (piece_edit("count", n + 1), Reason.OUT_OF_RANGE),
-        (piece_edit("count", 1), Reason.MALFORMED),
-        (piece_edit("positions", "varint"), Reason.BAD_VALUE),
+        (class_edit(0, n + 1), Reason.OUT_OF_RANGE),
+        (class_edit(0, 1), Reason.MALFORMED),
+        (class_edit(1, "varint"), Reason.BAD_VALUE),
+        (class_edit(2, 99), Reason.MALFORMED),
+        (class_edit(3, b"", index=2), Reason.MALFORMED),
+        (class_edit(3, 5), Reason.BAD_TYPE),
+        (piece_edit("classes", [[1, "gaps", 0, b"", b""]] * 2), Reason.BAD_LENGTH),
+        (piece_edit("classes", [[1, "gaps", 0, b""]]), Reason.BAD_LENGTH),
+        (piece_edit("split", [300]), Reason.MALFORMED),
+        (piece_edit("split", [9, 3]), Reason.MALFORMED),
+        (piece_edit("split", [1, 2, 3]), Reason.TOO_LARGE),
+        (piece_edit("implicit", 1), Reason.MALFORMED),
         (piece_edit("values", 7), Reason.BAD_TYPE),
-        (piece_edit("rice", 99), Reason.MALFORMED),
-        (piece_edit("low", b"", index=2), Reason.MALFORMED),
         (piece_edit("name", 5), Reason.BAD_TYPE),
         (piece_edit("shape", [1] * 9), Reason.BAD_SHAPE),
         (piece_edit("dtype", "int8"), Reason.BAD_DTYPE),
-        (lambda c: c["pieces"][0].pop("low"), Reason.BAD_KEYS),
-        (lambda c: c.update(symbols=c["symbols"][:-2]), Reason.MALFORMED),
-        (lambda c: c.update(symbols=c["symbols"][:-2] + bytes([c["symbols"][-2] ^ 0x55, c["symbols"][-1]])), Reason.MALFORMED),
-        (lambda c: c.update(tables=c["tables"][:2]), Reason.BAD_TYPE),
-        (lambda c: c.update(tables=[b"\x00" * len(t) for t in c["tables"]]), Reason.MALFORMED),
-        (lambda c: c.update(format=1), Reason.BAD_VERSION),
+        (lambda c: c["pieces"][0].pop("classes"), Reason.BAD_KEYS),
+        (lambda c: c.update(position_symbols=c["position_symbols"][:-2]), Reason.MALFORMED),
+        (lambda c: c.update(value_symbols=flip_byte(c["value_symbols"])), Reason.MALFORMED),
+        (lambda c: c.update(position_table=b"\x00" * len(c["position_table"])), Reason.MALFORMED),
+        (lambda c: c.update(value_tables=c["value_tables"][:-1]), Reason.BAD_LENGTH),
+        (lambda c: c.update(value_tables=[b"\x00" * len(t) for t in c["value_tables"]]), Reason.MALFORMED),
+        (lambda c: c["value_contexts"][0].__setitem__(1, 3), Reason.MALFORMED),
+        (lambda c: c["value_contexts"][0].__setitem__(2, 1 << 20), Reason.BAD_VALUE),
+        (lambda c: c["value_contexts"][0].pop(), Reason.BAD_TYPE),
+        (lambda c: c.update(value_contexts=[x for x in c["value_contexts"] if x[0] != "float32"]), Reason.BAD_LENGTH),
+        (lambda c: c.update(format=2), Reason.BAD_VERSION),
         (lambda c: c.update(version=c["base_version"]), Reason.BAD_VALUE),
         (lambda c: c.update(chunk=1), Reason.BAD_VALUE),
         (lambda c: c.update(result_hash=b"short"), Reason.BAD_LENGTH),
@@ -223,12 +298,38 @@ def test_malformed_pieces_are_rejected():
     check([chunk], Reason.TOO_LARGE, base=base, limits=dataclasses.replace(DEFAULT_LIMITS, max_delta_chunk_elements=10))
 
 
+def flip_byte(data: bytes) -> bytes:
+    return data[:-2] + bytes([data[-2] ^ 0x55, data[-1]])
+
+
+def test_a_reference_context_that_lands_on_the_base_is_rejected():
+    rng = np.random.default_rng(8)
+    base, tensor, _ = structured(rng, (400, 100), "bfloat16", 0.01)
+    delta = WeightDelta(0, 1, state_hash({"w": base}), b"\x01" * 32, (tensor,))
+    [chunk] = encode_delta(delta, {"w": base})
+    assert decode_delta([chunk], base={"w": base}, base_hash=delta.base_hash)[0].ok
+    contexts = msgpack.unpackb(chunk, raw=False)["value_contexts"]
+    i = next(i for i, (_, _, ref) in enumerate(contexts) if ref is not None)
+    low, high = contexts[i][1], contexts[i + 1][1] if i + 1 < len(contexts) else 256
+    old = base.bits.reshape(-1)[tensor.indices].astype(np.int64)
+    new = tensor.values.astype(np.int64)
+    exponent = (old >> 7) & 0xFF
+    members = np.flatnonzero((exponent >= low) & (exponent < high) & ((old ^ new) >> 15 == 0))
+    # Moving the reference down by |new| - |base| of one element decodes that element to its
+    # base; taking the smallest such step keeps every other magnitude in range.
+    steps = (new[members] & 0x7FFF) - (old[members] & 0x7FFF)
+    shift = -int(steps.min())
+    edited = mutate_chunk(chunk, lambda c: c["value_contexts"][i].__setitem__(2, c["value_contexts"][i][2] + shift))
+    check([edited], Reason.BAD_VALUE, base={"w": base}, base_hash=delta.base_hash)
+
+
 def test_raw_values_are_checked_for_finiteness_and_change():
     rng = np.random.default_rng(3)
     base = random_state(rng, {"w": ((4, 4), "bfloat16")})
     flat = base["w"].bits.reshape(-1)
-    # Values far from their base: raw coding is smaller than ulp steps.
-    target = (flat[:2] ^ 0x3F7F).astype(np.uint16)
+    # Values far from their base (tiny to huge magnitudes): raw coding is smaller than steps.
+    flat[:2] = [0x0001, 0x8002]
+    target = np.array([0x7E11, 0xDE22], np.uint16)
     delta = WeightDelta(0, 1, state_hash(base), b"\x02" * 32, (TensorDelta("w", (4, 4), "bfloat16", np.array([0, 1]), target),))
     [chunk] = encode_delta(delta, base)
     assert msgpack.unpackb(chunk, raw=False)["pieces"][0]["values"] == "raw"

@@ -1,0 +1,104 @@
+"""`hivespec doctor`: every line OK/WARN/SKIP/FAIL with what to do; non-zero exit on a failure."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hivespec.node.checkpoint import MODEL_FILE
+from hivespec.node.config import load_config
+from hivespec.node.doctor import check_checkpoints, check_disk, check_identity, check_ports, run_checks
+from hivespec.node.gossip import Gossip
+from hivespec.node.identity import load_or_create_identity
+from hivespec.protocol.identity import Identity
+
+
+def _config(tmp_path: Path, **overrides: str):
+    return load_config("tiny", overrides={"home": str(tmp_path), "status.enabled": "false", **overrides})
+
+
+def test_identity_line_says_chmod_when_the_key_is_readable_by_others(tmp_path):
+    assert check_identity(tmp_path).status == "ok"  # none yet: join creates it
+    key = tmp_path / "identity.key"
+    load_or_create_identity(key)
+    assert check_identity(tmp_path).status == "ok"
+    os.chmod(key, 0o644)
+    check = check_identity(tmp_path)
+    assert check.status == "fail" and f"chmod 600 {key}" in check.detail
+
+
+def test_a_busy_port_fails_with_how_to_find_its_owner(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        checks = check_ports(_config(tmp_path, **{"swarm.port": str(port)}))
+    assert checks[0].status == "fail" and f"ss -ltnp | grep :{port}" in checks[0].detail
+    assert check_ports(_config(tmp_path))[0].status == "ok"
+
+
+def test_disk_line_compares_free_space_with_what_checkpoints_need(tmp_path):
+    check = check_disk(_config(tmp_path), tmp_path, params=3_000_000)
+    assert check.status == "ok" and "checkpoints need" in check.detail
+    huge = check_disk(_config(tmp_path), tmp_path, params=10**15)
+    assert huge.status == "fail" and "checkpoint.dir" in huge.detail
+
+
+def test_checkpoint_line_reports_a_torn_newest_checkpoint(tmp_path):
+    import torch
+
+    from hivespec.node.checkpoint import CheckpointManager, training_snapshot
+
+    model = torch.nn.Linear(4, 4)
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(training_snapshot(model, torch.optim.AdamW(model.parameters()), {"next_round": 3, "policy_version": 3}))
+    newest = manager.save(training_snapshot(model, torch.optim.AdamW(model.parameters()), {"next_round": 4}))
+    config = _config(tmp_path)
+    assert check_checkpoints(config, tmp_path).status == "ok"
+    (newest / MODEL_FILE).write_bytes(b"torn")
+    check = check_checkpoints(config, tmp_path)
+    assert check.status == "warn" and "ckpt-000001 verifies (resumes at round 3" in check.detail and "ckpt-000002" in check.detail
+
+
+@pytest.mark.timeout(180)
+def test_network_checks_find_a_live_peer_and_its_clock_and_fail_on_a_dead_one(tmp_path):
+    peer = Gossip(Identity.generate(), swarm="doctor-test")
+    peer.start()
+    try:
+        config = _config(tmp_path, **{"swarm.initial_peers": f"[{peer.visible_maddrs[0]!r}]"})
+        checks = {c.name: c for c in run_checks(config, timeout=5.0)}
+    finally:
+        peer.shutdown()
+    assert checks["p2pd"].status == "ok"
+    assert checks["peers"].status == "ok", checks["peers"].detail
+    assert checks["clock"].status == "ok" and "within" in checks["clock"].detail
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+    dead = f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    config = _config(tmp_path, **{"swarm.initial_peers": f"[{dead!r}]"})
+    checks = {c.name: c for c in run_checks(config, timeout=3.0)}
+    assert checks["peers"].status == "fail" and "check the multiaddrs" in checks["peers"].detail
+    assert checks["clock"].status == "skip"
+
+
+@pytest.mark.timeout(180)
+def test_cli_prints_one_line_per_check_and_exits_non_zero_on_a_failure(tmp_path):
+    command = [sys.executable, "-P", "-m", "hivespec.node.cli", "doctor", "--config", "tiny", "--home", str(tmp_path),
+               "--set", "status.enabled=false"]
+    ok = subprocess.run(command, check=False, capture_output=True, text=True, timeout=150)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    names = [line.split()[1] for line in ok.stdout.splitlines() if line.split()[0] in ("OK", "WARN", "SKIP", "FAIL")]
+    for name in ("python", "torch", "model", "ram", "vram", "vllm", "p2pd", "peers", "clock", "identity", "disk", "checkpoint"):
+        assert name in names, ok.stdout
+    assert "all checks passed" in ok.stdout
+    key = tmp_path / "identity.key"
+    load_or_create_identity(key)
+    os.chmod(key, 0o640)
+    bad = subprocess.run([*command, "--offline"], check=False, capture_output=True, text=True, timeout=150)
+    assert bad.returncode == 1
+    assert "FAIL  identity" in bad.stdout and "chmod 600" in bad.stdout and "1 check(s) failed" in bad.stdout
