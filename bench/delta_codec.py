@@ -12,7 +12,8 @@ bf16 bit diff between the engine and the trainer's cast, coded these ways:
 - PULSE-best: the smallest of the PULSE-like variants {flat uint32 index deltas (PULSE v2),
   2-D COO deltas (v3.1)} x {values raw, values byte-shuffled} at zstd levels 1 and 3, and all
   bytes shuffled into byte planes (indices and values, as blosc does) at levels 1, 3 and
-  --best-level (19 by default). vs_pulse is measured against this one;
+  --best-level (19; 12 in --quick, where 19 alone would take 17 s of CPU at the first step and
+  saves another 5%). vs_pulse is measured against this one;
 - ours: protocol/delta.py v3 (positions per magnitude class, values as sign flip + zigzag
   magnitude steps with tables chosen by the base exponent), chunked;
 - bound: log2 C(N, k) + k * H(c), c the zigzag ulp steps of the changed values (the issue's
@@ -81,12 +82,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, help="prompts per step (default 4, quick 2)")
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, help="default 48, quick 12")
-    parser.add_argument("--best-level", type=int, default=19, help="zstd level of the strongest PULSE-like variant")
+    parser.add_argument("--best-level", type=int, help="zstd level of the strongest PULSE-like variant (default 19, quick 12)")
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.steps = args.steps or (2 if args.quick else 5)
+    args.best_level = args.best_level or (12 if args.quick else 19)
     args.lr = args.lr or ([1e-6] if args.quick else [1e-6, 2e-5])
     args.prompts = args.prompts or (2 if args.quick else 4)
     args.max_new_tokens = args.max_new_tokens or (12 if args.quick else 48)
@@ -238,7 +240,9 @@ def run_lr(args: argparse.Namespace, lr: float, tokenizer) -> list[dict]:
     )
     rows = []
     for step in range(1, args.steps + 1):
+        c0 = time.process_time()
         trainer.step(_rollouts(engine, tokenizer, tasks, args, step))
+        c_train = time.process_time() - c0
         t0 = time.perf_counter()
         delta = sync.build_delta(step)  # extract + hash of the target
         t_extract = time.perf_counter() - t0
@@ -291,7 +295,8 @@ def run_lr(args: argparse.Namespace, lr: float, tokenizer) -> list[dict]:
         print(
             f"      bits per changed element: bound {bound['positions'] / k:.2f} positions + {bound['values'] / k:.2f} values; "
             f"given the base exponent {bound['positions_given_exponent'] / k:.2f} + {bound['values_given_exponent'] / k:.2f}; "
-            f"PULSE-best = {best_name}; extract+hash {t_extract:.2f} s, apply+hash {t_apply:.2f} s",
+            f"PULSE-best = {best_name}; extract+hash {t_extract:.2f} s, apply+hash {t_apply:.2f} s; "
+            f"rollouts+train {c_train:.1f} s CPU",
             flush=True,
         )
     if state_hash(state) != sync.engine.hash:

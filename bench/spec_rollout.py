@@ -132,8 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for epoch in range(1, args.epochs):
         epoch_requests = requests(args.seed * 1000 + epoch)
         plain_stats, spec_stats = SpeculationStats(), SpeculationStats()
-        plain = plain_engine.generate(epoch_requests, params, stats=plain_stats)
-        spec = spec_engine.generate(epoch_requests, params, stats=spec_stats)
+        plain, spec = [], []
+        # Prompt by prompt, alternating which runs first: the machine's load drifts (other
+        # processes share it), and interleaving gives both sides the same share of it.
+        for p in range(args.prompts):
+            group = epoch_requests[p * args.generations : (p + 1) * args.generations]
+            runs = [(plain_engine, plain_stats, plain), (spec_engine, spec_stats, spec)]
+            for engine, stats, out in runs if p % 2 == 0 else runs[::-1]:
+                out.extend(engine.generate(group, params, stats=stats))
         same = sum(a.completion_ids == b.completion_ids for a, b in zip(plain, spec, strict=True))
         for a, b in zip(plain, spec, strict=True):
             if a.completion_ids == b.completion_ids and a.logprobs:

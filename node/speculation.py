@@ -213,8 +213,12 @@ def build_speculation(
     dtype: str,
     device: str,
     max_batch_size: int,
+    cache_folder: Path | None = None,
 ) -> tuple[SuffixDrafter, LengthAwarePolicy]:
-    """The drafter (replayed from the store) and the length-aware policy on the cached verify-cost curve."""
+    """The drafter (replayed from the store) and the length-aware policy on the cached verify-cost curve.
+
+    The curve is cached under `cache_folder` (default: `<model cache dir>/speculation`).
+    """
     import torch
     from hivespec.node.drafter import SuffixDrafter
     from hivespec.node.model import cache_dir
@@ -231,7 +235,8 @@ def build_speculation(
         log.info("drafter rebuilt from %d stored rollouts", replayed)
     batches = sorted({b for b in CALIBRATION_BATCHES if b <= max_batch_size} | {max_batch_size})
     key = curve_key(model_identity(model_config, dtype), dtype, device, torch.get_num_threads())
-    curve = load_or_calibrate(cache_dir() / "speculation", key, engine.time_forwards, batches=batches)
+    folder = cache_folder if cache_folder is not None else cache_dir() / "speculation"
+    curve = load_or_calibrate(folder, key, engine.time_forwards, batches=batches)
     policy = LengthAwarePolicy(curve, drafter, max_budget=config.num_speculative_tokens)
     paying = [b for b in batches if policy.wants_drafts(b)]
     log.info(

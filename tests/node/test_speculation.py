@@ -83,10 +83,9 @@ def test_width_follows_the_cost_curve_and_the_length_class():
     assert not flat.wants_drafts(8)
 
 
-def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path, monkeypatch):
+def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
     import numpy as np
 
-    monkeypatch.setenv("HIVESPEC_CACHE_DIR", str(tmp_path / "cache"))
     with RolloutStore(tmp_path / "rollouts.sqlite") as store:
         rows = []
         for i in range(3):
@@ -103,10 +102,10 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path, m
         engine = TorchEngine(model, max_batch_size=2)
         drafter, policy = build_speculation(
             SpeculationConfig(rebuild_rollouts=10), engine, store, model_config=model.config, dtype="float32",
-            device="cpu", max_batch_size=2,
+            device="cpu", max_batch_size=2, cache_folder=tmp_path / "cache",
         )
     assert drafter.observed == 3
     assert policy.curve.batches == (1, 2)
-    assert list((tmp_path / "cache" / "speculation").glob("verify-cost-*.json"))
+    assert list((tmp_path / "cache").glob("verify-cost-*.json"))
     engine.set_speculation(drafter, policy)
     assert engine.drafter is drafter

@@ -134,3 +134,36 @@ def test_speculative_false_and_missing_drafter(model):
         TorchEngine(model).generate(requests, params, speculative=True)
     with pytest.raises(ValueError, match="both a drafter and a policy"):
         TorchEngine(model, drafter=drafter)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_embedded_model_fp32_speculative_matches_plain():
+    """fp32 on the real model: forward shapes differ (1 vs K+1 tokens), so equality is up to rounding.
+
+    The drafter is fed another seed's completions of the same prompts (as after an RL epoch);
+    every sequence is expected to come out identical (the bench measures the fraction at scale).
+    """
+    from hivespec.node.model import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    model = load_model(dtype=torch.float32)
+    questions = ["What is 17 + 25?", "Count the letters in 'banana'.", "Name three primary colors."]
+    prompts = [
+        tuple(tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False))["input_ids"])
+        for q in questions
+    ]
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(tokenizer.eos_token_id,))
+    plain_engine = TorchEngine(model, max_batch_size=2)
+    drafter = SuffixDrafter()
+    warm = [GenerationRequest(p, seed=11, sample_index=i) for i, p in enumerate(prompts)]
+    for sample in plain_engine.generate(warm + [GenerationRequest(p, seed=11, sample_index=0) for p in prompts], params):
+        drafter.observe(sample.prompt_ids, sample.completion_ids)
+    requests = [GenerationRequest(p, seed=12, sample_index=i) for i, p in enumerate(prompts)]
+    plain = plain_engine.generate(requests, params)
+    stats = SpeculationStats()
+    spec = TorchEngine(model, max_batch_size=2, drafter=drafter, policy=UniformPolicy(8)).generate(requests, params, stats=stats)
+    assert stats.drafted > 0
+    for a, b in zip(plain, spec, strict=True):
+        assert b.completion_ids == a.completion_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
