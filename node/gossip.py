@@ -438,9 +438,16 @@ class Gossip:
                 return fetched
             interval = min(2 * interval, _POLL_MAX_S)
 
-    async def _afetch_round(self, topic: str, slot: int, timeout: float) -> list[Fetched]:
-        deadline = time.monotonic() + timeout
-        key = topic_key(self.swarm, topic, slot)
+    def announced_by(self, round: int, *, timeout: float, topic: str = "rollouts") -> set[str]:
+        """Peer ids (other than ours) with a valid record for slot `round` of `topic`; fetches no body."""
+        self._require_started()
+        return self._call(self._aannounced_by(topic, round, timeout), timeout + _GRACE_S)
+
+    async def _aannounced_by(self, topic: str, slot: int, timeout: float) -> set[str]:
+        return {holder.peer for holder, _ in await self._valid_records(topic_key(self.swarm, topic, slot), timeout)}
+
+    async def _valid_records(self, key: str, timeout: float) -> list[tuple[_Holder, Announce]]:
+        """Every other peer's valid (holder, announce) under `key`; invalid ones are counted and skipped."""
         try:
             found = await asyncio.wait_for(self._dht.get(key, latest=True), timeout)
         except TimeoutError:
@@ -449,14 +456,20 @@ class Gossip:
         if found is None or not isinstance(found.value, dict):
             return []
         key_id = DHTID.generate(source=key).to_bytes()
-        claims: dict[_Item, list[_Holder]] = {}
+        records = []
         for subkey, entry in found.value.items():
             if subkey == self.identity.peer_id:
                 continue
             parsed = self._parse_record(key, key_id, subkey, entry.value, entry.expiration_time)
-            if parsed is None:
-                continue
-            holder, announce = parsed
+            if parsed is not None:
+                records.append(parsed)
+        return records
+
+    async def _afetch_round(self, topic: str, slot: int, timeout: float) -> list[Fetched]:
+        deadline = time.monotonic() + timeout
+        key = topic_key(self.swarm, topic, slot)
+        claims: dict[_Item, list[_Holder]] = {}
+        for holder, announce in await self._valid_records(key, timeout):
             if self.peers is not None and self.peers.graylisted(holder.peer):
                 self._stats["graylisted_skipped"] += 1
                 continue

@@ -8,11 +8,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import psutil
 import pytest
+
 from hivespec.node.gossip import CHUNK_BYTES, Gossip, GossipError
 from hivespec.node.peers import PeerScores
+from hivespec.node.runtime import Node
 from hivespec.node.transfer import BadBody, download
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
@@ -92,6 +95,21 @@ def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
     assert reader.fetch_round(7, timeout=2) == []  # nothing under rollouts/7
     with pytest.raises(ValueError, match="unknown gossip topic"):
         author.publish(7, b"x", topic="gradients")
+
+
+def test_a_late_node_catches_up_to_the_swarms_round(swarm: list[Gossip]) -> None:
+    """announced_by reads records without fetching bodies; Node._catch_up bisects over it."""
+    author, late = swarm[1], swarm[2]
+    for round_index in range(20, 31):
+        author.publish(round_index, f"round {round_index}".encode())
+    fetched_before = late.stats()["bodies_fetched"]
+    assert late.announced_by(25, timeout=5) == {author.identity.peer_id}
+    assert late.announced_by(31, timeout=5) == set()
+    assert late.stats()["bodies_fetched"] == fetched_before  # records only: no body was pulled
+    node = SimpleNamespace(gossip=late, config=SimpleNamespace(swarm=SimpleNamespace(round_timeout=5.0)))
+    assert Node._catch_up(node, 19) == 30  # peers are at round 30: skip 19..29
+    assert Node._catch_up(node, 30) == 30
+    assert Node._catch_up(node, 40) == 40  # nobody ahead: keep our round (a solo resume stays exact)
 
 
 def index_record(identity: Identity, key: str, items: list[AnnouncedBody], holder: Gossip, *, expires: float | None = None) -> tuple[bytes, float]:
