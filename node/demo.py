@@ -21,7 +21,9 @@ from typing import Mapping
 from hivespec.node.cli import REPORT_HEADER, format_report_line
 from hivespec.node.config import NodeConfig
 
-READY_TIMEOUT_S = 180.0
+# The first node on a machine also measures the verify-cost curve for speculation (cached
+# afterwards), which takes minutes on a busy 2-core CPU; a crashed child fails at once anyway.
+READY_TIMEOUT_S = 600.0
 
 
 @dataclass
