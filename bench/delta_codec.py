@@ -62,9 +62,9 @@ from hivespec.protocol.delta import (
     State,
     WeightDelta,
     decode_delta,
-    encode_delta,
     state_hash,
 )
+from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.entropy import entropy_bits
 
 CPU_REPEATS = 3
@@ -84,7 +84,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="default 48, quick 12")
     parser.add_argument("--best-level", type=int, help="zstd level of the strongest PULSE-like variant (default 19, quick 12)")
     parser.add_argument("--model", default=EMBEDDED_MODEL)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads (default 1: on the shared 2-core box, 2 threads spent 9x the CPU time on rollouts and training)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.steps = args.steps or (2 if args.quick else 5)

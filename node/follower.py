@@ -40,10 +40,10 @@ from hivespec.protocol.delta import (
     TensorDelta,
     WeightDelta,
     decode_head,
-    encode_delta,
     encode_head,
     read_header,
 )
+from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.envelope import Kind, open_envelope, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import delta_slot

@@ -25,9 +25,9 @@ from hivespec.protocol.delta import (
     TensorDelta,
     WeightDelta,
     decode_delta,
-    encode_delta,
     state_hash,
 )
+from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.verdict import Reason, Verdict
 

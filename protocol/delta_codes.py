@@ -97,13 +97,11 @@ def value_codes(
     c = zigzag(|new| - |base|) - (1 - f). Where `reference` is >= 0, the magnitude step is taken
     from that magnitude instead of the base's, and c = zigzag(|new| - reference).
 
-    Raises ValueError when an element equals its base (a delta lists changed elements only).
+    Every element must differ from its base (the encoder checks that for the whole delta first).
     """
     new, base = new.astype(np.int64), base.astype(np.int64)
     mag = (1 << (width - 1)) - 1
     flip = ((new ^ base) >> (width - 1)) & 1
-    if (new == base).any():
-        raise ValueError("a listed element equals its base value; a delta lists changed elements only")
     if reference is None:
         d = (new & mag) - (base & mag)
         return np.where(d > 0, 2 * d - 1, -2 * d) - (1 - flip), flip
@@ -264,6 +262,11 @@ def position_symbol_count(mode: str, count: int, length: int) -> int:
     if mode == "complement":
         return length - count
     return 0
+
+
+def decoded_positions(mode: str, count: int, size: int) -> int:
+    """Positions a class makes the decoder produce (its decode work): its ranks for "gaps", its whole size otherwise."""
+    return count if mode == "gaps" else size
 
 
 def decode_positions(

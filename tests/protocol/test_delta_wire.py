@@ -15,11 +15,11 @@ from hivespec.protocol.delta import (
     decode_delta,
     decode_head,
     dense_nbytes,
-    encode_delta,
     encode_head,
     read_header,
     state_hash,
 )
+from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.entropy import (
     FrequencyTable,
     entropy_bits,

@@ -5,7 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hivespec.protocol.codec import pack, safe_unpack
-from hivespec.protocol.delta import TensorBits, TensorDelta, WeightDelta, decode_delta, encode_delta, state_hash
+from hivespec.protocol.delta import TensorBits, TensorDelta, WeightDelta, decode_delta, state_hash
+from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_batch, decode_rollout, encode_batch
