@@ -428,8 +428,8 @@ class TorchEngine:
         )
         state.next_positions = state.next_positions + verdict.accepted + 1
         if width:
-            expected = sum(sum(d.probs[: lengths[i]]) for i, d in enumerate(drafts))
-            self.policy.observe(expected, sum(accepted))
+            rejections = sum(1 for n, a in zip(lengths, accepted, strict=True) if a < n)
+            self.policy.observe(sum(lengths), sum(accepted), rejections)
         token_rows, logprob_rows = verdict.tokens.tolist(), verdict.logprobs.tolist()
         tokens, logprobs = [], []
         for i, row in enumerate(state.rows):

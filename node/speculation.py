@@ -12,8 +12,12 @@ CPU in fp32: ~1.6x for 8 drafts at B = 1, ~3x at B = 8), so it is measured once 
   lengths of that prompt's recent rollouts against all recent ones: long prompts set the
   makespan, so they get the full budget, medium half, short a quarter;
 - the step's width K is the one that maximises expected emitted tokens per unit verify cost,
-  summing each row's draft-prefix probabilities (from the drafter's statistics, scaled by the
-  acceptance actually observed) and weighting long rows up;
+  weighting long rows up. A row's chance to get its j-th draft token accepted is the smaller of
+  the drafter's own estimate (the draft prefix's empirical probability) and alpha^j, where alpha
+  is the per-token acceptance the target has actually shown (a decaying count of accepted drafts
+  against rejections): a window of one or two rollouts makes the drafter sure of everything, the
+  target is not. While speculation is off, one step in `probe_every` still verifies two tokens
+  so alpha keeps tracking the drafts;
 - K = 0 (no drafting at all) wherever the batch is compute-bound, i.e. no K could pay even if
   every draft were accepted.
 `UniformPolicy` drafts a fixed budget for every row (the baseline the length-aware one is
@@ -287,8 +291,8 @@ class SpeculationPolicy(Protocol):
         """False when a batch this large is compute-bound: skip drafting altogether."""
         ...
 
-    def observe(self, expected: float, accepted: int) -> None:
-        """What a step's drafts were expected to yield and what the target accepted."""
+    def observe(self, drafted: int, accepted: int, rejections: int) -> None:
+        """A step's outcome: draft tokens verified, accepted, and rows whose draft was cut by a rejection."""
         ...
 
 
@@ -311,14 +315,22 @@ class UniformPolicy:
     def wants_drafts(self, batch: int) -> bool:
         return self.budget > 0
 
-    def observe(self, expected: float, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, rejections: int) -> None:
         return None
 
 
 class LengthAwarePolicy:
     """Budgets from the prompt's length class and the calibrated verify-cost curve (see the module docstring)."""
 
-    def __init__(self, curve: VerifyCostCurve, drafter: SuffixDrafter, *, max_budget: int = 16, min_gain: float = 1.02) -> None:
+    def __init__(
+        self,
+        curve: VerifyCostCurve,
+        drafter: SuffixDrafter,
+        *,
+        max_budget: int = 16,
+        min_gain: float = 1.02,
+        probe_every: int = 32,
+    ) -> None:
         if max_budget < 1:
             raise ValueError(f"max_budget must be >= 1, got {max_budget}")
         if min_gain < 1.0:
@@ -327,15 +339,17 @@ class LengthAwarePolicy:
         self.drafter = drafter
         self.max_budget = max_budget
         self.min_gain = min_gain
-        self._expected = 1.0  # acceptance calibration: observed / predicted accepted drafts (EMA)
-        self._accepted = 1.0
+        self.probe_every = probe_every
+        # Decaying counts behind alpha; the prior (0.8) lets a fresh node try its drafts.
+        self._hits, self._misses = 4.0, 1.0
+        self._since_probe = 0
         self._population: list[int] = []
         self._population_at = -1  # drafter.observed when _population was taken
 
     @property
-    def acceptance_scale(self) -> float:
-        """Accepted drafts per draft token the index statistics predicted, clamped to [0.25, 1.5]."""
-        return min(1.5, max(0.25, self._accepted / self._expected))
+    def alpha(self) -> float:
+        """Observed per-token acceptance: accepted drafts / (accepted drafts + rejections), decaying."""
+        return self._hits / (self._hits + self._misses)
 
     def plan(self, prompt_ids: Sequence[int]) -> RowPlan:
         if self._population_at != self.drafter.observed:
@@ -352,26 +366,31 @@ class LengthAwarePolicy:
         longest = max((len(d.tokens) for d in drafts), default=0)
         if longest == 0:
             return 0
-        scale = self.acceptance_scale
+        alpha = self.alpha
         weights = [plan.weight for plan in plans]
         total_weight = sum(weights)
         # gain[k]: weighted expected tokens emitted per row by a width-k step (1 + accepted drafts).
         gain = [total_weight] * (longest + 1)
         for draft, weight in zip(drafts, weights, strict=True):
-            running = 0.0
+            running, power = 0.0, 1.0
             for k, prob in enumerate(draft.probs, start=1):
-                running += prob
-                gain[k] += weight * scale * running
+                power *= alpha
+                running += min(prob, power)
+                gain[k] += weight * running
             for k in range(len(draft.probs) + 1, longest + 1):
-                gain[k] += weight * scale * running
+                gain[k] += weight * running
         best, best_rate = 0, 1.0
         for k in range(1, longest + 1):
             rate = gain[k] / (total_weight * self.curve.ratio(batch, k + 1))
             if rate > best_rate * (self.min_gain if best == 0 else 1.0):
                 best, best_rate = k, rate
+        self._since_probe = 0 if best else self._since_probe + 1
+        if not best and self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            return min(2, longest)
         return best
 
-    def observe(self, expected: float, accepted: int) -> None:
-        decay = 0.95
-        self._expected = decay * self._expected + (1 - decay) * max(expected, 1e-6)
-        self._accepted = decay * self._accepted + (1 - decay) * accepted
+    def observe(self, drafted: int, accepted: int, rejections: int) -> None:
+        decay = 0.98
+        self._hits = decay * self._hits + accepted
+        self._misses = decay * self._misses + rejections

@@ -109,3 +109,16 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
     assert list((tmp_path / "cache").glob("verify-cost-*.json"))
     engine.set_speculation(drafter, policy)
     assert engine.drafter is drafter
+
+
+def test_observed_rejections_turn_speculation_down_and_probes_keep_measuring():
+    drafter = SuffixDrafter()
+    policy = LengthAwarePolicy(_curve(b1=(1.0, 2.2, 2.2, 2.2, 2.2, 3.9)), drafter, probe_every=4)
+    sure = Draft([5] * 8, [1.0] * 8, 8)
+    plan = policy.plan([1])
+    assert policy.width([sure], [plan]) > 0  # the prior trusts a confident drafter
+    for _ in range(200):
+        policy.observe(drafted=8, accepted=0, rejections=1)  # the target keeps rejecting the first token
+    assert policy.alpha < 0.05
+    widths = [policy.width([sure], [plan]) for _ in range(8)]
+    assert widths.count(0) == 6 and widths.count(2) == 2  # off, but one step in 4 probes with 2 tokens
