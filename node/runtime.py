@@ -699,6 +699,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         staleness_versions=config.train.staleness_versions,
         allowlist=private.allowlist if private is not None else None,
     )
+
     def start_gossip() -> Gossip:  # also the supervisor's rebuild: same identity, addresses and peers
         gossip = Gossip(
             identity,
