@@ -32,7 +32,7 @@ from hivespec.node.checkpoint import (
 from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
 from hivespec.node.bootstrap import CACHE_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
-from hivespec.node.gossip import Gossip, GossipError
+from hivespec.node.gossip import Fetched, Gossip, GossipError
 from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
@@ -511,29 +511,48 @@ class Node:
         self.gossip.publish(round_index, body)  # journaled first: a crash here loses nothing we made
 
     def _collect(self, round_index: int) -> list[Admission]:
-        """Admit peers' batches: stragglers of the previous round, then this round's (waiting)."""
+        """Admit peers' batches: stragglers of the previous round, then this round's, waiting.
+
+        The wait ends once ``expected_peers`` authors had a batch of this round accepted, or at
+        ``round_timeout``. An author whose batches were all refused does not count, so a peer
+        sending junk cannot end the wait before the honest peers' batches arrive.
+        """
         swarm = self.config.swarm
-        fetched = []
-        if round_index > 0:
-            fetched += self.gossip.fetch_round(round_index - 1, timeout=min(5.0, swarm.round_timeout))
-        fetched += self.gossip.wait_for_round(round_index, peers=swarm.expected_peers, timeout=swarm.round_timeout)
         admissions = []
-        for item in fetched:
-            admission = self.intake.admit(
-                item.author_peer_id, item.body, current_round=round_index, current_version=self.trainer.version
+        if round_index > 0:
+            stragglers = self.gossip.fetch_round(round_index - 1, timeout=min(5.0, swarm.round_timeout))
+            admissions += [self._admit(round_index, item) for item in stragglers]
+        deadline = time.monotonic() + swarm.round_timeout
+        useful: set[str] = set()
+        refused: set[str] = set()
+        while True:
+            fetched = self.gossip.wait_for_round(
+                round_index, peers=swarm.expected_peers + len(refused), timeout=max(0.0, deadline - time.monotonic())
             )
-            self.status.record_admission(admission, item.body)
-            if self.peer_scores is not None:
-                self.peer_scores.record(admission.blame(item.holder), admission.outcome, admission.reason)
-            admissions.append(admission)
-            if admission.outcome == "accept":
-                if self.engine.drafter is not None:  # peers' rollouts of shared prompts feed the drafter too
-                    for rollout in admission.rollouts:
-                        self.engine.drafter.observe(rollout.prompt_ids.tolist(), rollout.completion_ids.tolist())
-                self._pending.extend(
-                    _Pending(admission.author, round_index, r, admission.policy_version) for r in admission.rollouts
-                )
-        return admissions
+            for item in fetched:
+                admission = self._admit(round_index, item)
+                admissions.append(admission)
+                (useful if admission.outcome == "accept" else refused).add(item.author_peer_id)
+            refused -= useful
+            if len(useful) >= swarm.expected_peers or time.monotonic() >= deadline:
+                return admissions
+
+    def _admit(self, round_index: int, item: Fetched) -> Admission:
+        """Run one fetched body through intake; score its sender, feed the drafter, queue what passed."""
+        admission = self.intake.admit(
+            item.author_peer_id, item.body, current_round=round_index, current_version=self.trainer.version
+        )
+        self.status.record_admission(admission, item.body)
+        if self.peer_scores is not None:
+            self.peer_scores.record(admission.blame(item.holder), admission.outcome, admission.reason)
+        if admission.outcome == "accept":
+            if self.engine.drafter is not None:  # peers' rollouts of shared prompts feed the drafter too
+                for rollout in admission.rollouts:
+                    self.engine.drafter.observe(rollout.prompt_ids.tolist(), rollout.completion_ids.tolist())
+            self._pending.extend(
+                _Pending(admission.author, round_index, r, admission.policy_version) for r in admission.rollouts
+            )
+        return admission
 
     def _select_foreign(self, round_index: int, own_count: int) -> list[_Pending]:
         """SAPO-style mix: at most ``foreign_fraction`` of the step, whole groups, balanced over peers.
