@@ -48,6 +48,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the target is batch 1)")
     parser.add_argument("--budget", type=int, default=16, help="num_speculative_tokens (max draft per step)")
+    parser.add_argument("--policy", choices=["length-aware", "uniform"], default="length-aware",
+                        help="length-aware: the node's calibrated policy; uniform: always draft up to --budget (the replay's setting)")
+    parser.add_argument("--trace", help="also write the run's rollouts as a trace (for bench/drafter_replay.py)")
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
@@ -75,10 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hivespec.node.speculation import (
         CALIBRATION_BATCHES,
         LengthAwarePolicy,
+        UniformPolicy,
         curve_key,
         load_or_calibrate,
         model_identity,
     )
+    from hivespec.node.trace import TraceRecord, TraceWriter, replay
 
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=getattr(torch, args.dtype))
@@ -109,8 +114,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     own = SuffixDrafter()
     swarm = SuffixDrafter()
-    spec_engine = TorchEngine(model, max_batch_size=args.batch_size, drafter=own, policy=LengthAwarePolicy(curve, own, max_budget=args.budget))
-    swarm_engine = TorchEngine(model, max_batch_size=args.batch_size, drafter=swarm, policy=LengthAwarePolicy(curve, swarm, max_budget=args.budget))
+    def policy(drafter: SuffixDrafter):
+        if args.policy == "uniform":
+            return UniformPolicy(args.budget)
+        return LengthAwarePolicy(curve, drafter, max_budget=args.budget)
+
+    spec_engine = TorchEngine(model, max_batch_size=args.batch_size, drafter=own, policy=policy(own))
+    swarm_engine = TorchEngine(model, max_batch_size=args.batch_size, drafter=swarm, policy=policy(swarm))
+    # The rollouts as the own drafter is fed them, for the replay cross-check below.
+    records: list[TraceRecord] = []
+
+    def record(samples, epoch: int, node: str = "bench", own_rollout: bool = True) -> None:
+        records.extend(
+            TraceRecord(node="bench", own=own_rollout, author=node, round=epoch, prompt_key=str(prompts.index(tuple(s.prompt_ids))),
+                        prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, finish_reason=s.finish_reason)
+            for s in samples
+        )
 
     def feed(drafters: Sequence[SuffixDrafter], samples) -> None:
         for drafter in drafters:
@@ -119,8 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     warm = plain_engine.generate(requests(args.seed * 1000), params)
     feed([own, swarm], warm)
+    record(warm, 0)
     for peer in range(1, args.peers + 1):  # other nodes: same prompts, their own seeds
-        feed([swarm], plain_engine.generate(requests(args.seed * 1000 + 100 * peer), params))
+        peer_samples = plain_engine.generate(requests(args.seed * 1000 + 100 * peer), params)
+        feed([swarm], peer_samples)
+        record(peer_samples, 0, node=f"peer-{peer}", own_rollout=False)
     print(f"warm-up epoch: {sum(len(s.completion_ids) for s in warm)} tokens; swarm drafter also fed {args.peers} peers' rollouts", flush=True)
 
     total_plain = SpeculationStats()
@@ -151,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         total_plain.add(plain_stats)
         total_spec.add(spec_stats)
         feed([own, swarm], plain)
+        record(plain, epoch)
         print(
             f"{epoch:>5} {plain_stats.tokens:>7} {plain_stats.generate_seconds:>8.2f} {spec_stats.generate_seconds:>7.2f} "
             f"{plain_stats.generate_seconds / spec_stats.generate_seconds:>6.2f} {spec_stats.tokens_per_forward:>8.2f} "
@@ -160,6 +183,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     wall_ratio = total_plain.generate_seconds / total_spec.generate_seconds
+    # The drafter alone on the same rollouts, uniform budget, own feeding (no peers): what the
+    # engine's tokens per forward would be if every step verified the whole draft.
+    replayed = replay(records, SuffixDrafter(), budget=args.budget, feeding="own", max_new_tokens=args.max_new_tokens)
+    timed = [r for r in replayed.per_round.items() if r[0] > 0]
+    replay_tpf = sum(t for _, (_, t, _) in timed) / sum(n + s for _, (n, _, s) in timed)
+    print(f"replay (drafter alone, uniform budget {args.budget}, timed epochs): {replay_tpf:.3f} tokens per forward; "
+          f"engine ({args.policy}): {total_spec.tokens_per_forward:.3f}")
+    if args.trace:
+        writer = TraceWriter(args.trace, meta={"node": "bench", "model": args.model, "engine_dtype": args.dtype,
+                                               "temperature": args.temperature, "top_p": args.top_p,
+                                               "max_new_tokens": args.max_new_tokens, "source": "bench/spec_rollout.py"})
+        writer.record(records)
+        writer.close()
     result = {
         "wall_ratio": round(wall_ratio, 3),
         "tokens_per_forward": round(total_spec.tokens_per_forward, 3),
@@ -167,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "drafter_share": round(total_spec.draft_seconds / total_spec.generate_seconds, 4),
         "acceptance": round(total_spec.acceptance_rate, 4),
         "draft_us_per_token": round(total_spec.draft_us_per_token, 2),
+        "replay_tokens_per_forward": round(replay_tpf, 3),
+        "policy": args.policy,
         "speculative_steps": total_spec.speculative_steps,
         "batch_forwards_plain": total_plain.batch_forwards,
         "batch_forwards_spec": total_spec.batch_forwards,

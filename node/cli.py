@@ -33,6 +33,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
         pairs["swarm.initial_peers"] = json.dumps(peers)
     if getattr(args, "resume", None) is not None:
         pairs["checkpoint.resume"] = "true" if args.resume else "false"
+    if getattr(args, "trace", None):
+        pairs["speculation.trace_file"] = json.dumps(str(args.trace))
     return pairs
 
 
@@ -391,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nodes", type=int, default=3, help="number of local nodes (default 3)")
     demo.add_argument("--dir", default=None, help="working directory for the nodes' data and logs (default: runs/demo-<time>)")
     demo.add_argument("--dashboard", action="store_true", help="show the swarm in the terminal dashboard (n switches nodes)")
+    demo.add_argument("--trace", metavar="FILE", help="record each node's rollout trace: FILE=t.jsonl gives t.node-0.jsonl, t.node-1.jsonl, ...")
     demo.set_defaults(func=cmd_demo)
 
     join = sub.add_parser("join", help="run one node and join a swarm")
@@ -398,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer (repeatable)")
     join.add_argument("--home", help="data directory (identity, store); default $HIVESPEC_HOME or the user data dir")
     join.add_argument("--name", help="display name")
+    join.add_argument("--trace", metavar="FILE", help="append a rollout trace (JSON lines; .gz for gzip) for bench/drafter_replay.py")
     join.add_argument("--events", help="append JSON-lines events (ready, round, done) to this file")
     join.add_argument("--linger", type=float, default=15.0, help="seconds to keep serving after the last round (-1: until stopped)")
     join.add_argument("--local-nodes", type=int, default=1, help="nodes sharing this machine (sets torch threads)")

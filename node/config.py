@@ -42,10 +42,20 @@ class ModelConfig:
     autocast: bool = _help("bf16 autocast for trainer forwards (fp32 master weights keep small updates)", True)
     device: str = _help("torch device for engine and trainer", "cpu")
     threads: int | None = _help("torch threads per node; default: cores / local nodes", None)
+    engine: Literal["native", "vllm"] = _help(
+        "rollout engine: 'native' (torch, any device, lossless keyed speculative rollouts) or 'vllm' "
+        "(CUDA only, pip install 'hivespec[gpu]'; vLLM's suffix/ngram speculative decoding)", "native")
+    vllm_gpu_memory_utilization: float = _help(
+        "model.engine vllm: share of GPU memory vLLM takes for weights and KV cache (the trainer needs the rest)", 0.5)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"model.threads must be >= 1 or null, got {self.threads}")
+        if self.engine == "vllm" and self.engine_dtype == "float64":
+            raise ConfigError("model.engine vllm samples in bfloat16 or float32, got model.engine_dtype float64; "
+                              "set model.engine_dtype: bfloat16 (or use model.engine: native)")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"model.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
 
 
 @dataclass
@@ -63,6 +73,13 @@ class TaskMix:
 class TaskConfig:
     mix: list[TaskMix] = _help("task families to draw prompts from", default_factory=lambda: [TaskMix("arith", 1), TaskMix("count", 1)])
     jsonl_path: str | None = _help("JSONL file of {question, answer} lines for the 'jsonl' family", None)
+    heldout_fraction: float = _help(
+        "share of questions (chosen by a hash of their text) never drawn for training, kept for held-out evaluation", 0.0
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.heldout_fraction < 1:
+            raise ConfigError(f"tasks.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
 
 
 @dataclass
@@ -228,8 +245,14 @@ class SpeculationConfig:
     global_max_tokens: int = _help("tokens of recent rollouts (all prompts) in the drafter's global index", 32768)
     max_prompts: int = _help("prompts the drafter keeps windows for (least recently used evicted)", 1024)
     rebuild_rollouts: int = _help("stored rollouts replayed into the drafter at start-up (0 = start empty)", 2048)
+    trace_file: str | None = _help(
+        "append a rollout trace (JSON lines, .gz for gzip: own and accepted foreign rollouts in the order the drafter is fed) "
+        "for bench/drafter_replay.py; recorded whether speculation is on or off (null: no trace)", None
+    )
 
     def __post_init__(self) -> None:
+        if self.trace_file is not None and not self.trace_file.strip():
+            raise ConfigError("speculation.trace_file is empty; give a file path or null for no trace")
         for name in ("num_speculative_tokens", "window", "global_max_tokens", "max_prompts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"speculation.{name} must be >= 1, got {getattr(self, name)}")

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+import yaml
 from hivespec.node.cli import REPORT_HEADER, format_report_line
 from hivespec.node.config import NodeConfig
 
 # The first node on a machine also measures the verify-cost curve for speculation (cached
 # afterwards), which takes minutes on a busy 2-core CPU; a crashed child fails at once anyway.
 READY_TIMEOUT_S = 600.0
+TRACE_KEY = "speculation.trace_file"
 
 
 @dataclass
@@ -141,6 +143,8 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
         "--linger", "-1",
     ]
     for key, value in overrides.items():
+        if key == TRACE_KEY:  # one trace file per node: t.jsonl -> t.node-0.jsonl
+            value = json.dumps(str(node_trace_path(yaml.safe_load(value), index)))
         if key not in ("home", "name", "swarm.initial_peers"):
             command += ["--set", f"{key}={value}"]
     for maddr in initial_peers:
@@ -148,6 +152,14 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
     log = (home / "node.log").open("ab")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return _Child(name=name, home=home, process=process, events_path=events)
+
+
+def node_trace_path(path: str, index: int) -> Path:
+    """Node `index`'s trace file in a demo: ``t.jsonl`` -> ``t.node-<index>.jsonl`` (``.jsonl.gz`` kept whole)."""
+    base = Path(path)
+    suffixes = "".join(base.suffixes[-2:]) if base.name.endswith(".jsonl.gz") else base.suffix
+    stem = base.name[: len(base.name) - len(suffixes)] if suffixes else base.name
+    return base.with_name(f"{stem}.node-{index}{suffixes}")
 
 
 def _wait_ready(child: _Child) -> list[str]:

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from hivespec.node.speculation import RowPlan, SpeculationPolicy
     from transformers import PreTrainedModel
 
-__all__ = ["GenerationRequest", "RolloutEngine", "Sample", "SamplingParams", "SpeculationStats", "TorchEngine"]
+__all__ = [
+    "GenerationRequest", "RolloutEngine", "Sample", "SamplingParams", "SpeculationStats", "TorchEngine", "unique_parameters",
+]
 
 FinishReason = Literal["stop", "length"]
 TokenCallback = Callable[[int], None]
@@ -144,6 +146,25 @@ class RolloutEngine(Protocol):
     def sync_parameters(self) -> dict[str, Tensor]:
         """The named tensors a weight sync writes into, in place."""
         ...
+
+    def weights_updated(self, names: Sequence[str] | None = None) -> None:
+        """The sync wrote these tensors of `sync_parameters()` (None: all); an engine holding another copy reloads them."""
+        ...
+
+
+def unique_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Named parameters (detached, sharing storage), each storage once under its first name.
+
+    Tied weights (SmolLM2's lm_head and embed_tokens) appear once, so a sync writes them once.
+    """
+    tensors: dict[str, Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = (param.data_ptr(), tuple(param.shape))
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = param.detach()
+    return tensors
 
 
 def _signed64(value: int) -> int:
@@ -251,18 +272,11 @@ class TorchEngine:
         self.drafter, self.policy = drafter, policy
 
     def sync_parameters(self) -> dict[str, Tensor]:
-        """Named parameters (detached, sharing storage), each storage once under its first name.
+        """The model's `unique_parameters`: a sync writes straight into the weights this engine samples with."""
+        return unique_parameters(self._model)
 
-        Tied weights (SmolLM2's lm_head and embed_tokens) appear once, so a sync writes them once.
-        """
-        tensors: dict[str, Tensor] = {}
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        for name, param in self._model.named_parameters(remove_duplicate=False):
-            key = (param.data_ptr(), tuple(param.shape))
-            if key not in seen:
-                seen.add(key)
-                tensors[name] = param.detach()
-        return tensors
+    def weights_updated(self, names: Sequence[str] | None = None) -> None:
+        """Nothing to do: `sync_parameters()` shares storage with the model."""
 
     @torch.inference_mode()
     def generate(

@@ -45,7 +45,9 @@ from hivespec.node.supervise import GossipSupervisor, Watchdog, generate_splitti
 from hivespec.node.follower import PolicyPublisher
 from hivespec.node.sync import WeightSync
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.trace import TraceRecord, TraceWriter
 from hivespec.node.trainer import OWN, ImportanceSettings, StepStats, Trainer, TrainSample
+from hivespec.node.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
@@ -145,7 +147,7 @@ class Node:
         store: RolloutStore,
         tokenizer,
         trainer: Trainer,
-        engine: TorchEngine,
+        engine: TorchEngine | VllmEngine,
         sync: WeightSync,
         tasks: TaskSource,
         intake: Intake,
@@ -156,8 +158,10 @@ class Node:
         peer_scores: PeerScores | None = None,
         home_lock: HomeLock | None = None,
         publisher: PolicyPublisher | None = None,
+        trace: TraceWriter | None = None,
     ) -> None:
         self.config = config
+        self.trace = trace  # speculation.trace_file: what the drafter is fed, for bench/drafter_replay.py
         self.publisher = publisher
         self.peer_scores = peer_scores
         self.home_lock = home_lock
@@ -277,6 +281,8 @@ class Node:
             log.error("round %d: gossip failed (%s); training on own rollouts this round", round_index, exc)
             admissions = []
         timings["gossip"] = time.perf_counter() - mark
+        if self.trace is not None:
+            self.trace.flush()
 
         mark = time.perf_counter()
         self._beat("train")
@@ -287,6 +293,7 @@ class Node:
         mark = time.perf_counter()
         self._beat("sync")
         sync_stats, delta_chunks = self.sync.sync(step.version)
+        self.engine.weights_updated(sync_stats.tensors)
         delta_published = self._publish_delta(step.version, delta_chunks)
         timings["sync"] = time.perf_counter() - mark
         timings["round"] = time.perf_counter() - started
@@ -416,6 +423,7 @@ class Node:
             for name, tensor in engine.params.items():
                 tensor.copy_(self.sync.trainer_params[name].detach().to(tensor.dtype))
         engine.restore(engine.snapshot_bits(), version=int(meta["sync_version"]), digest=state_hash(engine.state))
+        self.engine.weights_updated(None)
         self.next_round = checkpoint.next_round
         for name, state in meta.get("providers", {}).items():
             if name in self.checkpoint_providers:
@@ -472,6 +480,15 @@ class Node:
         if self.engine.drafter is not None:
             for sample in samples:
                 self.engine.drafter.observe(sample.prompt_ids, sample.completion_ids)
+        if self.trace is not None:
+            self.trace.record(
+                TraceRecord(
+                    node=self.name, own=True, author=self.identity.peer_id, round=round_index, prompt_key=task.prompt_id,
+                    prompt_ids=list(sample.prompt_ids), completion_ids=list(sample.completion_ids),
+                    sample_index=request.sample_index, policy_version=self.trainer.version, finish_reason=sample.finish_reason,
+                )
+                for request, task, sample in zip(requests, owners, samples)
+            )
         rollouts = []
         for request, task, sample in zip(requests, owners, samples):
             text = self.tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
@@ -549,6 +566,15 @@ class Node:
             if self.engine.drafter is not None:  # peers' rollouts of shared prompts feed the drafter too
                 for rollout in admission.rollouts:
                     self.engine.drafter.observe(rollout.prompt_ids.tolist(), rollout.completion_ids.tolist())
+            if self.trace is not None:
+                self.trace.record(
+                    TraceRecord(
+                        node=self.name, own=False, author=admission.author, round=round_index, prompt_key=r.prompt_id,
+                        prompt_ids=r.prompt_ids.tolist(), completion_ids=r.completion_ids.tolist(), sample_index=r.sample_index,
+                        policy_version=admission.policy_version, finish_reason=r.finish_reason,
+                    )
+                    for r in admission.rollouts
+                )
             self._pending.extend(
                 _Pending(admission.author, round_index, r, admission.policy_version) for r in admission.rollouts
             )
@@ -619,12 +645,29 @@ class Node:
             self.status_server.close()
             remove_status_file(node_home(self.config), self.status_server.url)
         logging.getLogger().removeHandler(self.status.logs)
+        if self.trace is not None:
+            self.trace.close()
         self.gossip.shutdown()
         self.store.close()
         if self.peer_scores is not None:
             self.peer_scores.save()
         if self.home_lock is not None:
             self.home_lock.close()
+
+
+def _trace_writer(config: NodeConfig, identity: Identity) -> TraceWriter:
+    """The rollout trace writer for ``speculation.trace_file``, its meta line naming the run's settings."""
+    assert config.speculation.trace_file is not None
+    rollout = config.rollout
+    return TraceWriter(
+        config.speculation.trace_file,
+        meta={
+            "node": config.name or identity.name, "author": identity.peer_id, "model": config.model.name,
+            "engine_dtype": config.model.engine_dtype, "temperature": rollout.temperature, "top_p": rollout.top_p,
+            "max_new_tokens": rollout.max_completion_length, "num_generations": rollout.num_generations,
+            "prompts_per_round": rollout.prompts_per_round,
+        },
+    )
 
 
 def _decode_row(payload: bytes) -> Rollout | None:
@@ -656,6 +699,8 @@ def _to_train_sample(rollout: Rollout, source: str) -> TrainSample:
 def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     """Build every part of a node from its config (loads the model, starts gossip)."""
     threads = configure_threads(config.model.threads, local_nodes=local_nodes)
+    if config.model.engine == "vllm":
+        require_vllm()  # before the model loads and the home is locked
     home = node_home(config)
     home.mkdir(parents=True, exist_ok=True)
     home_lock = HomeLock(home)  # IdentityInUse if another node runs with this home's identity
@@ -676,7 +721,11 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         p.requires_grad_(False)
     trainer_model.requires_grad_(True)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
-    engine = TorchEngine(engine_model, max_batch_size=config.rollout.max_batch_size)
+    engine: TorchEngine | VllmEngine
+    if config.model.engine == "vllm":
+        engine = build_vllm_engine(config, engine_model, home=home)
+    else:
+        engine = TorchEngine(engine_model, max_batch_size=config.rollout.max_batch_size)
     sync = WeightSync(trainer_model, engine.sync_parameters())
     autocast = torch.bfloat16 if config.model.autocast and config.model.train_dtype == "float32" else None
     trainer = Trainer(
@@ -701,7 +750,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     )
     tasks = TaskSource.from_config(config.tasks)
     store = RolloutStore(home / "rollouts.sqlite")
-    if config.speculation.enabled:
+    if config.speculation.enabled and isinstance(engine, TorchEngine):  # vLLM's own drafter is set at construction
         engine.set_speculation(
             *build_speculation(
                 config.speculation, engine, store, model_config=engine_model.config, dtype=config.model.engine_dtype,
@@ -769,6 +818,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         home_lock=home_lock,
         # Built before any resume: snapshots are deltas from the base checkpoint (version 0).
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
+        trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
     )
     if config.checkpoint.resume:
         checkpoint = checkpoints.load_latest()

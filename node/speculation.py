@@ -3,9 +3,11 @@
 A speculative step feeds K + 1 tokens per row instead of one, so it pays only when the tokens
 it expects to emit outgrow what the wider forward costs. That cost ratio, T(B, K + 1) / T(B, 1)
 for a batch of B rows, depends on the device, dtype, model and thread count (on this 2-core
-CPU in fp32: ~1.6x for 8 drafts at B = 1, ~3x at B = 8), so it is measured once at start-up
+CPU in fp32: ~1.5x for 8 drafts at B = 1, ~3x at B = 8), so it is measured once at start-up
 (`calibrate_verify_cost`) and cached on disk under the model cache dir, keyed by all of those
-(`load_or_calibrate`).
+(`load_or_calibrate`). It is not monotone in K: 2- and 3-token forwards cost ~1.7-2x here (slow
+small-matrix GEMMs) against ~1.3x for 5, so a step runs the cheapest forward at least as wide as
+it needs (`VerifyCostCurve.cover`; the engine pads the extra slots).
 
 `LengthAwarePolicy` (DAS, "Beat the long tail") then decides each step:
 - each request gets a draft cap from its prompt's length class, predicted from the completion
@@ -63,7 +65,7 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
 CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
-_CURVE_FORMAT = 2
+_CURVE_FORMAT = 3  # 3: raw per-width ratios (2 forced them monotone, hiding slow narrow GEMMs)
 
 # Draft cap and objective weight per length class (DAS's hard / medium / easy budgets 16 / 8 / 4).
 _CLASS_CAP_SHARE = {"long": 1.0, "medium": 0.5, "short": 0.25}
@@ -95,14 +97,32 @@ class VerifyCostCurve:
             raise ValueError(f"ratios must be [{len(self.batches)}][{len(self.widths)}], got {self.ratios}")
 
     def ratio(self, batch: int, width: int) -> float:
-        """T(batch, width) / T(batch, 1)."""
+        """T(batch, width) / T(batch, 1) for a forward of exactly `width` tokens per row."""
         if width <= 1:
             return 1.0
         row = self.ratios[min(bisect_left(self.batches, batch), len(self.batches) - 1)]
         j = min(max(bisect_left(self.widths, width), 1), len(self.widths) - 1)
+        if self.widths[j] == width:
+            return row[j]
         w0, w1 = self.widths[j - 1], self.widths[j]
         r0, r1 = row[j - 1], row[j]
         return max(1.0, r0 + (r1 - r0) * (width - w0) / (w1 - w0))
+
+    def cover(self, batch: int, width: int) -> tuple[int, float]:
+        """The cheapest forward width >= `width` (`width` itself or a wider measured one) and its ratio.
+
+        Forward cost is not monotone in the width: on this CPU in fp32 at batch 1, 2- and 3-token
+        forwards take the slow small-matrix GEMM path and cost ~1.7-2.0x a 1-token one while 5
+        tokens cost ~1.3x. A step that wants K drafts may run a wider forward instead (the
+        engine pads the extra slots, masked and never accepted), so this is what K really costs.
+        """
+        if width <= 1:
+            return 1, 1.0
+        best_width, best = width, self.ratio(batch, width)
+        for wider in self.widths:
+            if wider > width and self.ratio(batch, wider) < best:
+                best_width, best = wider, self.ratio(batch, wider)
+        return best_width, best
 
     def to_json(self) -> str:
         return json.dumps({"format": _CURVE_FORMAT, **asdict(self)}, indent=1)
@@ -130,19 +150,25 @@ def calibrate_verify_cost(
     batches: Sequence[int] = CALIBRATION_BATCHES,
     widths: Sequence[int] = CALIBRATION_WIDTHS,
     key: str = "",
+    repeats: int = 3,
 ) -> VerifyCostCurve:
-    """Measure the curve with `time_forwards(batch, widths) -> seconds` (e.g. `TorchEngine.time_forwards`)."""
+    """Measure the curve with `time_forwards(batch, widths) -> seconds` (e.g. `TorchEngine.time_forwards`).
+
+    Each batch is timed `repeats` times, spread over the whole calibration, and every width keeps
+    its fastest time: the curve is cached for good, so one busy moment on a shared machine must
+    not inflate it. Ratios are kept per width as measured, not forced monotone: a narrow width
+    that measures slower than a wider one usually really is (see `VerifyCostCurve.cover`).
+    """
+    seconds_by_batch = {batch: [float("inf")] * len(widths) for batch in batches}
+    for _ in range(max(1, repeats)):
+        for batch in batches:
+            timed = time_forwards(batch, list(widths))
+            seconds_by_batch[batch] = [min(a, b) for a, b in zip(seconds_by_batch[batch], timed, strict=True)]
     ratios, base = [], []
     for batch in batches:
-        seconds = time_forwards(batch, list(widths))
+        seconds = seconds_by_batch[batch]
         base.append(seconds[0])
-        # A wider forward never costs less than a narrower one; noise only adds time, so a
-        # narrow width that measured slower than a wider one takes the wider one's time.
-        row, ceiling = [], float("inf")
-        for s in reversed(seconds[1:]):
-            ceiling = min(ceiling, s / seconds[0])
-            row.append(round(max(1.0, ceiling), 4))
-        ratios.append((1.0, *reversed(row)))
+        ratios.append((1.0, *(round(max(1.0, s / seconds[0]), 4) for s in seconds[1:])))
     return VerifyCostCurve(tuple(batches), tuple(widths), tuple(ratios), tuple(base), key)
 
 
@@ -165,18 +191,28 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def load_or_calibrate(cache_folder: Path, key: str, time_forwards: TimeForwards, **kwargs) -> VerifyCostCurve:
-    """The cached curve for `key`, or a fresh measurement written to the cache (atomically)."""
+def load_or_calibrate(
+    cache_folder: Path, key: str, time_forwards: TimeForwards, *, batches: Sequence[int] = CALIBRATION_BATCHES, **kwargs
+) -> VerifyCostCurve:
+    """The cached curve for `key` if it covers `batches`, else a fresh measurement written to the cache (atomically).
+
+    A cached curve measured for fewer batch sizes (another max_batch_size) is re-measured for
+    the union, so a curve taken at batch 1 is never stretched to price batch 16.
+    """
     path = cache_folder / f"verify-cost-{key}.json"
+    wanted = set(batches)
     try:
         curve = VerifyCostCurve.from_json(path.read_text())
-        if curve.key == key:
+        if curve.key == key and wanted <= set(curve.batches):
             return curve
+        if curve.key == key:
+            log.info("re-measuring verify cost: the cache covers batches %s, %s wanted", list(curve.batches), sorted(wanted))
+            wanted |= set(curve.batches)
     except (OSError, ValueError, KeyError, TypeError) as error:
         if path.exists():
             log.info("re-measuring verify cost: %s unreadable (%s)", path, error)
     log.info("measuring the verify-cost curve T(k)/T(1) once for this device, dtype and model")
-    curve = calibrate_verify_cost(time_forwards, key=key, **kwargs)
+    curve = calibrate_verify_cost(time_forwards, key=key, batches=sorted(wanted), **kwargs)
     cache_folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(curve.to_json())
@@ -359,7 +395,7 @@ class LengthAwarePolicy:
         return RowPlan(max(1, round(self.max_budget * _CLASS_CAP_SHARE[kind])), _CLASS_WEIGHT[kind], kind)
 
     def wants_drafts(self, batch: int) -> bool:
-        return any((1 + k) / self.curve.ratio(batch, k + 1) >= self.min_gain for k in range(1, self.max_budget + 1))
+        return any((1 + k) / self.curve.cover(batch, k + 1)[1] >= self.min_gain for k in range(1, self.max_budget + 1))
 
     def width(self, drafts: Sequence[Draft], plans: Sequence[RowPlan]) -> int:
         batch = len(drafts)
@@ -379,15 +415,18 @@ class LengthAwarePolicy:
                 gain[k] += weight * running
             for k in range(len(draft.probs) + 1, longest + 1):
                 gain[k] += weight * running
+        # A width-k step runs the cheapest forward of >= k + 1 tokens; its extra slots verify
+        # more of the longer drafts (or are padding), so it is worth gain[that width - 1].
         best, best_rate = 0, 1.0
         for k in range(1, longest + 1):
-            rate = gain[k] / (total_weight * self.curve.ratio(batch, k + 1))
+            forward, cost = self.curve.cover(batch, k + 1)
+            rate = gain[min(forward - 1, longest)] / (total_weight * cost)
             if rate > best_rate * (self.min_gain if best == 0 else 1.0):
-                best, best_rate = k, rate
+                best, best_rate = forward - 1, rate
         self._since_probe = 0 if best else self._since_probe + 1
         if not best and self._since_probe >= self.probe_every:
             self._since_probe = 0
-            return min(2, longest)
+            return self.curve.cover(batch, min(2, longest) + 1)[0] - 1
         return best
 
     def observe(self, drafted: int, accepted: int, rejections: int) -> None:

@@ -140,6 +140,7 @@ class SyncStats:
     dense_bytes: int
     chunks: int
     seconds: float
+    tensors: tuple[str, ...] = ()  # names of the tensors the delta wrote (what an engine with its own copy reloads)
 
     @property
     def density(self) -> float:
@@ -171,7 +172,8 @@ class WeightSync:
 
     def _target(self, name: str) -> torch.Tensor:
         engine_tensor = self.engine.params[name]
-        return self.trainer_params[name].detach().to(engine_tensor.dtype).contiguous()
+        # On the engine tensor's device: a CUDA trainer syncs into an engine's CPU copy (the vLLM engine's).
+        return self.trainer_params[name].detach().to(device=engine_tensor.device, dtype=engine_tensor.dtype).contiguous()
 
     def build_delta(self, version: int) -> WeightDelta:
         """The delta taking the engine from its current weights to the trainer's cast."""
@@ -212,6 +214,7 @@ class WeightSync:
             dense_bytes=dense,
             chunks=len(chunks),
             seconds=time.perf_counter() - started,
+            tensors=tuple(dict.fromkeys(t.name for t in delta.tensors)),
         )
         return stats, chunks
 

@@ -40,7 +40,11 @@ class TaskSource:
         mix: Sequence[tuple[str, int, float]] = DEFAULT_MIX,
         jsonl_path: str | Path | None = None,
         system_prompt: str | None = SYSTEM_PROMPT,
+        heldout_fraction: float = 0.0,
     ) -> None:
+        if not 0 <= heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+        self.heldout_fraction = heldout_fraction
         self.families: dict[str, TaskFamily] = {"arith": ArithmeticFamily(), "count": CountingFamily()}
         if jsonl_path is not None:
             self.families["jsonl"] = JsonlFamily(jsonl_path)
@@ -65,20 +69,55 @@ class TaskSource:
     def from_config(cls, tasks_config: Any, system_prompt: str | None = SYSTEM_PROMPT) -> TaskSource:
         """Build from a ``TaskConfig``-shaped object: ``.mix`` entries with family/difficulty/weight and ``.jsonl_path``."""
         mix = [(entry.family, entry.difficulty, entry.weight) for entry in tasks_config.mix]
-        return cls(mix, tasks_config.jsonl_path, system_prompt)
+        return cls(mix, tasks_config.jsonl_path, system_prompt, getattr(tasks_config, "heldout_fraction", 0.0))
 
     def prompts(self, seed: int, round: int, count: int) -> list[Task]:
-        """``count`` tasks for (``seed``, ``round``); the same arguments give the same tasks in any process."""
+        """``count`` tasks for (``seed``, ``round``); the same arguments give the same tasks in any process.
+
+        Held-out questions (``is_heldout``) are skipped and redrawn, so training never sees them.
+        """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         # Hash rather than combine arithmetically so nearby (seed, round) pairs share nothing.
         key = hashlib.sha256(f"hivespec-prompts:{seed}:{round}".encode()).digest()
         rng = random.Random(int.from_bytes(key[:8], "big"))
-        tasks = []
-        for _ in range(count):
+        tasks: list[Task] = []
+        while len(tasks) < count:
             family, difficulty = rng.choices(self.mix, weights=self.weights)[0]
-            tasks.append(family.make(rng.randint(0, MAX_SEED), difficulty))
+            task = family.make(rng.randint(0, MAX_SEED), difficulty)
+            if not self.is_heldout(task):
+                tasks.append(task)
         return tasks
+
+    def is_heldout(self, task: Task) -> bool:
+        """Whether ``task``'s question is in the held-out share (decided by its text, so two seeds
+        that render the same question fall on the same side)."""
+        if self.heldout_fraction <= 0:
+            return False
+        digest = hashlib.sha256(f"hivespec-heldout:{task.family}:{task.question}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") < self.heldout_fraction * 2**64
+
+    def heldout(self, seed: int, count: int, max_draws: int = 1_000_000) -> list[Task]:
+        """``count`` held-out tasks with distinct questions, drawn from the mix for ``seed``.
+
+        Raises ValueError when the held-out share is empty or ``max_draws`` draws do not find
+        enough distinct questions (a family with few questions, like arith d1's 100).
+        """
+        if self.heldout_fraction <= 0:
+            raise ValueError("heldout_fraction is 0: there are no held-out questions; set tasks.heldout_fraction")
+        key = hashlib.sha256(f"hivespec-heldout-set:{seed}".encode()).digest()
+        rng = random.Random(int.from_bytes(key[:8], "big"))
+        tasks: dict[str, Task] = {}
+        for _ in range(max_draws):
+            if len(tasks) >= count:
+                break
+            family, difficulty = rng.choices(self.mix, weights=self.weights)[0]
+            task = family.make(rng.randint(0, MAX_SEED), difficulty)
+            if self.is_heldout(task):
+                tasks.setdefault(task.question, task)
+        if len(tasks) >= count:
+            return list(tasks.values())
+        raise ValueError(f"found only {len(tasks)} distinct held-out questions in {max_draws} draws, {count} asked")
 
     def lookup(self, prompt_id: object) -> Task | None:
         """The task a (possibly hostile) prompt id names, or None; never raises."""

@@ -36,22 +36,48 @@ def test_ratio_interpolates_and_takes_the_next_larger_batch():
     assert curve.ratio(32, 17) == pytest.approx(5.0)
 
 
-def test_calibration_ignores_noise_spikes_and_is_cached(tmp_path):
+def test_a_slow_narrow_width_is_covered_by_a_cheaper_wider_one_and_the_curve_is_cached(tmp_path):
     calls = []
 
     def fake(batch, widths):
         calls.append(batch)
-        seconds = {1: 1.0, 2: 9.0, 3: 1.3, 5: 1.4, 9: 1.6, 17: 2.0}  # width 2 hit by a noise spike
+        seconds = {1: 1.0, 2: 9.0, 3: 1.3, 5: 1.4, 9: 1.6, 17: 2.0}  # width 2: a slow kernel (or a noise spike)
         return [seconds[w] * batch for w in widths]
 
-    curve = calibrate_verify_cost(fake, batches=(1, 2), key="k")
-    assert curve.ratios[0] == (1.0, 1.3, 1.3, 1.4, 1.6, 2.0)
-    cached = load_or_calibrate(tmp_path, "k", fake, batches=(1, 2))
+    curve = calibrate_verify_cost(fake, batches=(1, 2), key="k", repeats=1)
+    assert curve.ratios[0] == (1.0, 9.0, 1.3, 1.4, 1.6, 2.0)  # as measured
+    assert curve.cover(1, 2) == (3, 1.3)  # one draft runs as a padded 3-token forward
+    assert curve.cover(1, 3) == (3, 1.3) and curve.cover(1, 1) == (1, 1.0)
+    assert curve.cover(1, 17) == (17, 2.0)
+    cached = load_or_calibrate(tmp_path, "k", fake, batches=(1, 2), repeats=1)
     assert load_or_calibrate(tmp_path, "k", fake, batches=(1, 2)) == cached
     assert calls == [1, 2, 1, 2]  # the second load read the file
+    assert load_or_calibrate(tmp_path, "k", fake, batches=(1,)) == cached  # a subset of what is cached
+    assert calls == [1, 2, 1, 2]
     (tmp_path / "verify-cost-k.json").write_text(json.dumps({"format": 0}))
-    load_or_calibrate(tmp_path, "k", fake, batches=(1,))
+    load_or_calibrate(tmp_path, "k", fake, batches=(1,), repeats=1)
     assert calls[-1] == 1  # an old format is re-measured
+
+
+def test_calibration_repeats_keep_each_widths_fastest_time_and_cover_new_batches(tmp_path):
+    timings = iter([
+        [1.0, 1.1, 1.2, 1.3, 1.5, 2.0],  # quiet
+        [1.0, 2.3, 2.4, 2.5, 2.6, 3.0],  # the wider forwards timed while another job ran
+    ])
+    calls = []
+
+    def busy(batch, widths):
+        calls.append(batch)
+        return next(timings) if batch == 1 else [batch * w for w in (1.0, 1.2, 1.4, 1.6, 2.0, 3.0)]
+
+    curve = calibrate_verify_cost(busy, batches=(1,), key="k", repeats=2)
+    assert curve.ratios[0] == (1.0, 1.1, 1.2, 1.3, 1.5, 2.0)
+    timings = iter([[1.0, 1.1, 1.2, 1.3, 1.5, 2.0]] * 2)
+    load_or_calibrate(tmp_path, "k", busy, batches=(1,), repeats=1)
+    # A cache measured for batch 1 only is re-measured for the union when batch 2 is wanted.
+    wider = load_or_calibrate(tmp_path, "k", busy, batches=(2,), repeats=1)
+    assert wider.batches == (1, 2) and calls[-2:] == [1, 2]
+    assert wider.ratio(2, 17) == pytest.approx(3.0)
 
 
 def test_length_classes_from_history():
@@ -122,3 +148,32 @@ def test_observed_rejections_turn_speculation_down_and_probes_keep_measuring():
     assert policy.alpha < 0.05
     widths = [policy.width([sure], [plan]) for _ in range(8)]
     assert widths.count(0) == 6 and widths.count(2) == 2  # off, but one step in 4 probes with 2 tokens
+
+
+def test_a_short_draft_runs_as_the_cheaper_padded_forward_and_stays_lossless():
+    # Width 2 and 3 on the slow small-GEMM path, 5 cheap (as measured in fp32 on a 2-core CPU).
+    curve = VerifyCostCurve((1,), (1, 2, 3, 5, 9, 17), ((1.0, 1.9, 2.1, 1.3, 1.5, 1.8),), (0.05,))
+    drafter = SuffixDrafter()
+    policy = LengthAwarePolicy(curve, drafter, max_budget=16)
+    plan = policy.plan([1])
+    one = Draft([5], [1.0], 4)
+    # One sure draft token: a 2-token forward (1.9x for 2 tokens) would not pay; a padded
+    # 5-token forward (1.3x for the same 2 tokens) does.
+    assert policy.width([one], [plan]) == 4
+    assert policy.wants_drafts(1)
+
+    model = load_model("tiny", dtype=torch.float64)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(5)
+    prompts = [tuple(torch.randint(0, vocab, (6,), generator=generator).tolist()) for _ in range(2)]
+    from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    requests = [GenerationRequest(p, seed=1, sample_index=i) for i, p in enumerate(prompts)]
+    plain = TorchEngine(model, max_batch_size=1).generate(requests, params)
+    for sample in plain:
+        drafter.observe(sample.prompt_ids, sample.completion_ids)
+    stats = SpeculationStats()
+    padded = TorchEngine(model, max_batch_size=1, drafter=drafter, policy=policy).generate(requests, params, stats=stats)
+    assert padded == plain
+    assert stats.accepted > 0 and stats.tokens_per_forward > 1.0

@@ -1,0 +1,569 @@
+"""Does sharing help? N real nodes trained as one swarm vs the same N nodes alone, same budget, one run.
+
+Both conditions run N `hivespec join` processes on 127.0.0.1 with the embedded SmolLM2-135M and
+the demo preset's task mix (arith:d1 35% and count:d1 19% base success at T = 1.0,
+bench/base_rates.py), with the same per-node seeds, so each node draws the same prompts and
+makes the same number of rollouts per round in both:
+- shared: one swarm; every node waits for the others' batches each round (expected_peers N-1)
+  and trains on its own rollouts plus admitted foreign ones, SAPO-style (train.foreign_fraction);
+- solo: every node in a swarm of its own (no peers, nothing to wait for), foreign_fraction 0.
+A share of the questions (tasks.heldout_fraction, split by a hash of the question text) is never
+drawn for training; after the last round every node's checkpoint is scored on the same held-out
+set (same sampling seeds, the node's own engine dtype, scored by the task's verifier), as is the
+untrained model.
+
+Speculation on vs off: the main runs have speculation off; one more node with node 0's seed runs
+alone with speculation on, beside the solo phase, and its per-round rewards are compared with solo
+node 0's (solo nodes are deterministic: same seed, same thread count, no foreign input). With
+--spec-dtype float32 (bf16's K+1-token verify forwards round differently from 1-token decode),
+a float32 pair (on and off) runs after the solo phase instead.
+
+Why processes, not Node objects in one process: this is the real system (gossip, intake, the
+round wait, checkpoint at exit), and each node's torch runs in its own interpreter, so N nodes
+on 2 cores do not queue on one GIL. Memory: a node (fp32 trainer + Adam + bf16 engine +
+interpreter) is ~2.5-3 GB resident, so N = 4 (+1 speculation node) fits in 24 GiB; the two
+conditions run one after the other, never together. Each node gets cores // N torch threads
+(--local-nodes N), the same in both conditions, which also keeps solo numerics reproducible.
+
+    python bench/swarm_vs_solo.py --quick
+    nice -n 5 python bench/swarm_vs_solo.py --rounds 12 --workdir runs/svs | tee svs.log
+
+Writes <workdir>/progress.log (one line per node-round, as they happen), <workdir>/curves.json
+(after each phase) and the plot (--plot, default docs/swarm_vs_solo.png). Ends with
+`RESULT {"cumulative_reward_ratio", "heldout_shared", "heldout_solo", "spec_identical_curves", ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarm_harness import READY_TIMEOUT_S, Incarnation, SwarmNode, prepare_model
+
+SEED_BASE = 1000  # node i runs with seed SEED_BASE + i in every condition
+EVAL_SEED = 7  # sampling seed of the held-out evaluation (the same requests for every model)
+
+
+# ----- nodes --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    nodes: int
+    rounds: int
+    prompts: int
+    generations: int
+    max_new_tokens: int
+    learning_rate: float
+    foreign_fraction: float
+    heldout_fraction: float
+    engine_dtype: str
+
+
+class BenchNode(SwarmNode):
+    """A `hivespec join` process on the demo preset that runs a fixed number of rounds, then serves until stopped."""
+
+    def start(self, initial_peers: list[str], faults: str = "") -> None:
+        command = [
+            sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join", "--config", "demo",
+            "--home", str(self.home), "--name", self.name, "--events", str(self.home / "events.jsonl"),
+            "--local-nodes", str(self.local_nodes), "--linger", "-1", "--no-resume",
+        ]
+        for item in self.sets:
+            command += ["--set", item]
+        for maddr in initial_peers:
+            command += ["--initial-peer", maddr]
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = (self.home / "node.log").open("ab")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.lives.append(Incarnation(process, time.monotonic(), faults))
+
+    def done(self) -> bool:
+        return any(e["event"] == "done" for e in self.events)
+
+
+def node_sets(
+    s: Settings, *, index: int, shared: bool, speculation: bool, engine_dtype: str, checkpoint: bool, rounds: int | None = None
+) -> list[str]:
+    """The config overrides of node `index` in one condition (everything else is the demo preset)."""
+    return [
+        f"seed={SEED_BASE + index}",
+        f"rounds={rounds if rounds is not None else s.rounds}",
+        f"rollout.prompts_per_round={s.prompts}",
+        f"rollout.num_generations={s.generations}",
+        f"rollout.max_completion_length={s.max_new_tokens}",
+        f"train.learning_rate={s.learning_rate}",
+        f"train.foreign_fraction={s.foreign_fraction if shared else 0.0}",
+        f"tasks.heldout_fraction={s.heldout_fraction}",
+        f"model.engine_dtype={engine_dtype}",
+        f"speculation.enabled={'true' if speculation else 'false'}",
+        f"swarm.swarm={'svs-shared' if shared else f'svs-solo-{index}'}",
+        f"swarm.expected_peers={s.nodes - 1 if shared else 0}",
+        "swarm.bootstrap_timeout=0" if not shared or index == 0 else "swarm.bootstrap_timeout=20",
+        "swarm.round_timeout=600",
+        "status.enabled=false",
+        "checkpoint.every_rounds=0",
+        f"checkpoint.at_exit={'true' if checkpoint else 'false'}",
+    ]
+
+
+NODE_GB = 4.2  # resident size of one demo-preset node process (measured: 3.7-4.1 GB while training)
+
+
+def check_memory(processes: int) -> None:
+    """Refuse to start `processes` nodes that would not fit in the memory available now (a swapping box
+    stalls every session on it, not just this bench)."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    available = info["MemAvailable"] / 2**20
+    if available < processes * NODE_GB:
+        raise SystemExit(f"{processes} nodes need ~{processes * NODE_GB:.0f} GB, {available:.1f} GB available: "
+                         "lower --nodes or wait for other jobs to finish")
+
+
+def run_phase(name: str, nodes: list[BenchNode], *, bootstrap_first: bool, progress: Path) -> dict[str, list[dict]]:
+    """Start the nodes (the first alone, the rest from its addresses when `bootstrap_first`), log every
+    round as it comes, wait until all are done, stop them; returns each node's round events."""
+    started = time.monotonic()
+    try:
+        if bootstrap_first:
+            nodes[0].start([])
+            first = _wait_ready(nodes[0])
+            for node in nodes[1:]:
+                node.start(first)
+        else:
+            for node in nodes:
+                node.start([])
+        while not all(node.done() for node in nodes):
+            for node in nodes:
+                for event in node.poll():
+                    if event["event"] == "round":
+                        line = (
+                            f"{name} {node.name} round {event['round']:>3} reward {event['reward_mean']:.3f} "
+                            f"foreign_used {event['foreign_used']:>3} trained {event['trained_samples']:>3} "
+                            f"loss {event['loss']:+.4f} spec_drafted {event['spec_drafted']} "
+                            f"{event['seconds'].get('round', 0.0):.1f}s (t={time.monotonic() - started:.0f}s)"
+                        )
+                        print(line, flush=True)
+                        with progress.open("a") as f:
+                            f.write(line + "\n")
+                if not node.alive() and not node.done():
+                    raise RuntimeError(f"{name}: {node.name} exited with {node.process.returncode}:\n{node.log_text()[-3000:]}")
+            time.sleep(0.5)
+    finally:
+        for node in nodes:
+            node.stop(timeout=60)
+    return {node.name: node.rounds() for node in nodes}
+
+
+def _wait_ready(node: BenchNode) -> list[str]:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        node.poll()
+        if node.maddrs():
+            return node.maddrs()
+        if not node.alive():
+            raise RuntimeError(f"{node.name} exited before it was ready:\n{node.log_text()[-3000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"{node.name} not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+# ----- curves -------------------------------------------------------------------------------------
+
+
+def reward_curve(rounds_by_node: dict[str, list[dict]]) -> list[float]:
+    """Mean over nodes of each round's own-rollout reward, for the rounds every node finished."""
+    per_node = [{r["round"]: r["reward_mean"] for r in rounds} for rounds in rounds_by_node.values()]
+    if not per_node:
+        return []
+    common = sorted(set.intersection(*(set(p) for p in per_node)))
+    return [sum(p[i] for p in per_node) / len(per_node) for i in common]
+
+
+def cumulative(curve: Sequence[float]) -> list[float]:
+    total, out = 0.0, []
+    for value in curve:
+        total += value
+        out.append(total)
+    return out
+
+
+def compare_curves(a: Sequence[dict], b: Sequence[dict], keys: Sequence[str] = ("reward_mean",)) -> dict:
+    """Round-by-round exact comparison of two nodes' round events on `keys` over their common rounds."""
+    by_round = {r["round"]: r for r in b}
+    common = [r for r in a if r["round"] in by_round]
+    differing = [r["round"] for r in common if any(r[k] != by_round[r["round"]][k] for k in keys)]
+    return {"rounds": len(common), "identical": bool(common) and not differing, "first_difference": differing[0] if differing else None}
+
+
+def heldout_disjoint(heldout_questions: set[str], training_questions: set[str]) -> bool:
+    return not heldout_questions & training_questions
+
+
+def training_questions(s: Settings, tasks) -> set[str]:
+    """Every question any node draws in any round (the nodes' prompts are a function of seed and round)."""
+    return {
+        t.question
+        for i in range(s.nodes)
+        for r in range(s.rounds)
+        for t in tasks.prompts(seed=SEED_BASE + i, round=r, count=s.prompts)
+    }
+
+
+# ----- held-out evaluation ------------------------------------------------------------------------
+
+
+class Evaluator:
+    """Scores a model on the held-out tasks: `samples` completions each at `temperature` (0: greedy),
+    fixed seeds (the same requests for every model), engine dtype as the nodes', the task's verifier."""
+
+    def __init__(self, tasks, heldout: list, *, samples: int, temperature: float, max_new_tokens: int, engine_dtype: str) -> None:
+        import torch
+        from hivespec.node.engine import GenerationRequest, SamplingParams
+        from hivespec.node.model import EMBEDDED_MODEL, load_model, load_tokenizer
+
+        self.torch = torch
+        self.tasks = tasks
+        self.heldout = heldout
+        self.tokenizer = load_tokenizer(EMBEDDED_MODEL)
+        self.model = load_model(EMBEDDED_MODEL, dtype=torch.float32)
+        self.base_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.dtype = getattr(torch, engine_dtype)
+        self.params = SamplingParams(
+            temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,)
+        )
+        self.requests = [
+            GenerationRequest(tuple(tasks.chat_prompt_ids(self.tokenizer, task)), seed=EVAL_SEED, sample_index=i * samples + j)
+            for i, task in enumerate(heldout)
+            for j in range(samples)
+        ]
+        self.samples = samples
+
+    def score(self, checkpoint_dir: Path | None) -> float:
+        """Held-out accuracy of the newest checkpoint in `checkpoint_dir` (None: the untrained model)."""
+        import copy
+
+        from hivespec.node.checkpoint import (
+            MODEL_FILE,
+            CheckpointManager,
+            restore_model,
+        )
+        from hivespec.node.engine import TorchEngine
+
+        if checkpoint_dir is None:
+            self.model.load_state_dict(self.base_state)
+        else:
+            checkpoint = CheckpointManager(checkpoint_dir).load_latest()
+            if checkpoint is None:
+                raise RuntimeError(f"no checkpoint in {checkpoint_dir}: the node did not save at exit")
+            restore_model(self.model, checkpoint.tensors[MODEL_FILE])
+        engine_model = copy.deepcopy(self.model).to(self.dtype).eval()
+        engine = TorchEngine(engine_model, max_batch_size=min(32, len(self.requests)))  # one batch: fewer decode steps
+        with self.torch.no_grad():
+            out = engine.generate(self.requests, self.params)
+        rewards = [
+            self.tasks.reward(self.heldout[k // self.samples], self.tokenizer.decode(o.completion_ids, skip_special_tokens=True))
+            for k, o in enumerate(out)
+        ]
+        return sum(rewards) / len(rewards)
+
+
+# ----- plot ---------------------------------------------------------------------------------------
+
+# 3x5 glyphs (rows top to bottom, 3 bits each) for the plot's few labels.
+_FONT = {
+    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
+    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
+    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", " ": "000000000000000",
+    "A": "010101111101101", "D": "110101101101110", "E": "111100110100111", "H": "101101111101101",
+    "L": "100100100100111", "N": "110101101101101", "O": "111101101101111", "R": "110101110101101",
+    "S": "111100111001111", "U": "101101101101111", "W": "101101101111101", "/": "001001010100100",
+    "V": "101101101101010", "F": "111100110100100", "I": "111010010010111", "P": "110101110100100",
+    "T": "111010010010010", "C": "111100100100111", "M": "101111111101101", "G": "111100101101111",
+    "-": "000000111000000", ":": "000010000010000",
+}
+
+
+def write_png(path: Path, pixels: list[list[tuple[int, int, int]]]) -> None:
+    """A truecolor 8-bit PNG from rows of (r, g, b) (zlib + CRC chunks; no imaging library needed)."""
+    height, width = len(pixels), len(pixels[0])
+    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def plot_curves(path: Path, curves: dict[str, tuple[list[float], tuple[int, int, int]]], title: str) -> None:
+    """Reward per round (y 0..1) for each named curve, with axes, grid, tick labels and a legend."""
+    width, height, left, right, top, bottom = 640, 400, 50, 20, 40, 40
+    img = [[(255, 255, 255)] * width for _ in range(height)]
+    pw, ph = width - left - right, height - top - bottom
+    rounds = max((len(c) for c, _ in curves.values()), default=1)
+
+    def put(x: int, y: int, color: tuple[int, int, int]) -> None:
+        if 0 <= x < width and 0 <= y < height:
+            img[y][x] = color
+
+    def text(x: int, y: int, s: str, color=(0, 0, 0), scale: int = 2) -> None:
+        for ch in s.upper():
+            glyph = _FONT.get(ch, _FONT[" "])
+            for row in range(5):
+                for col in range(3):
+                    if glyph[row * 3 + col] == "1":
+                        for dy in range(scale):
+                            for dx in range(scale):
+                                put(x + col * scale + dx, y + row * scale + dy, color)
+            x += 4 * scale
+
+    def to_px(i: int, value: float) -> tuple[int, int]:
+        x = left + (round(i * pw / (rounds - 1)) if rounds > 1 else pw // 2)
+        return x, top + round((1.0 - value) * ph)
+
+    def line(a: tuple[int, int], b: tuple[int, int], color, thick: int = 1) -> None:
+        steps = max(abs(b[0] - a[0]), abs(b[1] - a[1]), 1)
+        for k in range(steps + 1):
+            x = a[0] + (b[0] - a[0]) * k // steps
+            y = a[1] + (b[1] - a[1]) * k // steps
+            for d in range(-(thick // 2), thick // 2 + 1):
+                put(x, y + d, color)
+                put(x + d, y, color)
+
+    for tick in range(5):
+        y = top + round(tick * ph / 4)
+        line((left, y), (left + pw, y), (225, 225, 225))
+        text(8, y - 5, f"{1 - tick / 4:.2f}")
+    for i in range(rounds):
+        x, _ = to_px(i, 0.0)
+        line((x, top + ph), (x, top + ph + 4), (0, 0, 0))
+        if rounds <= 20 or i % 5 == 0:
+            text(x - 4, top + ph + 8, str(i))
+    line((left, top), (left, top + ph), (0, 0, 0))
+    line((left, top + ph), (left + pw, top + ph), (0, 0, 0))
+    text(left, 10, title)
+    text(left + pw - 70, top + ph + 24, "ROUND")
+    legend_y = top + 8
+    for name, (curve, color) in curves.items():
+        points = [to_px(i, v) for i, v in enumerate(curve)]
+        for a, b in itertools.pairwise(points):
+            line(a, b, color, thick=3)
+        for x, y in points:
+            for dx in range(-3, 4):
+                for dy in range(-3, 4):
+                    put(x + dx, y + dy, color)
+        line((left + pw - 150, legend_y + 4), (left + pw - 120, legend_y + 4), color, thick=3)
+        text(left + pw - 112, legend_y, name, color)
+        legend_y += 16
+    write_png(path, img)
+
+
+# ----- main ---------------------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 nodes x 2 rounds, 8 held-out questions, 2 speculation rounds")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes per condition (default 4, quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per node (default 12, quick 2)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per node per round")
+    parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="the demo preset's completion cap")
+    parser.add_argument("--lr", type=float, default=2.0e-5, help="learning rate (the demo preset's)")
+    parser.add_argument("--foreign-fraction", type=float, default=0.5, help="shared condition's train.foreign_fraction")
+    parser.add_argument("--heldout-fraction", type=float, default=0.25, help="share of questions kept out of training")
+    parser.add_argument("--heldout", type=int, default=None, help="held-out questions scored (default 32, quick 8)")
+    parser.add_argument("--heldout-samples", type=int, default=1, help="completions per held-out question")
+    parser.add_argument("--heldout-temperature", type=float, default=0.0, help="held-out sampling temperature (0: greedy)")
+    parser.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--spec-dtype", choices=["same", "float32"], default="same",
+                        help="engine dtype of the speculation on/off check (same: reuse solo node 0 as the 'off' curve)")
+    parser.add_argument("--skip-spec", action="store_true", help="no speculation on/off check")
+    parser.add_argument("--only-spec", action="store_true", help="only the speculation pair (with --spec-dtype float32)")
+    parser.add_argument("--spec-rounds", type=int, default=None, help="rounds of the speculation check (default min(rounds, 4))")
+    parser.add_argument("--workdir", default=None, help="node homes, logs and curves (default runs/swarm-vs-solo-<time>)")
+    parser.add_argument("--plot", default="docs/swarm_vs_solo.png", help="PNG of reward per round")
+    args = parser.parse_args(argv)
+    args.nodes = args.nodes or (2 if args.quick else 4)
+    args.rounds = args.rounds or (2 if args.quick else 12)
+    args.heldout = args.heldout or (8 if args.quick else 32)
+    args.spec_rounds = args.spec_rounds or min(args.rounds, 4)
+    if args.only_spec and (args.spec_dtype == "same" or args.skip_spec):
+        parser.error("--only-spec needs --spec-dtype float32 (there is no solo node 0 run to compare with) and no --skip-spec")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    from hivespec.node.model import configure_threads
+    from hivespec.node.tasks import TaskSource
+
+    configure_threads()  # the parent scores checkpoints while no node runs: all cores
+
+    s = Settings(args.nodes, args.rounds, args.prompts, args.generations, args.max_new_tokens, args.lr,
+                 args.foreign_fraction, args.heldout_fraction, args.engine_dtype)
+    root = Path(args.workdir or time.strftime("runs/swarm-vs-solo-%Y%m%d-%H%M%S"))
+    root.mkdir(parents=True, exist_ok=True)
+    progress = root / "progress.log"
+    bench_started = time.monotonic()
+    print(f"swarm vs solo: {json.dumps(vars(args))}, data in {root}/", flush=True)
+    prepare_model()
+
+    tasks = TaskSource(heldout_fraction=s.heldout_fraction)  # the demo preset's mix (arith:d1 + count:d1)
+    heldout = tasks.heldout(seed=0, count=args.heldout)
+    trained = training_questions(s, tasks)
+    disjoint = heldout_disjoint({t.question for t in heldout}, trained)
+    if not disjoint:
+        raise RuntimeError("held-out questions appear in the training prompts: the split is broken")
+    print(f"held-out: {len(heldout)} questions ({sum(t.family == 'arith' for t in heldout)} arith, "
+          f"{sum(t.family == 'count' for t in heldout)} count), none among the {len(trained)} training questions", flush=True)
+
+    def evaluator() -> Evaluator:  # built for each scoring pass and dropped after: no model held while nodes run
+        return Evaluator(tasks, heldout, samples=args.heldout_samples, temperature=args.heldout_temperature,
+                         max_new_tokens=s.max_new_tokens, engine_dtype=s.engine_dtype)
+
+    summary: dict = {"settings": vars(args), "heldout_questions": len(heldout)}
+
+    def save_summary() -> None:
+        (root / "curves.json").write_text(json.dumps(summary, indent=1))
+
+    def make_nodes(tag: str, *, shared: bool) -> list[BenchNode]:
+        return [
+            BenchNode(f"{tag}-{i}", root / tag / f"node-{i}",
+                      node_sets(s, index=i, shared=shared, speculation=False, engine_dtype=s.engine_dtype, checkpoint=True),
+                      local_nodes=s.nodes)
+            for i in range(s.nodes)
+        ]
+
+    def evaluate(nodes: list[BenchNode]) -> list[float]:
+        scorer, scores = evaluator(), []
+        for node in nodes:
+            mark = time.monotonic()
+            scores.append(scorer.score(node.home / "checkpoints"))
+            print(f"held-out accuracy {node.name}: {scores[-1]:.3f} ({time.monotonic() - mark:.0f}s)", flush=True)
+            shutil.rmtree(node.home / "checkpoints", ignore_errors=True)  # ~1.6 GB each
+        return scores
+
+    for tag, shared in () if args.only_spec else (("shared", True), ("solo", False)):
+        nodes = make_nodes(tag, shared=shared)
+        check_memory(len(nodes))
+        rounds_by_node = run_phase(tag, nodes, bootstrap_first=shared, progress=progress)
+        summary[tag] = {"rounds": rounds_by_node, "curve": reward_curve(rounds_by_node)}
+        save_summary()
+        summary[tag]["heldout"] = evaluate(nodes)
+        save_summary()
+    if not args.only_spec:
+        mark = time.monotonic()
+        heldout_base = summary["heldout_base"] = evaluator().score(None)
+        print(f"held-out accuracy of the untrained model: {heldout_base:.3f} ({time.monotonic() - mark:.0f}s)", flush=True)
+        save_summary()
+
+    # speculation on vs off: node 0's seed alone; the 'off' curve is solo node 0's unless another dtype is asked
+    spec_dtype = s.engine_dtype if args.spec_dtype == "same" else args.spec_dtype
+    spec_rounds: dict[str, list[dict]] = {}
+    if not args.skip_spec:
+        pair = [True] if args.spec_dtype == "same" else [True, False]
+        spec_nodes = [
+            BenchNode(f"spec-{'on' if on else 'off'}", root / f"spec-{'on' if on else 'off'}",
+                      node_sets(s, index=0, shared=False, speculation=on, engine_dtype=spec_dtype, checkpoint=False,
+                                rounds=args.spec_rounds) + [f"swarm.swarm=svs-spec-{'on' if on else 'off'}"],
+                      local_nodes=s.nodes)
+            for on in pair
+        ]
+        try:
+            check_memory(len(spec_nodes))
+            spec_rounds = run_phase("spec", spec_nodes, bootstrap_first=False, progress=progress)
+        except (RuntimeError, SystemExit) as exc:  # the main comparison still gets reported
+            print(f"speculation check failed: {exc}", flush=True)
+            summary["spec_error"] = str(exc)
+    spec = None
+    if spec_rounds:
+        on = spec_rounds["spec-on"]
+        off = spec_rounds["spec-off"] if "spec-off" in spec_rounds else summary["solo"]["rounds"]["solo-0"]
+        spec = {
+            "dtype": spec_dtype,
+            "reward": compare_curves(on, off),
+            "tokens": compare_curves(on, off, ("tokens_generated",)),
+            "weights": compare_curves(on, off, ("policy_hash",)),
+            "on_curve": [r["reward_mean"] for r in on],
+            "off_curve": [r["reward_mean"] for r in off],
+            "drafted": sum(r["spec_drafted"] for r in on),
+            "accepted": sum(r["spec_accepted"] for r in on),
+        }
+        summary["spec"] = spec
+    save_summary()
+    if spec is not None:
+        print(f"speculation on vs off ({spec['dtype']}): rewards identical {spec['reward']}, tokens identical {spec['tokens']}, "
+              f"weights identical {spec['weights']}; drafted {spec['drafted']}, accepted {spec['accepted']}")
+        print(f"  on  {spec['on_curve']}\n  off {spec['off_curve']}")
+    spec_result = {
+        "spec_identical_curves": spec["reward"]["identical"] if spec is not None else None,
+        "spec_identical_tokens": spec["tokens"]["identical"] if spec is not None else None,
+        "spec_identical_weights": spec["weights"]["identical"] if spec is not None else None,
+        "spec_rounds": spec["reward"]["rounds"] if spec is not None else 0,
+        "spec_dtype": spec_dtype,
+    }
+    if args.only_spec:
+        print("RESULT " + json.dumps(spec_result), flush=True)
+        return 0
+
+    shared_curve, solo_curve = summary["shared"]["curve"], summary["solo"]["curve"]
+    rounds = min(len(shared_curve), len(solo_curve))
+    shared_cum, solo_cum = cumulative(shared_curve[:rounds]), cumulative(solo_curve[:rounds])
+    print("\nmean reward per round over nodes (own rollouts, T = 1.0)", flush=True)
+    print(f"{'round':>5} {'shared':>8} {'solo':>8} {'cum shared':>11} {'cum solo':>9}")
+    for i in range(rounds):
+        print(f"{i:>5} {shared_curve[i]:>8.3f} {solo_curve[i]:>8.3f} {shared_cum[i]:>11.3f} {solo_cum[i]:>9.3f}")
+    heldout_shared = sum(summary["shared"]["heldout"]) / s.nodes
+    heldout_solo = sum(summary["solo"]["heldout"]) / s.nodes
+    ratio = shared_cum[-1] / solo_cum[-1] if rounds and solo_cum[-1] > 0 else None
+    # Round 0 runs before any training: the same seed must give the same rewards in both conditions.
+    paired = all(
+        compare_curves(summary["shared"]["rounds"][f"shared-{i}"][:1], summary["solo"]["rounds"][f"solo-{i}"][:1],
+                       ("reward_mean", "tokens_generated"))["identical"]
+        for i in range(s.nodes)
+    )
+    print(f"round 0 (untrained) identical in both conditions for every node: {paired}")
+    print(f"cumulative reward: shared {shared_cum[-1]:.3f}, solo {solo_cum[-1]:.3f}, ratio {ratio}")
+    print(f"held-out accuracy: base {heldout_base:.3f}, shared {heldout_shared:.3f} {summary['shared']['heldout']}, "
+          f"solo {heldout_solo:.3f} {summary['solo']['heldout']}")
+    plot = Path(args.plot)
+    plot_curves(plot, {"SHARED": (shared_curve[:rounds], (31, 119, 180)), "SOLO": (solo_curve[:rounds], (255, 127, 14))},
+                f"MEAN REWARD PER ROUND  N {s.nodes}")
+    print(f"plot: {plot}; total {time.monotonic() - bench_started:.0f}s", flush=True)
+    result = {
+        "cumulative_reward_ratio": round(ratio, 4) if ratio is not None else None,
+        "heldout_shared": round(heldout_shared, 4),
+        "heldout_solo": round(heldout_solo, 4),
+        **spec_result,
+        "heldout_base": round(heldout_base, 4),
+        "cumulative_shared": round(shared_cum[-1], 4) if rounds else None,
+        "cumulative_solo": round(solo_cum[-1], 4) if rounds else None,
+        "rounds": rounds,
+        "nodes": s.nodes,
+        "rollouts_per_node_round": s.prompts * s.generations,
+        "heldout_questions": len(heldout),
+        "heldout_disjoint": disjoint,
+        "round0_paired": paired,
+        "seconds": round(time.monotonic() - bench_started),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
