@@ -14,6 +14,10 @@ to show what the swarm's rollouts add to acceptance.
     python bench/spec_rollout.py --quick
     python bench/spec_rollout.py --prompts 12 --generations 2 --epochs 3 --max-new-tokens 96
     python bench/spec_rollout.py --quick --model tiny       # smoke run, random weights
+    python bench/spec_rollout.py --quick --policy uniform --trace t.jsonl   # always draft; save the trace
+
+It also replays the same rollouts through the drafter alone (node/trace.py) and prints the
+tokens per forward a uniform budget would give: with `--policy uniform` the engine must match it.
 
 Ends with one line ``RESULT {json}``: wall_ratio, tokens_per_forward, identical_fraction,
 drafter_share, plus details.

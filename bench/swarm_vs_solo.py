@@ -9,24 +9,30 @@ makes the same number of rollouts per round in both:
 - solo: every node in a swarm of its own (no peers, nothing to wait for), foreign_fraction 0.
 A share of the questions (tasks.heldout_fraction, split by a hash of the question text) is never
 drawn for training; after the last round every node's checkpoint is scored on the same held-out
-set (same sampling seeds, the node's own engine dtype, scored by the task's verifier), as is the
-untrained model.
+set (greedy by default, the nodes' engine dtype, the task's verifier), as is the untrained model.
+Rewards per round are means of binary rewards; both conditions see the same prompts and sampling
+seeds round by round, so the per-round difference is paired (round 0, before any training, must
+be identical: `round0_paired`), and its standard error over rounds is printed.
 
-Speculation on vs off: the main runs have speculation off; one more node with node 0's seed runs
-alone with speculation on, beside the solo phase, and its per-round rewards are compared with solo
-node 0's (solo nodes are deterministic: same seed, same thread count, no foreign input). With
---spec-dtype float32 (bf16's K+1-token verify forwards round differently from 1-token decode),
-a float32 pair (on and off) runs after the solo phase instead.
+Speculation on vs off: the main runs have speculation off; afterwards a node with node 0's seed
+runs alone with speculation on for --spec-rounds, and its per-round rewards, token counts and
+policy hashes are compared with solo node 0's (solo nodes are deterministic: same seed, same
+thread count, no foreign input). bf16's K+1-token verify forwards round differently from 1-token
+decode, so `--only-spec --spec-dtype float32` runs a float32 pair (on and off) by itself.
 
 Why processes, not Node objects in one process: this is the real system (gossip, intake, the
 round wait, checkpoint at exit), and each node's torch runs in its own interpreter, so N nodes
-on 2 cores do not queue on one GIL. Memory: a node (fp32 trainer + Adam + bf16 engine +
-interpreter) is ~2.5-3 GB resident, so N = 4 (+1 speculation node) fits in 24 GiB; the two
-conditions run one after the other, never together. Each node gets cores // N torch threads
-(--local-nodes N), the same in both conditions, which also keeps solo numerics reproducible.
+on 2 cores do not queue on one GIL. Memory decides N: a demo-preset node process (fp32 trainer +
+Adam + bf16 engine + interpreter) measured 3.7-4.1 GB resident, so N = 4 needs ~17 GB; on a
+24 GiB box shared with other jobs N = 3 is what fits (`check_memory` refuses to start nodes that
+do not fit in MemAvailable: a swapping box stalls every job on it). The two conditions run one
+after the other, never together, and the parent holds no model while nodes run. Each node gets
+cores // N torch threads (--local-nodes N), the same in both conditions and in the speculation
+runs, which keeps solo numerics reproducible.
 
-    python bench/swarm_vs_solo.py --quick
-    nice -n 5 python bench/swarm_vs_solo.py --rounds 12 --workdir runs/svs | tee svs.log
+    python bench/swarm_vs_solo.py --quick        # 2 nodes x 2 rounds: ~6 min idle, ~16 min on a loaded 2-core box
+    nice -n 5 python bench/swarm_vs_solo.py --nodes 3 --rounds 12 --workdir /tmp/svs | tee svs.log
+    nice -n 5 python bench/swarm_vs_solo.py --only-spec --spec-dtype float32 --nodes 3
 
 Writes <workdir>/progress.log (one line per node-round, as they happen), <workdir>/curves.json
 (after each phase) and the plot (--plot, default docs/swarm_vs_solo.png). Ends with
@@ -197,6 +203,15 @@ def cumulative(curve: Sequence[float]) -> list[float]:
         total += value
         out.append(total)
     return out
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Mean of the per-round differences a - b and its standard error (rounds are paired: same prompts, same seeds)."""
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    return mean, (var / n) ** 0.5
 
 
 def compare_curves(a: Sequence[dict], b: Sequence[dict], keys: Sequence[str] = ("reward_mean",)) -> dict:
@@ -537,7 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i in range(s.nodes)
     )
     print(f"round 0 (untrained) identical in both conditions for every node: {paired}")
-    print(f"cumulative reward: shared {shared_cum[-1]:.3f}, solo {solo_cum[-1]:.3f}, ratio {ratio}")
+    diff, diff_se = paired_difference(shared_curve[:rounds], solo_curve[:rounds])
+    print(f"cumulative reward: shared {shared_cum[-1]:.3f}, solo {solo_cum[-1]:.3f}, ratio {ratio}; "
+          f"per-round shared - solo {diff:+.4f} +- {diff_se:.4f} (standard error over rounds)")
     print(f"held-out accuracy: base {heldout_base:.3f}, shared {heldout_shared:.3f} {summary['shared']['heldout']}, "
           f"solo {heldout_solo:.3f} {summary['solo']['heldout']}")
     plot = Path(args.plot)
@@ -558,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "heldout_questions": len(heldout),
         "heldout_disjoint": disjoint,
         "round0_paired": paired,
+        "round_difference": round(diff, 4),
+        "round_difference_se": round(diff_se, 4),
         "seconds": round(time.monotonic() - bench_started),
     }
     print("RESULT " + json.dumps(result), flush=True)

@@ -14,7 +14,7 @@ from hivespec.node.tasks import TaskSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # the bench folder only; the repo root stays off sys.path
 
-import swarm_vs_solo as svs  # noqa: E402
+import swarm_vs_solo as svs
 
 
 def test_heldout_questions_never_drawn_for_training():
@@ -55,6 +55,9 @@ def test_reward_curve_and_cumulative():
     assert svs.reward_curve(rounds) == [0.5, 0.25]  # only rounds every node finished
     assert svs.cumulative([0.5, 0.25, 0.25]) == [0.5, 0.75, 1.0]
     assert svs.reward_curve({}) == []
+    mean, se = svs.paired_difference([0.5, 0.25, 0.75], [0.25, 0.25, 0.5])
+    assert mean == pytest.approx(1 / 6) and se == pytest.approx((1 / 48) ** 0.5 / 3**0.5)  # diffs .25, 0, .25
+    assert svs.paired_difference([0.5], [0.25]) == (0.25, 0.0)
 
 
 def test_compare_curves_is_exact_and_names_the_first_difference():

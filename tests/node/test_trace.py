@@ -11,7 +11,12 @@ import pytest
 import torch
 from hivespec.node.config import load_config
 from hivespec.node.drafter import SuffixDrafter
-from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
+from hivespec.node.engine import (
+    GenerationRequest,
+    SamplingParams,
+    SpeculationStats,
+    TorchEngine,
+)
 from hivespec.node.model import TINY_MODEL, load_model
 from hivespec.node.speculation import UniformPolicy
 from hivespec.node.trace import TraceRecord, TraceWriter, read_trace, replay
