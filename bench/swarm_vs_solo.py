@@ -30,7 +30,7 @@ after the other, never together, and the parent holds no model while nodes run. 
 cores // N torch threads (--local-nodes N), the same in both conditions and in the speculation
 runs, which keeps solo numerics reproducible.
 
-    python bench/swarm_vs_solo.py --quick        # 2 nodes x 2 rounds: ~6 min idle, ~16 min on a loaded 2-core box
+    python bench/swarm_vs_solo.py --quick   # 2 nodes x 2 rounds: 16 min on a loaded 2-core box (3.5 of it a one-time calibration)
     nice -n 5 python bench/swarm_vs_solo.py --nodes 3 --rounds 12 --workdir /tmp/svs | tee svs.log
     nice -n 5 python bench/swarm_vs_solo.py --only-spec --spec-dtype float32 --nodes 3
 
