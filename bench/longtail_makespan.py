@@ -134,14 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         SpeculationStats,
         TorchEngine,
     )
-    from hivespec.node.model import cache_dir
     from hivespec.node.speculation import (
-        CALIBRATION_BATCHES,
         LengthAwarePolicy,
         UniformPolicy,
-        curve_key,
-        load_or_calibrate,
-        model_identity,
+        device_verify_cost,
     )
 
     tokenizer = load_tokenizer(args.model)
@@ -153,10 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = SamplingParams(args.temperature, 1.0, args.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
 
     plain_engine = TorchEngine(model, max_batch_size=batch)
-    batches = sorted({b for b in CALIBRATION_BATCHES if b <= batch} | {batch})
     mark = time.perf_counter()
-    key = curve_key(model_identity(model.config, args.dtype), args.dtype, "cpu", threads)
-    curve = load_or_calibrate(cache_dir() / "speculation", key, plain_engine.time_forwards, batches=batches)
+    curve = device_verify_cost(plain_engine, model.config, args.dtype, "cpu", batch)
     print(f"model {args.model} {args.dtype}, {threads} threads; {args.groups} group(s) of {batch} requests "
           f"({args.short} short + {args.medium} medium + {args.long} long prompts x {args.generations}), "
           f"max_new_tokens {args.max_new_tokens}, T={args.temperature}; verify cost ready in {time.perf_counter() - mark:.1f}s")

@@ -78,14 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         SpeculationStats,
         TorchEngine,
     )
-    from hivespec.node.model import cache_dir
     from hivespec.node.speculation import (
-        CALIBRATION_BATCHES,
         LengthAwarePolicy,
         UniformPolicy,
-        curve_key,
-        load_or_calibrate,
-        model_identity,
+        device_verify_cost,
     )
     from hivespec.node.trace import TraceRecord, TraceWriter, replay
 
@@ -107,13 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
 
     plain_engine = TorchEngine(model, max_batch_size=args.batch_size)
-    batches = sorted({b for b in CALIBRATION_BATCHES if b <= args.batch_size} | {args.batch_size})
     started = time.perf_counter()
-    key = curve_key(model_identity(model.config, args.dtype), args.dtype, "cpu", threads)
-    curve = load_or_calibrate(cache_dir() / "speculation", key, plain_engine.time_forwards, batches=batches)
+    curve = device_verify_cost(plain_engine, model.config, args.dtype, "cpu", args.batch_size)
     print(f"model {args.model} {args.dtype}, {threads} threads, batch {args.batch_size}; verify cost (cached or measured "
           f"in {time.perf_counter() - started:.1f}s):", flush=True)
-    for b in batches:
+    for b in curve.batches:
         print(f"  B={b:<3} T(k+1)/T(1) for k=1,2,4,8,16: " + " ".join(f"{curve.ratio(b, k + 1):.2f}" for k in (1, 2, 4, 8, 16)))
 
     own = SuffixDrafter()

@@ -55,7 +55,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm_harness import READY_TIMEOUT_S, Incarnation, SwarmNode, prepare_model
+from swarm_harness import (
+    Incarnation,
+    SwarmNode,
+    prepare_model,
+    wait_ready,
+)
 
 SEED_BASE = 1000  # node i runs with seed SEED_BASE + i in every condition
 EVAL_SEED = 7  # sampling seed of the held-out evaluation (the same requests for every model)
@@ -145,7 +150,7 @@ def run_phase(name: str, nodes: list[BenchNode], *, bootstrap_first: bool, progr
     try:
         if bootstrap_first:
             nodes[0].start([])
-            first = _wait_ready(nodes[0])
+            first = wait_ready(nodes[0])
             for node in nodes[1:]:
                 node.start(first)
         else:
@@ -171,18 +176,6 @@ def run_phase(name: str, nodes: list[BenchNode], *, bootstrap_first: bool, progr
         for node in nodes:
             node.stop(timeout=60)
     return {node.name: node.rounds() for node in nodes}
-
-
-def _wait_ready(node: BenchNode) -> list[str]:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        node.poll()
-        if node.maddrs():
-            return node.maddrs()
-        if not node.alive():
-            raise RuntimeError(f"{node.name} exited before it was ready:\n{node.log_text()[-3000:]}")
-        time.sleep(0.2)
-    raise RuntimeError(f"{node.name} not ready after {READY_TIMEOUT_S:.0f} s")
 
 
 # ----- curves -------------------------------------------------------------------------------------

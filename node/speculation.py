@@ -55,6 +55,7 @@ __all__ = [
     "VerifyCostCurve",
     "build_speculation",
     "calibrate_verify_cost",
+    "device_verify_cost",
     "length_class",
     "load_or_calibrate",
     "model_identity",
@@ -259,9 +260,7 @@ def build_speculation(
 
     The curve is cached under `cache_folder` (default: `<model cache dir>/speculation`).
     """
-    import torch
     from hivespec.node.drafter import SuffixDrafter
-    from hivespec.node.model import cache_dir
 
     drafter = SuffixDrafter(
         window=config.window,
@@ -273,17 +272,34 @@ def build_speculation(
     if store is not None and config.rebuild_rollouts:
         replayed = rebuild_drafter(drafter, store, config.rebuild_rollouts)
         log.info("drafter rebuilt from %d stored rollouts", replayed)
+    curve = device_verify_cost(engine, model_config, dtype, device, max_batch_size, cache_folder)
+    policy = LengthAwarePolicy(curve, drafter, max_budget=config.num_speculative_tokens)
+    paying = [b for b in curve.batches if policy.wants_drafts(b)]
+    log.info(
+        "speculation: verify cost T(9)/T(1) = %s for batches %s; drafting pays at batch sizes %s",
+        [curve.ratio(b, 9) for b in curve.batches], list(curve.batches), paying or "none",
+    )
+    return drafter, policy
+
+
+def device_verify_cost(
+    engine: TorchEngine,
+    model_config: object,
+    dtype: str,
+    device: str,
+    max_batch_size: int,
+    cache_folder: Path | None = None,
+) -> VerifyCostCurve:
+    """The verify-cost curve of this model, dtype, device and torch thread count for batches up to
+    `max_batch_size`: cached under `cache_folder` (default `<model cache dir>/speculation`), else measured once.
+    """
+    import torch
+    from hivespec.node.model import cache_dir
+
     batches = sorted({b for b in CALIBRATION_BATCHES if b <= max_batch_size} | {max_batch_size})
     key = curve_key(model_identity(model_config, dtype), dtype, device, torch.get_num_threads())
     folder = cache_folder if cache_folder is not None else cache_dir() / "speculation"
-    curve = load_or_calibrate(folder, key, engine.time_forwards, batches=batches)
-    policy = LengthAwarePolicy(curve, drafter, max_budget=config.num_speculative_tokens)
-    paying = [b for b in batches if policy.wants_drafts(b)]
-    log.info(
-        "speculation: verify cost T(9)/T(1) = %s for batches %s; drafting pays at batch sizes %s",
-        [curve.ratio(b, 9) for b in batches], batches, paying or "none",
-    )
-    return drafter, policy
+    return load_or_calibrate(folder, key, engine.time_forwards, batches=batches)
 
 
 def length_class(history: Sequence[int], population: Sequence[int]) -> str:
