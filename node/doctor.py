@@ -142,14 +142,14 @@ def check_vllm() -> Check:
     if importlib.util.find_spec("vllm") is None:
         if torch.cuda.is_available():
             return Check("vllm", "warn", "not installed; the native torch engine is used. For faster GPU rollouts: "
-                         "pip install 'hivespec[gpu]'")
+                         "pip install 'hivespec[gpu]' and set model.engine: vllm")
         return Check("vllm", "ok", "not installed (not needed on CPU; the native torch engine is used)")
     try:
         import vllm
     except Exception as exc:  # noqa: BLE001 - a broken install must be a doctor line, not a crash
         return Check("vllm", "fail", f"installed but does not import ({type(exc).__name__}: {exc}); reinstall with "
                      "pip install --force-reinstall 'hivespec[gpu]'")
-    return Check("vllm", "ok", f"vllm {vllm.__version__} imports")
+    return Check("vllm", "ok", f"vllm {vllm.__version__} imports (used when model.engine is vllm)")
 
 
 def check_identity(home: Path) -> Check:
