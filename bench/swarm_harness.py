@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 READY_TIMEOUT_S = 240.0
 
@@ -42,6 +43,8 @@ class SwarmNode:
     lives: list[Incarnation] = field(default_factory=list)
     _offset: int = 0
     events: list[dict] = field(default_factory=list)
+    preset: ClassVar[str] = "tiny"
+    join_flags: ClassVar[tuple[str, ...]] = ("--rounds", "0", "--linger", "0")  # run until stopped, then exit
 
     @property
     def process(self) -> subprocess.Popen | None:
@@ -50,20 +53,26 @@ class SwarmNode:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def start(self, initial_peers: list[str], faults: str = "") -> None:
+    def command(self, initial_peers: list[str]) -> list[str]:
+        """The `hivespec join` command line of this node's next incarnation."""
         command = [
-            sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join", "--config", "tiny",
+            sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join", "--config", self.preset,
             "--home", str(self.home), "--name", self.name, "--events", str(self.home / "events.jsonl"),
-            "--local-nodes", str(self.local_nodes), "--rounds", "0", "--linger", "0",
+            "--local-nodes", str(self.local_nodes), *self.join_flags,
         ]
         for item in self.sets:
             command += ["--set", item]
         for maddr in initial_peers:
             command += ["--initial-peer", maddr]
+        return command
+
+    def start(self, initial_peers: list[str], faults: str = "") -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         log = (self.home / "node.log").open("ab")
         env = dict(os.environ, HIVESPEC_FAULTS=faults)
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        process = subprocess.Popen(
+            self.command(initial_peers), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
         self.lives.append(Incarnation(process, time.monotonic(), faults))
 
     def poll(self) -> list[dict]:

@@ -47,16 +47,15 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from swarm_harness import (
-    Incarnation,
     SwarmNode,
     prepare_model,
     wait_ready,
@@ -85,20 +84,8 @@ class Settings:
 class BenchNode(SwarmNode):
     """A `hivespec join` process on the demo preset that runs a fixed number of rounds, then serves until stopped."""
 
-    def start(self, initial_peers: list[str], faults: str = "") -> None:
-        command = [
-            sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join", "--config", "demo",
-            "--home", str(self.home), "--name", self.name, "--events", str(self.home / "events.jsonl"),
-            "--local-nodes", str(self.local_nodes), "--linger", "-1", "--no-resume",
-        ]
-        for item in self.sets:
-            command += ["--set", item]
-        for maddr in initial_peers:
-            command += ["--initial-peer", maddr]
-        self.home.mkdir(parents=True, exist_ok=True)
-        log = (self.home / "node.log").open("ab")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.lives.append(Incarnation(process, time.monotonic(), faults))
+    preset: ClassVar[str] = "demo"
+    join_flags: ClassVar[tuple[str, ...]] = ("--linger", "-1", "--no-resume")
 
     def done(self) -> bool:
         return any(e["event"] == "done" for e in self.events)
