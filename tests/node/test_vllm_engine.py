@@ -64,7 +64,8 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
-gpu = pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+_GPU_SKIP_REASON = _gpu_skip_reason()
+gpu = pytest.mark.skipif(_GPU_SKIP_REASON is not None, reason=_GPU_SKIP_REASON or "")
 
 
 def _llama(vocab: int = VOCAB, hidden: int = 64, init: float = 0.3, seed: int = 0) -> LlamaForCausalLM:
