@@ -18,9 +18,12 @@ to show what the swarm's rollouts add to acceptance.
 
 It also replays the same rollouts through the drafter alone (node/trace.py) and prints the
 tokens per forward a uniform budget would give: with `--policy uniform` the engine must match it.
+And it prints the ceiling for any drafter that cannot see the sampling noise: how often the
+sampled token is the target's own argmax, and the tokens per forward a perfect greedy draft
+model (one that always proposes that argmax) would reach on the same rollouts.
 
 Ends with one line ``RESULT {json}``: wall_ratio, tokens_per_forward, identical_fraction,
-drafter_share, plus details.
+drafter_share, plus details (oracle_tokens_per_forward and argmax_agreement: the ceiling).
 """
 
 from __future__ import annotations
@@ -66,6 +69,36 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.epochs < 2:
         parser.error("--epochs must be >= 2: the first one only warms the drafter")
     return args
+
+
+def greedy_oracle(model, samples, budget: int, max_new_tokens: int) -> tuple[float, float]:
+    """The ceiling for drafters that do not see the sampler's noise: (argmax agreement, tokens per forward).
+
+    A draft token is accepted only if it equals the token the keyed sampler draws, and a
+    drafter that cannot see the sampling noise does best proposing the target's most probable
+    token. This re-reads each completion in one teacher-forced forward, marks where the sampled
+    token is the argmax, and replays those marks with the engine's step rule (uniform budget,
+    never past max_new_tokens, the first token from the prefill).
+    """
+    agree = total = tokens = forwards = 0
+    for sample in samples:
+        ids = torch.tensor([[*sample.prompt_ids, *sample.completion_ids]])
+        with torch.inference_mode():
+            logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1]
+        hits = (logits.argmax(-1) == ids[0, len(sample.prompt_ids) :]).tolist()
+        agree += sum(hits)
+        total += len(hits)
+        position, steps = 1, 0
+        while position < len(hits):
+            room = min(budget, max_new_tokens - position - 1)
+            run = 0
+            while run < room and position + run < len(hits) and hits[position + run]:
+                run += 1
+            position += min(run + 1, len(hits) - position)
+            steps += 1
+        tokens += len(hits)
+        forwards += 1 + steps
+    return agree / total, tokens / forwards
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,11 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The rollouts as the own drafter is fed them, for the replay cross-check below.
     records: list[TraceRecord] = []
 
-    def record(samples, epoch: int, node: str = "bench", own_rollout: bool = True) -> None:
+    def record(samples, seed: int, epoch: int, node: str = "bench", own_rollout: bool = True) -> None:
         records.extend(
-            TraceRecord(node="bench", own=own_rollout, author=node, round=epoch, prompt_key=str(prompts.index(tuple(s.prompt_ids))),
-                        prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, finish_reason=s.finish_reason)
-            for s in samples
+            TraceRecord(node="bench", own=own_rollout, author=node, round=epoch, prompt_key=str(r.sample_index // args.generations),
+                        prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, sample_index=r.sample_index, seed=seed,
+                        finish_reason=s.finish_reason)
+            for r, s in zip(requests(seed), samples, strict=True)
         )
 
     def feed(drafters: Sequence[SuffixDrafter], samples) -> None:
@@ -136,17 +170,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     warm = plain_engine.generate(requests(args.seed * 1000), params)
     feed([own, swarm], warm)
-    record(warm, 0)
+    record(warm, args.seed * 1000, 0)
     for peer in range(1, args.peers + 1):  # other nodes: same prompts, their own seeds
         peer_samples = plain_engine.generate(requests(args.seed * 1000 + 100 * peer), params)
         feed([swarm], peer_samples)
-        record(peer_samples, 0, node=f"peer-{peer}", own_rollout=False)
+        record(peer_samples, args.seed * 1000 + 100 * peer, 0, node=f"peer-{peer}", own_rollout=False)
     print(f"warm-up epoch: {sum(len(s.completion_ids) for s in warm)} tokens; swarm drafter also fed {args.peers} peers' rollouts", flush=True)
 
     total_plain = SpeculationStats()
     total_spec = SpeculationStats()
     identical = sequences = 0
     max_logprob_diff = 0.0
+    timed_samples = []
     swarm_stats = SpeculationStats()
     print(f"{'epoch':>5} {'tokens':>7} {'plain s':>8} {'spec s':>7} {'ratio':>6} {'tok/fwd':>8} {'accept':>7} {'same':>6} {'draft%':>7} {'us/tok':>7}")
     for epoch in range(1, args.epochs):
@@ -171,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         total_plain.add(plain_stats)
         total_spec.add(spec_stats)
         feed([own, swarm], plain)
-        record(plain, epoch)
+        record(plain, args.seed * 1000 + epoch, epoch)
+        timed_samples.extend(plain)
         print(
             f"{epoch:>5} {plain_stats.tokens:>7} {plain_stats.generate_seconds:>8.2f} {spec_stats.generate_seconds:>7.2f} "
             f"{plain_stats.generate_seconds / spec_stats.generate_seconds:>6.2f} {spec_stats.tokens_per_forward:>8.2f} "
@@ -188,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay_tpf = sum(t for _, (_, t, _) in timed) / sum(n + s for _, (n, _, s) in timed)
     print(f"replay (drafter alone, uniform budget {args.budget}, timed epochs): {replay_tpf:.3f} tokens per forward; "
           f"engine ({args.policy}): {total_spec.tokens_per_forward:.3f}")
+    agreement, oracle_tpf = greedy_oracle(model, timed_samples, args.budget, args.max_new_tokens)
+    print(f"ceiling: the sampled token is the target's argmax at {100 * agreement:.1f}% of positions; a drafter that "
+          f"always proposed the argmax (a perfect greedy draft model) would reach {oracle_tpf:.3f} tokens per forward")
     if args.trace:
         writer = TraceWriter(args.trace, meta={"node": "bench", "model": args.model, "engine_dtype": args.dtype,
                                                "temperature": args.temperature, "top_p": args.top_p,
@@ -202,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "acceptance": round(total_spec.acceptance_rate, 4),
         "draft_us_per_token": round(total_spec.draft_us_per_token, 2),
         "replay_tokens_per_forward": round(replay_tpf, 3),
+        "oracle_tokens_per_forward": round(oracle_tpf, 3),
+        "argmax_agreement": round(agreement, 4),
         "policy": args.policy,
         "speculative_steps": total_spec.speculative_steps,
         "batch_forwards_plain": total_plain.batch_forwards,

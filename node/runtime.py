@@ -485,7 +485,8 @@ class Node:
                 TraceRecord(
                     node=self.name, own=True, author=self.identity.peer_id, round=round_index, prompt_key=task.prompt_id,
                     prompt_ids=list(sample.prompt_ids), completion_ids=list(sample.completion_ids),
-                    sample_index=request.sample_index, policy_version=self.trainer.version, finish_reason=sample.finish_reason,
+                    sample_index=request.sample_index, seed=request.seed, policy_version=self.trainer.version,
+                    finish_reason=sample.finish_reason,
                 )
                 for request, task, sample in zip(requests, owners, samples)
             )
@@ -571,7 +572,7 @@ class Node:
                     TraceRecord(
                         node=self.name, own=False, author=admission.author, round=round_index, prompt_key=r.prompt_id,
                         prompt_ids=r.prompt_ids.tolist(), completion_ids=r.completion_ids.tolist(), sample_index=r.sample_index,
-                        policy_version=admission.policy_version, finish_reason=r.finish_reason,
+                        seed=r.seed, policy_version=admission.policy_version, finish_reason=r.finish_reason,
                     )
                     for r in admission.rollouts
                 )

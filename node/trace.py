@@ -54,6 +54,7 @@ class TraceRecord:
     prompt_ids: list[int]
     completion_ids: list[int]
     sample_index: int = 0
+    seed: int | None = None  # with sample_index, the rollout's sampling key (None in traces written before it was recorded)
     policy_version: int = -1
     finish_reason: str = ""
 
@@ -71,6 +72,7 @@ class TraceRecord:
             prompt_ids=[int(t) for t in data["prompt_ids"]],
             completion_ids=[int(t) for t in data["completion_ids"]],
             sample_index=int(data.get("sample_index", 0)),
+            seed=None if data.get("seed") is None else int(data["seed"]),
             policy_version=int(data.get("policy_version", -1)),
             finish_reason=str(data.get("finish_reason", "")),
         )

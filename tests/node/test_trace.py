@@ -25,7 +25,7 @@ from hivespec.node.trace import TraceRecord, TraceWriter, read_trace, replay
 def _record(node="n", own=True, round=0, prompt=(1, 2, 3), completion=(4, 5, 6), key="p", author="a", index=0):
     return TraceRecord(
         node=node, own=own, author=author, round=round, prompt_key=key, prompt_ids=list(prompt),
-        completion_ids=list(completion), sample_index=index, policy_version=round, finish_reason="stop",
+        completion_ids=list(completion), sample_index=index, seed=2**64 - 1, policy_version=round, finish_reason="stop",
     )
 
 
@@ -196,6 +196,9 @@ def test_nodes_record_own_and_accepted_foreign_rollouts(tmp_path: Path) -> None:
             assert {r.author for r in foreign} == {peer.identity.peer_id}
             assert records.index(own[-1]) < records.index(foreign[0])  # the order the drafter was fed
             assert all(r.round == 0 and r.prompt_key for r in records)
+            # Each rollout names its sampling key, and no two of a node's own share one.
+            assert all(r.seed is not None for r in records)
+            assert len({(r.seed, r.sample_index) for r in own}) == len(own)
     finally:
         for n in nodes:
             n.close()
