@@ -397,6 +397,7 @@ class LengthAwarePolicy:
         self._since_probe = 0
         self._population: list[int] = []
         self._population_at = -1  # drafter.observed when _population was taken
+        self._covers: dict[tuple[int, int], tuple[int, float]] = {}  # curve.cover, asked every step
 
     @property
     def alpha(self) -> float:
@@ -435,15 +436,21 @@ class LengthAwarePolicy:
         # more of the longer drafts (or are padding), so it is worth gain[that width - 1].
         best, best_rate = 0, 1.0
         for k in range(1, longest + 1):
-            forward, cost = self.curve.cover(batch, k + 1)
+            forward, cost = self._cover(batch, k + 1)
             rate = gain[min(forward - 1, longest)] / (total_weight * cost)
             if rate > best_rate * (self.min_gain if best == 0 else 1.0):
                 best, best_rate = forward - 1, rate
         self._since_probe = 0 if best else self._since_probe + 1
         if not best and self._since_probe >= self.probe_every:
             self._since_probe = 0
-            return self.curve.cover(batch, min(2, longest) + 1)[0] - 1
+            return self._cover(batch, min(2, longest) + 1)[0] - 1
         return best
+
+    def _cover(self, batch: int, width: int) -> tuple[int, float]:
+        covered = self._covers.get((batch, width))
+        if covered is None:
+            covered = self._covers[batch, width] = self.curve.cover(batch, width)
+        return covered
 
     def observe(self, drafted: int, accepted: int, rejections: int) -> None:
         decay = 0.98
