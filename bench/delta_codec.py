@@ -223,9 +223,7 @@ def _best_cpu(fn, *args, repeats: int = CPU_REPEATS, **kwargs) -> tuple[object, 
 def run_lr(args: argparse.Namespace, lr: float, tokenizer) -> list[dict]:
     torch.manual_seed(args.seed)
     trainer_model = load_model(args.model, dtype=torch.float32)
-    engine_model = copy.deepcopy(trainer_model).to(torch.bfloat16).eval()
-    for p in engine_model.parameters():
-        p.requires_grad_(False)
+    engine_model = copy.deepcopy(trainer_model).to(torch.bfloat16).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     engine = TorchEngine(engine_model, max_batch_size=16)
     sync = WeightSync(trainer_model, engine.sync_parameters())

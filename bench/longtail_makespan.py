@@ -141,9 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=getattr(torch, args.dtype))
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype)).requires_grad_(False)
     groups = _groups(args, tokenizer)
     batch = max(len(g) for g in groups) * args.generations
     params = SamplingParams(args.temperature, 1.0, args.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))

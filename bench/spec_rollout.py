@@ -119,9 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hivespec.node.trace import TraceRecord, TraceWriter, replay
 
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=getattr(torch, args.dtype))
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype)).requires_grad_(False)
     source = TaskSource([("jsonl", 1, 1.0)], jsonl_path=GSM_MINI_PATH)
     jsonl = source.families["jsonl"]
     tasks = [jsonl.make(i, 1) for i in range(args.prompts)]  # type: ignore[attr-defined]

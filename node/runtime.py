@@ -717,9 +717,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
 
     tokenizer = load_tokenizer(config.model.name)
     trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device)
-    engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval()
-    for p in engine_model.parameters():
-        p.requires_grad_(False)
+    engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
     engine: TorchEngine | VllmEngine
