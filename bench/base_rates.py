@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+
 from hivespec.node.model import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer
 from hivespec.node.tasks import GSM_MINI_PATH, SYSTEM_PROMPT, Task, TaskSource
 

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import zstandard
+
 from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
 from hivespec.node.model import (
     EMBEDDED_MODEL,

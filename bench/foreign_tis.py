@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+
 from hivespec.kernels.importance import importance_weights
 from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
 from hivespec.node.model import (

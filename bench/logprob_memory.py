@@ -59,6 +59,7 @@ def _peak_mb() -> float:
 def _child(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
+
     from hivespec.kernels.logprobs import token_logprobs
 
     torch.set_num_threads(args.threads)

@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+
 from hivespec.node.model import (
     EMBEDDED_MODEL,
     configure_threads,

@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+
 from hivespec.node.model import (
     EMBEDDED_MODEL,
     configure_threads,

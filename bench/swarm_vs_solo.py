@@ -225,6 +225,7 @@ class Evaluator:
 
     def __init__(self, tasks, heldout: list, *, samples: int, temperature: float, max_new_tokens: int, engine_dtype: str) -> None:
         import torch
+
         from hivespec.node.engine import GenerationRequest, SamplingParams
         from hivespec.node.model import EMBEDDED_MODEL, load_model, load_tokenizer
 

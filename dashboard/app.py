@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from hivespec.protocol.status import StatusSnapshot
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, TabbedContent, TabPane
+
+from hivespec.protocol.status import StatusSnapshot
 
 from .header import StatusHeader
 from .help import HelpScreen

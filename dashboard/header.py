@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from hivespec.protocol.status import StatusSnapshot
 from rich.text import Text
 from textual.widgets import Static
+
+from hivespec.protocol.status import StatusSnapshot
 
 from .view import DASH, active_peers, fmt_duration, phase_text, short_id
 

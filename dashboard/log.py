@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from hivespec.protocol.status import LogLine
 from rich.text import Text
 from textual.widgets import Static
+
+from hivespec.protocol.status import LogLine
 
 from .view import fmt_ago
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from hivespec.protocol.status import StatusSnapshot
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
+
+from hivespec.protocol.status import StatusSnapshot
 
 from .view import DASH, fmt_ago, fmt_bytes, fmt_int, fmt_percent
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hivespec.protocol.status import RoundPoint, StatusSnapshot
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline
+
+from hivespec.protocol.status import RoundPoint, StatusSnapshot
 
 from .view import DASH, fmt, fmt_bytes
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from hivespec.protocol.status import StatusSnapshot
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Static
+
+from hivespec.protocol.status import StatusSnapshot
 
 from .plot import LinePlot, Series
 from .view import fmt, fmt_int, fmt_percent, short_id

@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hivespec.kernels.sampling import sample_tokens
 from torch import Tensor
+
+from hivespec.kernels.sampling import sample_tokens
 
 __all__ = ["Verification", "verify_drafts"]
 

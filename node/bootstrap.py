@@ -36,6 +36,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils.multiaddr import Multiaddr
+
 from hivespec.protocol.private import PrivateSwarm, parse_allowlist, parse_secret
 
 logger = logging.getLogger(__name__)

@@ -14,11 +14,12 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import yaml
+
 from hivespec.node.cli import REPORT_HEADER, format_report_line
 from hivespec.node.config import NodeConfig
 

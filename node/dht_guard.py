@@ -33,6 +33,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+
 from hivespec.protocol.announce import (
     ANNOUNCE_MAX_BYTES,
     Announce,

@@ -28,15 +28,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
-from hivespec.kernels.sampling import sample_tokens
-from hivespec.kernels.speculative import verify_drafts
 from torch import Tensor
 from transformers import DynamicCache
 
+from hivespec.kernels.sampling import sample_tokens
+from hivespec.kernels.speculative import verify_drafts
+
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from hivespec.node.drafter import Draft, DraftSession, SuffixDrafter
     from hivespec.node.speculation import RowPlan, SpeculationPolicy
-    from transformers import PreTrainedModel
 
 __all__ = [
     "GenerationRequest", "RolloutEngine", "Sample", "SamplingParams", "SpeculationStats", "TorchEngine", "unique_parameters",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.engine import TorchEngine
 from hivespec.node.gossip import Gossip

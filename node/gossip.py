@@ -33,13 +33,14 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
+
 from hivespec.node.bootstrap import Joiner, PeerCache
 from hivespec.node.dht_guard import AnnounceValidator, harden
 from hivespec.node.peers import PeerScores
@@ -287,7 +288,7 @@ class Gossip:
             return
         try:
             self._call(self._ashutdown(), self.request_timeout + _GRACE_S)
-        except Exception as exc:  # keep tearing down: a half-stopped node must not keep p2pd alive
+        except Exception as exc:  # noqa: BLE001 - keep tearing down: a half-stopped node must not keep p2pd alive
             logger.warning("gossip shutdown was not clean: %s: %s", type(exc).__name__, exc)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=self.request_timeout)
@@ -318,7 +319,7 @@ class Gossip:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def __enter__(self) -> Gossip:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -550,7 +551,7 @@ class Gossip:
                         self._remember(self._failed, (claim, holder.peer))
                         self._blame(holder.peer, f"{key}: body from holder {holder.peer}: {exc}")
                         continue
-                    except Exception as exc:  # unreachable or slow holder (incl. TimeoutError): next holder, or the next poll
+                    except Exception as exc:  # noqa: BLE001 - unreachable or slow holder (incl. TimeoutError): next holder, or the next poll
                         self._stats["fetch_failures"] += 1
                         logger.debug("fetch from %s failed (will retry): %s: %s", holder.peer, type(exc).__name__, exc)
                         continue
@@ -667,6 +668,6 @@ class Gossip:
             return False
         try:
             self._call(self._p2p.list_peers(), timeout)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure to answer means not alive
             return False
         return True

@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Literal
 
 import numpy as np
+
 from hivespec.node.store import RolloutStore, StoredRollout
 from hivespec.node.tasks.source import TaskSource
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope

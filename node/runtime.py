@@ -14,13 +14,14 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from hivespec.node.bootstrap import CACHE_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
 from hivespec.node.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -31,7 +32,7 @@ from hivespec.node.checkpoint import (
 )
 from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
-from hivespec.node.bootstrap import CACHE_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
+from hivespec.node.follower import PolicyPublisher
 from hivespec.node.gossip import Fetched, Gossip, GossipError
 from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
@@ -42,7 +43,6 @@ from hivespec.node.status import RunControl, StatusBoard
 from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
 from hivespec.node.store import RolloutStore, StoredRollout
 from hivespec.node.supervise import GossipSupervisor, Watchdog, generate_splitting_on_oom, train_step_with_oom_retry
-from hivespec.node.follower import PolicyPublisher
 from hivespec.node.sync import WeightSync
 from hivespec.node.tasks.source import TaskSource
 from hivespec.node.trace import TraceRecord, TraceWriter

@@ -294,6 +294,7 @@ def device_verify_cost(
     `max_batch_size`: cached under `cache_folder` (default `<model cache dir>/speculation`), else measured once.
     """
     import torch
+
     from hivespec.node.model import cache_dir
 
     batches = sorted({b for b in CALIBRATION_BATCHES if b <= max_batch_size} | {max_batch_size})

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from hivespec.node.faults import fault_point
 from hivespec.protocol.rollout import Rollout, encode_rollout, rollout_content_hash
@@ -301,7 +302,7 @@ class RolloutStore:
             self._closed = True
             self._conn.close()
 
-    def __enter__(self) -> RolloutStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from hivespec.kernels.delta import apply_delta, extract_delta
 from hivespec.protocol.delta import (
     TensorBits,

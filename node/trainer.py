@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch import Tensor
+
 from hivespec.kernels.importance import (
     ImportanceStats,
     ImportanceWeights,
     importance_weights,
 )
 from hivespec.kernels.logprobs import token_logprobs
-from torch import Tensor
 
 OWN = "own"
 

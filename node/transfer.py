@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
+
 from hivespec.node.bootstrap import dial
 from hivespec.protocol.limits import MIB
 

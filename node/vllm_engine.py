@@ -56,6 +56,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import Tensor
+
 from hivespec.node.engine import (
     GenerationRequest,
     Sample,
@@ -63,7 +65,6 @@ from hivespec.node.engine import (
     SpeculationStats,
     unique_parameters,
 )
-from torch import Tensor
 
 if TYPE_CHECKING:
     from hivespec.node.config import NodeConfig, SpeculationConfig

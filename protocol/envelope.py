@@ -84,13 +84,13 @@ def seal(identity: Identity, kind: Kind, seq: int, body: bytes, *, timestamp: fl
 
     `seq` is the author's sequence number (non-negative, < 2**64; callers keep it increasing per
     kind so receivers can drop replays). `timestamp` defaults to `time.time()`. Raises ValueError
-    on invalid arguments; the result is not checked against `Limits.max_envelope_bytes`.
+    on invalid arguments (TypeError for a body that is not bytes); the result is not checked against `Limits.max_envelope_bytes`.
     """
     kind = Kind(kind)
     if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= _MAX_SEQ:
         raise ValueError(f"seq must be an int in [0, 2**64), got {seq!r}")
     if not isinstance(body, (bytes, bytearray, memoryview)):
-        raise ValueError(f"body must be bytes (encode it first), got {type(body).__name__}")
+        raise TypeError(f"body must be bytes (encode it first), got {type(body).__name__}")
     ts = float(time.time() if timestamp is None else timestamp)
     if not math.isfinite(ts):
         raise ValueError(f"timestamp must be finite, got {ts!r}")

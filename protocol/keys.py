@@ -26,7 +26,7 @@ def _non_negative(value: int, what: str) -> int:
     return value
 
 
-def rollout_round_key(swarm: str, round: int) -> str:  # noqa: A002 - "round" is the domain word
+def rollout_round_key(swarm: str, round: int) -> str:
     """Key whose subkeys (one per peer) announce that peer's rollouts for `round`."""
     return f"{_prefix(swarm)}/rollouts/{_non_negative(round, 'round')}"
 

@@ -83,9 +83,8 @@ def _array_bytes(values: np.ndarray, dtype: np.dtype, what: str) -> bytes:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    if dtype.kind == "u":
-        if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or int(arr.max()) > np.iinfo(dtype).max):
-            raise ValueError(f"{what} must be integers in [0, 2**32), got dtype {arr.dtype}")
+    if dtype.kind == "u" and arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or int(arr.max()) > np.iinfo(dtype).max):
+        raise ValueError(f"{what} must be integers in [0, 2**32), got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=dtype).tobytes()
 
 

@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+
 from hivespec.node.config import ConfigError, TaskConfig
 from hivespec.node.tasks import TaskSource
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 from dataclasses import replace
 
+from rich.console import Console
+
 from hivespec.dashboard.source import SourceError
 from hivespec.protocol.status import (
     STATUS_VERSION,
@@ -20,7 +22,6 @@ from hivespec.protocol.status import (
     SyncStatus,
     TrainerStatus,
 )
-from rich.console import Console
 
 T0 = 1_700_000_000.0
 PEER_A = "hs0123456789abcdef"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeSource, make_snapshot, screen_text
+
 from hivespec.dashboard.app import PANELS, DashboardApp
 from hivespec.dashboard.help import HelpScreen
 from hivespec.dashboard.log import LogPanel

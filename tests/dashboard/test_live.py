@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from fakes import screen_text
+
 from hivespec.dashboard.app import DashboardApp
 from hivespec.dashboard.source import HttpSource
 

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 from fakes import make_snapshot
+
 from hivespec.protocol.status import (
     MAX_LIST,
     MAX_STATUS_BYTES,

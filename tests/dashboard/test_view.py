@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 from fakes import PEER_A, PEER_B, make_snapshot
+
 from hivespec.dashboard.plot import Series, braille_canvas, value_range
 from hivespec.dashboard.text import render_text
 from hivespec.dashboard.view import (

@@ -4,13 +4,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hivespec.kernels.importance import (
     ImportanceStats,
     ImportanceWeights,
     importance_weights,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 torch.set_num_threads(1)
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hivespec.kernels.logprobs import token_logprobs
 
 torch.set_num_threads(1)

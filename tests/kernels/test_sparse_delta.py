@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from hivespec.kernels.delta import apply_delta, extract_delta
 
 torch.set_num_threads(1)

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from hivespec.kernels.sampling import sample_tokens
-from hivespec.kernels.speculative import verify_drafts
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from hivespec.kernels.sampling import sample_tokens
+from hivespec.kernels.speculative import verify_drafts
 
 torch.set_num_threads(1)
 

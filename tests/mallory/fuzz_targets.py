@@ -20,6 +20,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
+
 from hivespec.node.dht_guard import (
     AnnounceValidator,
     check_dictionary_value,

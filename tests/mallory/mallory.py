@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 from hivemind.p2p import PeerID
+
 from hivespec.node.config import load_config
 from hivespec.node.gossip import Gossip
 from hivespec.node.model import load_model, load_tokenizer, model_fingerprint

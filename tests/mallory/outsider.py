@@ -17,6 +17,7 @@ import sys
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
+
 from hivespec.node.gossip import Gossip
 from hivespec.node.transfer import download
 from hivespec.protocol.envelope import Kind, seal

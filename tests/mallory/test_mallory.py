@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from hivespec.node.config import load_config
 from hivespec.node.runtime import build_node
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hivespec.node.bootstrap import (
     PEERS_ENV,
     HomeLock,

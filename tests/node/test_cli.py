@@ -14,7 +14,7 @@ def _run(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if home is not None:
         env["HIVESPEC_HOME"] = str(home)
-    return subprocess.run([HIVESPEC, *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([HIVESPEC, *args], check=False, capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_identity_show_creates_then_reuses_the_key(tmp_path):

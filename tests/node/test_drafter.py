@@ -4,9 +4,10 @@ import random
 import time
 
 import pytest
-from hivespec.node.drafter import SuffixDrafter, SuffixIndex
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from hivespec.node.drafter import SuffixDrafter, SuffixIndex
 
 
 def _occurrences(sequences, pattern):

@@ -6,12 +6,13 @@ import copy
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from hivespec.node.follower import DELTA_TOPIC, Follower, PolicyPublisher
 from hivespec.node.gossip import Gossip
 from hivespec.node.sync import EngineWeights, WeightSync
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.identity import Identity
-from transformers import LlamaConfig, LlamaForCausalLM
 
 SWARM = "test-follow"
 pytestmark = pytest.mark.timeout(240)

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from hivespec.node.config import NodeConfig
 from hivespec.node.intake import Intake
 from hivespec.node.model import load_tokenizer

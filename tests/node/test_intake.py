@@ -82,12 +82,12 @@ def test_replays_and_duplicates_are_ignored_not_penalised(world, tokenizer):
 @pytest.mark.parametrize(
     "mutate, outcome, reason",
     [
-        (lambda r, t: dict(reward=1.0 - r.reward), "reject", "reward_mismatch"),
-        (lambda r, t: dict(prompt_ids=np.append(r.prompt_ids, np.uint32(5))), "reject", "prompt_mismatch"),
-        (lambda r, t: dict(prompt_id="arith:d1:not-a-seed"), "reject", "unknown_task"),
-        (lambda r, t: dict(prompt_id="nosuchfamily:d1:1"), "reject", "unknown_task"),
-        (lambda r, t: dict(completion_ids=np.append(r.completion_ids[:-1], np.uint32(len(t) + 10)),
-                           behaviour_logprobs=r.behaviour_logprobs), "reject", "out_of_range"),
+        (lambda r, t: {"reward": 1.0 - r.reward}, "reject", "reward_mismatch"),
+        (lambda r, t: {"prompt_ids": np.append(r.prompt_ids, np.uint32(5))}, "reject", "prompt_mismatch"),
+        (lambda r, t: {"prompt_id": "arith:d1:not-a-seed"}, "reject", "unknown_task"),
+        (lambda r, t: {"prompt_id": "nosuchfamily:d1:1"}, "reject", "unknown_task"),
+        (lambda r, t: {"completion_ids": np.append(r.completion_ids[:-1], np.uint32(len(t) + 10)),
+                       "behaviour_logprobs": r.behaviour_logprobs}, "reject", "out_of_range"),
     ],
 )
 def test_lies_about_a_rollout_are_rejected(world, tokenizer, mutate, outcome, reason):

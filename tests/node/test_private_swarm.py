@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hivespec.node.gossip import Gossip
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+
 from hivespec.node.config import SpeculationConfig
 from hivespec.node.drafter import Draft, SuffixDrafter
 from hivespec.node.engine import TorchEngine

@@ -9,6 +9,9 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from hivespec.node.drafter import SuffixDrafter
 from hivespec.node.engine import (
     GenerationRequest,
@@ -18,8 +21,6 @@ from hivespec.node.engine import (
 )
 from hivespec.node.model import load_model
 from hivespec.node.speculation import UniformPolicy
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 torch.set_num_threads(1)
 

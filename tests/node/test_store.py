@@ -108,7 +108,7 @@ def test_concurrent_adds_from_two_threads(tmp_path: Path) -> None:
             for k in range(0, len(batch), 10):
                 inserted.append(store.add_rollouts(batch[k : k + 10]))
                 store.has(batch[k].content_hash)
-        except BaseException as exc:  # surfaced below; a thread exception would otherwise vanish
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; a thread exception would otherwise vanish
             errors.append(exc)
 
     threads = [threading.Thread(target=writer, args=(b,)) for b in batches]

@@ -5,11 +5,12 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from hivespec.node.sync import WeightSync
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.limits import DEFAULT_LIMITS
 from hivespec.protocol.verdict import Reason
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _tiny(dtype=torch.float32) -> LlamaForCausalLM:

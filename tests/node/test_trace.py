@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hivespec.node.config import load_config
 from hivespec.node.drafter import SuffixDrafter
 from hivespec.node.engine import (

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from hivespec.kernels.importance import importance_weights
 from hivespec.node.model import load_model
 from hivespec.node.trainer import (
@@ -13,7 +15,6 @@ from hivespec.node.trainer import (
     TrainSample,
     group_advantages,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _tiny(seed: int = 0) -> LlamaForCausalLM:

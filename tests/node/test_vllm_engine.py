@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from hivespec.kernels.sampling import _row_keys, nucleus_mask, sample_tokens
 from hivespec.node.config import ConfigError, SpeculationConfig, load_config
 from hivespec.node.engine import (
@@ -48,7 +50,6 @@ from hivespec.node.vllm_engine import (
     weight_buckets,
     weights_for_load,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.set_num_threads(1)
 

@@ -6,6 +6,9 @@ from math import lgamma, log
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from hivespec.protocol.codec import pack
 from hivespec.protocol.delta import (
     PolicyHead,
@@ -28,8 +31,6 @@ from hivespec.protocol.entropy import (
 )
 from hivespec.protocol.limits import DEFAULT_LIMITS
 from hivespec.protocol.verdict import Reason
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 WIDTH = {"bfloat16": 16, "float16": 16, "float32": 32}
 NP = {16: np.uint16, 32: np.uint32}

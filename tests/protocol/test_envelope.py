@@ -149,7 +149,7 @@ def test_seal_rejects_bad_arguments():
         seal(ALICE, Kind.ROLLOUTS, -1, b"")
     with pytest.raises(ValueError, match="seq"):
         seal(ALICE, Kind.ROLLOUTS, 2**64, b"")
-    with pytest.raises(ValueError, match="bytes"):
+    with pytest.raises(TypeError, match="bytes"):
         seal(ALICE, Kind.ROLLOUTS, 0, "text")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="finite"):
         seal(ALICE, Kind.ROLLOUTS, 0, b"", timestamp=float("nan"))

@@ -21,16 +21,16 @@ from hivespec.protocol.verdict import Reason
 
 
 def make_rollout(**changes) -> Rollout:
-    fields = dict(
-        prompt_id="arith/00017",
-        sample_index=3,
-        seed=2**63 + 5,
-        prompt_ids=np.array([1, 2, 3, 49151], dtype=np.uint32),
-        completion_ids=np.array([7, 8, 9], dtype=np.uint32),
-        behaviour_logprobs=np.array([-0.5, 0.0, -12.25], dtype=np.float32),
-        reward=1.0,
-        finish_reason="stop",
-    )
+    fields = {
+        "prompt_id": "arith/00017",
+        "sample_index": 3,
+        "seed": 2**63 + 5,
+        "prompt_ids": np.array([1, 2, 3, 49151], dtype=np.uint32),
+        "completion_ids": np.array([7, 8, 9], dtype=np.uint32),
+        "behaviour_logprobs": np.array([-0.5, 0.0, -12.25], dtype=np.float32),
+        "reward": 1.0,
+        "finish_reason": "stop",
+    }
     fields.update(changes)
     return Rollout(**fields)
 
