@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
 CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
-_CURVE_FORMAT = 3  # 3: raw per-width ratios (2 forced them monotone, hiding slow narrow GEMMs)
+_CURVE_FORMAT = 4  # 4: steps include the keyed sampling; 3: raw per-width ratios (2 forced them monotone)
 
 # Draft cap and objective weight per length class (DAS's hard / medium / easy budgets 16 / 8 / 4).
 _CLASS_CAP_SHARE = {"long": 1.0, "medium": 0.5, "short": 0.25}
