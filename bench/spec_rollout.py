@@ -18,7 +18,7 @@ to show what the swarm's rollouts add to acceptance.
 
 It also replays the same rollouts through the drafter alone (node/trace.py) and prints the
 tokens per forward a uniform budget would give: with `--policy uniform` the engine must match it.
-And it prints the ceiling for any drafter that cannot see the sampling noise: how often the
+And it prints a reference ceiling for drafters that cannot see the sampling noise: how often the
 sampled token is the target's own argmax, and the tokens per forward a perfect greedy draft
 model (one that always proposes that argmax) would reach on the same rollouts.
 
@@ -73,11 +73,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def greedy_oracle(model, samples, budget: int, max_new_tokens: int) -> tuple[float, float]:
-    """The ceiling for drafters that do not see the sampler's noise: (argmax agreement, tokens per forward).
+    """A reference ceiling for drafters that do not see the sampler's noise: (argmax agreement, tokens per forward).
 
-    A draft token is accepted only if it equals the token the keyed sampler draws, and a
-    drafter that cannot see the sampling noise does best proposing the target's most probable
-    token. This re-reads each completion in one teacher-forced forward, marks where the sampled
+    A draft token is accepted only if it equals the token the keyed sampler draws, so position
+    by position no drafter blind to the sampling noise is accepted more often than one that
+    proposes the target's most probable token (a perfect greedy draft model). This re-reads each completion in one teacher-forced forward, marks where the sampled
     token is the argmax, and replays those marks with the engine's step rule (uniform budget,
     never past max_new_tokens, the first token from the prefill).
     """
