@@ -38,7 +38,7 @@ from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.peers import PeerScores
-from hivespec.node.speculation import build_speculation
+from hivespec.node.speculation import LengthAwarePolicy, build_speculation, rebuild_drafter
 from hivespec.node.status import RunControl, StatusBoard
 from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
 from hivespec.node.store import RolloutStore, StoredRollout
@@ -400,7 +400,7 @@ class Node:
                 {"author": p.author, "round": p.round, "hash": rollout_content_hash(p.rollout).hex()} for p in self._pending
             ],
             "providers": {name: provider.state_dict() for name, provider in self.checkpoint_providers.items()},
-            "drafter": "rebuilt from the rollout journal",
+            "drafter": "rebuilt from the rollout journal up to journal_rowid",
             # Scores are about peers' behaviour, not training state: never rolled back, only flushed here.
             "peers": "kept in peers.json (node/peers.py)",
         }
@@ -429,6 +429,12 @@ class Node:
             if name in self.checkpoint_providers:
                 self.checkpoint_providers[name].load_state_dict(state)
         self._pending = self._restore_pending(meta["pending"], int(meta["journal_rowid"]))
+        drafter = getattr(self.engine, "drafter", None)
+        if drafter is not None:
+            # As it stood at the checkpoint: the interrupted round's rollouts are about to be made again.
+            drafter.clear()
+            replayed = rebuild_drafter(drafter, self.store, self.config.speculation.rebuild_rollouts, up_to_rowid=int(meta["journal_rowid"]))
+            log.info("drafter rebuilt from %d rollouts journaled up to the checkpoint", replayed)
         behind = {a: s for a, s in meta.get("replay_marks", {}).items() if self.store.replay_high_water().get(a, -1) < s}
         if behind:
             log.warning("the rollout journal is older than checkpoint %s (replay marks of %d author(s) missing)",
@@ -749,11 +755,14 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     )
     tasks = TaskSource.from_config(config.tasks)
     store = RolloutStore(home / "rollouts.sqlite")
+    checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
+    checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
     if config.speculation.enabled and isinstance(engine, TorchEngine):  # vLLM's own drafter is set at construction
         engine.set_speculation(
             *build_speculation(
-                config.speculation, engine, store, model_config=engine_model.config, dtype=config.model.engine_dtype,
-                device=config.model.device, max_batch_size=config.rollout.max_batch_size,
+                # A resume refills the drafter itself, from the journal as of its checkpoint.
+                config.speculation, engine, store if checkpoint is None else None, model_config=engine_model.config,
+                dtype=config.model.engine_dtype, device=config.model.device, max_batch_size=config.rollout.max_batch_size,
             )
         )
     intake = Intake(
@@ -797,7 +806,6 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     supervisor = GossipSupervisor(start_gossip, gossip)
     # The probe reads the supervisor's current gossip, so a rebuilt one is watched too.
     watchdog.watch("gossip", supervisor.healthy, every=supervise.gossip_probe_every, stall_after=supervise.stall_after)
-    checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
     node = Node(
         config,
         identity=identity,
@@ -819,9 +827,9 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
         trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
     )
-    if config.checkpoint.resume:
-        checkpoint = checkpoints.load_latest()
-        if checkpoint is not None:
-            node.resume(checkpoint)
+    if isinstance(engine, TorchEngine) and isinstance(engine.policy, LengthAwarePolicy):
+        node.checkpoint_providers["speculation"] = engine.policy
+    if checkpoint is not None:
+        node.resume(checkpoint)
     watchdog.start()
     return node

@@ -34,7 +34,7 @@ import logging
 import os
 import platform
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -229,13 +229,15 @@ def model_identity(model_config: object, dtype: str) -> str:
     return hashlib.sha256(json.dumps([shape, dtype], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def rebuild_drafter(drafter: SuffixDrafter, store: RolloutStore, limit: int) -> int:
+def rebuild_drafter(drafter: SuffixDrafter, store: RolloutStore, limit: int, *, up_to_rowid: int | None = None) -> int:
     """Replay the `limit` most recent stored rollouts (own and accepted foreign) into the drafter, oldest first.
 
+    `up_to_rowid` stops at that journal row: a resume replays what the drafter held at its
+    checkpoint, not the rollouts of the interrupted round, which the node is about to make again.
     Returns how many were replayed; rows whose payload no longer decodes are skipped (logged).
     """
     replayed = 0
-    for row in reversed(store.recent(limit)):
+    for row in reversed(store.recent(limit, up_to_rowid=up_to_rowid)):
         verdict, rollout = decode_rollout(row.payload)
         if rollout is None:
             log.debug("drafter rebuild: skipping a stored rollout that does not decode (%s)", verdict.reason)
@@ -452,6 +454,14 @@ class LengthAwarePolicy:
         if covered is None:
             covered = self._covers[batch, width] = self.curve.cover(batch, width)
         return covered
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The adaptive state a checkpoint keeps, so a resumed node picks the widths it would have."""
+        return {"hits": self._hits, "misses": self._misses, "since_probe": self._since_probe}
+
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        self._hits, self._misses = float(state["hits"]), float(state["misses"])
+        self._since_probe = int(state["since_probe"])
 
     def observe(self, drafted: int, accepted: int, rejections: int) -> None:
         decay = 0.98

@@ -240,15 +240,23 @@ class RolloutStore:
             ).fetchall()
         return [StoredRollout._from_row(r) for r in rows]
 
-    def recent(self, limit: int, prompt_id: str | None = None) -> list[StoredRollout]:
-        """The `limit` most recently received rollouts, newest first, optionally for one prompt."""
+    def recent(self, limit: int, prompt_id: str | None = None, *, up_to_rowid: int | None = None) -> list[StoredRollout]:
+        """The `limit` most recently received rollouts, newest first, optionally for one prompt.
+
+        `up_to_rowid` leaves out rows journaled after that row (a checkpoint's `journal_high_water`).
+        """
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         query = f"SELECT {_COLUMNS} FROM rollouts"
-        params: tuple = ()
+        conditions, params = [], []
         if prompt_id is not None:
-            query += " WHERE prompt_id = ?"
-            params = (prompt_id,)
+            conditions.append("prompt_id = ?")
+            params.append(prompt_id)
+        if up_to_rowid is not None:
+            conditions.append("rowid <= ?")
+            params.append(up_to_rowid)
+        if conditions:
+            query += " WHERE " + " AND ".join(conditions)
         query += " ORDER BY received_at DESC, rowid DESC LIMIT ?"
         with self._lock:
             self._check_open()

@@ -62,6 +62,12 @@ def digit_model(tmp_path_factory):
 
 
 def _start(home: Path, model: Path, faults: str = "") -> subprocess.Popen:
+    """A `hivespec join` child; all of a test's children share one cache folder beside their homes.
+
+    Speculative verification is lossless up to fp32 rounding between forward widths, and the
+    widths follow the verify-cost curve a node times once per machine and caches: runs meant to
+    be bit-identical must read the same curve, as restarts on one machine do.
+    """
     command = [
         sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join", "--config", "tiny", "--model", str(model),
         "--home", str(home), "--rounds", str(ROUNDS), "--events", str(home / "events.jsonl"), "--linger", "0",
@@ -72,7 +78,7 @@ def _start(home: Path, model: Path, faults: str = "") -> subprocess.Popen:
     ]
     home.mkdir(parents=True, exist_ok=True)
     log = (home / "node.log").open("ab")
-    env = dict(os.environ, HIVESPEC_FAULTS=faults)
+    env = dict(os.environ, HIVESPEC_FAULTS=faults, HIVESPEC_CACHE_DIR=str(home.parent / "cache"))
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
@@ -99,6 +105,11 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_sigkill_mid_save_and_mid_round_then_resume_is_bit_identical(tmp_path, digit_model):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     reference = _start(straight, digit_model)
+    # The first child measures the verify-cost curve; the others start once it is cached.
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "cache" / "speculation").glob("verify-cost-*.json")):
+        assert reference.poll() is None and time.monotonic() < deadline, (straight / "node.log").read_text()[-3000:]
+        time.sleep(0.05)
     # Killed by its own fault point inside the 3rd save (after round 2, before the manifest).
     first = _start(broken, digit_model, faults="checkpoint.before_manifest@3")
     assert first.wait(timeout=300) == -signal.SIGKILL, (broken / "node.log").read_text()[-3000:]

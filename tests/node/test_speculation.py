@@ -125,6 +125,12 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
         drafter = SuffixDrafter()
         assert rebuild_drafter(drafter, store, limit=2) == 2
         assert drafter.length_history([1, 2, 3]) == [3, 3]
+        # A resume: back to what was journaled by the checkpoint (here the first two rows).
+        checkpoint_rowid = store.journal_high_water() - 1
+        drafter.clear()
+        assert drafter.observed == 0 and drafter.length_history([1, 2, 3]) == []
+        assert rebuild_drafter(drafter, store, limit=10, up_to_rowid=checkpoint_rowid) == 2
+        assert drafter.session([1, 2, 3]).propose([4, 5], 4).tokens in ([6], [7])  # never the later row's 8
         model = load_model("tiny", dtype=torch.float32)
         engine = TorchEngine(model, max_batch_size=2)
         drafter, policy = build_speculation(
@@ -147,7 +153,12 @@ def test_observed_rejections_turn_speculation_down_and_probes_keep_measuring():
     for _ in range(200):
         policy.observe(drafted=8, accepted=0, rejections=1)  # the target keeps rejecting the first token
     assert policy.alpha < 0.05
+    # A checkpoint keeps the adaptive state: a resumed policy picks the same widths.
+    resumed = LengthAwarePolicy(policy.curve, drafter, probe_every=4)
+    resumed.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    assert resumed.alpha == policy.alpha
     widths = [policy.width([sure], [plan]) for _ in range(8)]
+    assert widths == [resumed.width([sure], [plan]) for _ in range(8)]
     assert widths.count(0) == 6 and widths.count(2) == 2  # off, but one step in 4 probes with 2 tokens
 
 

@@ -48,6 +48,8 @@ def test_round_recent_counts_and_roundtrip() -> None:
     assert store.rollouts_for_round(9) == []
     assert store.recent(2) == [rows[5], rows[4]]
     assert store.recent(10, prompt_id="p1") == [rows[4], rows[1]]
+    assert store.recent(10, prompt_id="p1", up_to_rowid=4) == [rows[1]]  # rows journaled after row 4 left out
+    assert store.recent(2, up_to_rowid=3) == [rows[2], rows[1]]
     assert store.counts() == {"own": 2, "foreign": 4, "total": 6}
     assert isinstance(store.recent(1)[0].own, bool)
     with pytest.raises(ValueError, match="limit"):
