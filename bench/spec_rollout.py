@@ -72,34 +72,35 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def greedy_oracle(model, samples, budget: int, max_new_tokens: int) -> tuple[float, float]:
+def greedy_oracle(model, records, budget: int, max_new_tokens: int) -> tuple[float, float]:
     """A reference ceiling for drafters that do not see the sampler's noise: (argmax agreement, tokens per forward).
 
     A draft token is accepted only if it equals the token the keyed sampler draws, so position
     by position no drafter blind to the sampling noise is accepted more often than one that
-    proposes the target's most probable token (a perfect greedy draft model). This re-reads each completion in one teacher-forced forward, marks where the sampled
-    token is the argmax, and replays those marks with the engine's step rule (uniform budget,
-    never past max_new_tokens, the first token from the prefill).
+    proposes the target's most probable token (a perfect greedy draft model). This re-reads
+    each completion in one teacher-forced forward and replays it (`replay_rollout`, the
+    engine's step rule) with a drafter that proposes those argmax tokens.
     """
-    agree = total = tokens = forwards = 0
-    for sample in samples:
-        ids = torch.tensor([[*sample.prompt_ids, *sample.completion_ids]])
+    from hivespec.node.drafter import Draft
+    from hivespec.node.trace import ReplayResult, replay_rollout
+
+    class Argmax:
+        def __init__(self, tokens: list[int]) -> None:
+            self.tokens = tokens
+
+        def propose(self, completion: Sequence[int], budget: int) -> Draft:
+            return Draft(self.tokens[len(completion) : len(completion) + max(budget, 0)], [], len(completion))
+
+    result = ReplayResult(feeding="greedy oracle")
+    agree = 0
+    for record in records:
+        ids = torch.tensor([[*record.prompt_ids, *record.completion_ids]])
         with torch.inference_mode():
-            logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1]
-        hits = (logits.argmax(-1) == ids[0, len(sample.prompt_ids) :]).tolist()
-        agree += sum(hits)
-        total += len(hits)
-        position, steps = 1, 0
-        while position < len(hits):
-            room = min(budget, max_new_tokens - position - 1)
-            run = 0
-            while run < room and position + run < len(hits) and hits[position + run]:
-                run += 1
-            position += min(run + 1, len(hits) - position)
-            steps += 1
-        tokens += len(hits)
-        forwards += 1 + steps
-    return agree / total, tokens / forwards
+            logits = model(ids).logits[0, len(record.prompt_ids) - 1 : -1]
+        argmax = logits.argmax(-1).tolist()
+        agree += sum(a == t for a, t in zip(argmax, record.completion_ids, strict=True))
+        replay_rollout(record, Argmax(argmax), budget, max_new_tokens, result)
+    return agree / result.tokens, result.tokens_per_forward
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,7 +181,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     total_spec = SpeculationStats()
     identical = sequences = 0
     max_logprob_diff = 0.0
-    timed_samples = []
     swarm_stats = SpeculationStats()
     print(f"{'epoch':>5} {'tokens':>7} {'plain s':>8} {'spec s':>7} {'ratio':>6} {'tok/fwd':>8} {'accept':>7} {'same':>6} {'draft%':>7} {'us/tok':>7}")
     for epoch in range(1, args.epochs):
@@ -206,7 +206,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         total_spec.add(spec_stats)
         feed([own, swarm], plain)
         record(plain, args.seed * 1000 + epoch, epoch)
-        timed_samples.extend(plain)
         print(
             f"{epoch:>5} {plain_stats.tokens:>7} {plain_stats.generate_seconds:>8.2f} {spec_stats.generate_seconds:>7.2f} "
             f"{plain_stats.generate_seconds / spec_stats.generate_seconds:>6.2f} {spec_stats.tokens_per_forward:>8.2f} "
@@ -223,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay_tpf = sum(t for _, (_, t, _) in timed) / sum(n + s for _, (n, _, s) in timed)
     print(f"replay (drafter alone, uniform budget {args.budget}, timed epochs): {replay_tpf:.3f} tokens per forward; "
           f"engine ({args.policy}): {total_spec.tokens_per_forward:.3f}")
-    agreement, oracle_tpf = greedy_oracle(model, timed_samples, args.budget, args.max_new_tokens)
+    timed_own = [r for r in records if r.own and r.round > 0]
+    agreement, oracle_tpf = greedy_oracle(model, timed_own, args.budget, args.max_new_tokens)
     print(f"ceiling: the sampled token is the target's argmax at {100 * agreement:.1f}% of positions; a drafter that "
           f"always proposed the argmax (a perfect greedy draft model) would reach {oracle_tpf:.3f} tokens per forward")
     if args.trace:

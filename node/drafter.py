@@ -239,10 +239,6 @@ class SuffixDrafter:
         self.min_prob = min_prob
         self.spec_factor = spec_factor
         self.prompt_tail = prompt_tail
-        self.clear()
-
-    def clear(self) -> None:
-        """Forget every rollout (a resume refills the drafter from the journal as of its checkpoint)."""
         self._prompts: OrderedDict[tuple[int, ...], _PromptWindow] = OrderedDict()
         self._built: OrderedDict[tuple[int, ...], None] = OrderedDict()  # prompts whose index is held, LRU
         self._global: deque[array] = deque()

@@ -38,7 +38,7 @@ from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.peers import PeerScores
-from hivespec.node.speculation import LengthAwarePolicy, build_speculation, rebuild_drafter
+from hivespec.node.speculation import LengthAwarePolicy, build_speculation
 from hivespec.node.status import RunControl, StatusBoard
 from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
 from hivespec.node.store import RolloutStore, StoredRollout
@@ -429,12 +429,6 @@ class Node:
             if name in self.checkpoint_providers:
                 self.checkpoint_providers[name].load_state_dict(state)
         self._pending = self._restore_pending(meta["pending"], int(meta["journal_rowid"]))
-        drafter = getattr(self.engine, "drafter", None)
-        if drafter is not None:
-            # As it stood at the checkpoint: the interrupted round's rollouts are about to be made again.
-            drafter.clear()
-            replayed = rebuild_drafter(drafter, self.store, self.config.speculation.rebuild_rollouts, up_to_rowid=int(meta["journal_rowid"]))
-            log.info("drafter rebuilt from %d rollouts journaled up to the checkpoint", replayed)
         behind = {a: s for a, s in meta.get("replay_marks", {}).items() if self.store.replay_high_water().get(a, -1) < s}
         if behind:
             log.warning("the rollout journal is older than checkpoint %s (replay marks of %d author(s) missing)",
@@ -757,14 +751,14 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     store = RolloutStore(home / "rollouts.sqlite")
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
     checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
+    policy: LengthAwarePolicy | None = None
     if config.speculation.enabled and isinstance(engine, TorchEngine):  # vLLM's own drafter is set at construction
-        engine.set_speculation(
-            *build_speculation(
-                # A resume refills the drafter itself, from the journal as of its checkpoint.
-                config.speculation, engine, store if checkpoint is None else None, model_config=engine_model.config,
-                dtype=config.model.engine_dtype, device=config.model.device, max_batch_size=config.rollout.max_batch_size,
-            )
+        drafter, policy = build_speculation(
+            config.speculation, engine, store, model_config=engine_model.config, dtype=config.model.engine_dtype,
+            device=config.model.device, max_batch_size=config.rollout.max_batch_size,
+            journal_rowid=int(checkpoint.meta["journal_rowid"]) if checkpoint is not None else None,
         )
+        engine.set_speculation(drafter, policy)
     intake = Intake(
         fingerprint=fingerprint,
         vocab_size=trainer_model.config.vocab_size,
@@ -827,8 +821,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
         trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
     )
-    if isinstance(engine, TorchEngine) and isinstance(engine.policy, LengthAwarePolicy):
-        node.checkpoint_providers["speculation"] = engine.policy
+    if policy is not None:  # its adaptive state is part of a checkpoint
+        node.checkpoint_providers["speculation"] = policy
     if checkpoint is not None:
         node.resume(checkpoint)
     watchdog.start()

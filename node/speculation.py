@@ -232,9 +232,7 @@ def model_identity(model_config: object, dtype: str) -> str:
 def rebuild_drafter(drafter: SuffixDrafter, store: RolloutStore, limit: int, *, up_to_rowid: int | None = None) -> int:
     """Replay the `limit` most recent stored rollouts (own and accepted foreign) into the drafter, oldest first.
 
-    `up_to_rowid` stops at that journal row: a resume replays what the drafter held at its
-    checkpoint, not the rollouts of the interrupted round, which the node is about to make again.
-    Returns how many were replayed; rows whose payload no longer decodes are skipped (logged).
+    `up_to_rowid` stops at that journal row (see `build_speculation`). Returns how many were replayed; rows whose payload no longer decodes are skipped (logged).
     """
     replayed = 0
     for row in reversed(store.recent(limit, up_to_rowid=up_to_rowid)):
@@ -257,9 +255,13 @@ def build_speculation(
     device: str,
     max_batch_size: int,
     cache_folder: Path | None = None,
+    journal_rowid: int | None = None,
 ) -> tuple[SuffixDrafter, LengthAwarePolicy]:
     """The drafter (replayed from the store) and the length-aware policy on the cached verify-cost curve.
 
+    A resuming node passes its checkpoint's `journal_rowid`: the drafter then holds what it held
+    at the checkpoint, not the interrupted round's rollouts, which the node is about to make
+    again (with them it would draft differently, and fp32 log-probs differ by forward width).
     The curve is cached under `cache_folder` (default: `<model cache dir>/speculation`).
     """
     from hivespec.node.drafter import SuffixDrafter
@@ -272,8 +274,8 @@ def build_speculation(
         spec_factor=config.spec_factor,
     )
     if store is not None and config.rebuild_rollouts:
-        replayed = rebuild_drafter(drafter, store, config.rebuild_rollouts)
-        log.info("drafter rebuilt from %d stored rollouts", replayed)
+        replayed = rebuild_drafter(drafter, store, config.rebuild_rollouts, up_to_rowid=journal_rowid)
+        log.info("drafter rebuilt from %d stored rollouts%s", replayed, "" if journal_rowid is None else " (up to the checkpoint)")
     curve = device_verify_cost(engine, model_config, dtype, device, max_batch_size, cache_folder)
     policy = LengthAwarePolicy(curve, drafter, max_budget=config.num_speculative_tokens)
     paying = [b for b in curve.batches if policy.wants_drafts(b)]

@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
-from hivespec.node.drafter import SuffixDrafter
+from hivespec.node.drafter import Draft, DraftSession, SuffixDrafter
 
-__all__ = ["ReplayResult", "TraceRecord", "TraceWriter", "read_trace", "replay"]
+__all__ = ["Proposer", "ReplayResult", "TraceRecord", "TraceWriter", "read_trace", "replay", "replay_rollout"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,12 @@ def read_trace(path: str | Path) -> tuple[list[dict], list[TraceRecord]]:
     return metas, records
 
 
+class Proposer(Protocol):
+    """What drafts for one sequence: a `DraftSession`, or a stand-in (e.g. an oracle) in a bench."""
+
+    def propose(self, completion: Sequence[int], budget: int) -> Draft: ...
+
+
 @dataclass
 class ReplayResult:
     """What replaying a trace's own rollouts through a drafter gave."""
@@ -223,16 +229,22 @@ def replay(
         while j < len(mine) and mine[j].own and mine[j].round == record.round:
             j += 1
         batch = mine[i:j]
+
+        def start(item: TraceRecord) -> tuple[DraftSession, int]:
+            mark = time.perf_counter()
+            session = drafter.session(item.prompt_ids)
+            cap = budget if budget_for is None else min(budget, budget_for(item.prompt_ids))
+            result.draft_seconds += time.perf_counter() - mark
+            return session, cap
+
         if feeding == "sequential":
             for item in batch:
-                _replay_one(item, drafter, budget, budget_for, max_new_tokens, result)
+                replay_rollout(item, *start(item), max_new_tokens, result)
                 drafter.observe(item.prompt_ids, item.completion_ids)
         else:
-            mark = time.perf_counter()
-            sessions = [drafter.session(item.prompt_ids) for item in batch]
-            result.draft_seconds += time.perf_counter() - mark
-            for item, session in zip(batch, sessions, strict=True):
-                _replay_one(item, drafter, budget, budget_for, max_new_tokens, result, session=session)
+            started = [start(item) for item in batch]
+            for item, (session, cap) in zip(batch, started, strict=True):
+                replay_rollout(item, session, cap, max_new_tokens, result)
             for item in batch:
                 drafter.observe(item.prompt_ids, item.completion_ids)
         result.observed += len(batch)
@@ -240,24 +252,18 @@ def replay(
     return result
 
 
-def _replay_one(
-    record: TraceRecord,
-    drafter: SuffixDrafter,
-    budget: int,
-    budget_for: Callable[[Sequence[int]], int] | None,
-    max_new_tokens: int | None,
-    result: ReplayResult,
-    *,
-    session=None,
+def replay_rollout(
+    record: TraceRecord, session: Proposer, cap: int, max_new_tokens: int | None, result: ReplayResult
 ) -> None:
+    """Decode one recorded rollout again, `session` drafting up to `cap` tokens a step; add the counts to `result`.
+
+    The engine's step rule: the first token comes from the prefill, each later step emits the
+    draft prefix equal to the recorded tokens plus one bonus token, and drafts never reach past
+    `max_new_tokens`.
+    """
     completion = record.completion_ids
     if not completion:
         return
-    mark = time.perf_counter()
-    if session is None:
-        session = drafter.session(record.prompt_ids)
-    cap = budget if budget_for is None else min(budget, budget_for(record.prompt_ids))
-    result.draft_seconds += time.perf_counter() - mark
     position, steps = 1, 0  # the first token is sampled from the prefill's logits
     while position < len(completion):
         mark = time.perf_counter()

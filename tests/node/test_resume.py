@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,14 @@ def _start(home: Path, model: Path, faults: str = "") -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
+def _wait_while_running(child: subprocess.Popen, home: Path, done: Callable[[], bool], timeout: float = 300) -> None:
+    """Poll until `done()`; fail with the child's log if it exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert child.poll() is None and time.monotonic() < deadline, (home / "node.log").read_text()[-3000:]
+        time.sleep(0.05)
+
+
 def _rounds(home: Path) -> list[dict]:
     path = home / "events.jsonl"
     if not path.exists():
@@ -106,10 +115,7 @@ def test_sigkill_mid_save_and_mid_round_then_resume_is_bit_identical(tmp_path, d
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     reference = _start(straight, digit_model)
     # The first child measures the verify-cost curve; the others start once it is cached.
-    deadline = time.monotonic() + 300
-    while not list((tmp_path / "cache" / "speculation").glob("verify-cost-*.json")):
-        assert reference.poll() is None and time.monotonic() < deadline, (straight / "node.log").read_text()[-3000:]
-        time.sleep(0.05)
+    _wait_while_running(reference, straight, lambda: any((tmp_path / "cache" / "speculation").glob("verify-cost-*.json")))
     # Killed by its own fault point inside the 3rd save (after round 2, before the manifest).
     first = _start(broken, digit_model, faults="checkpoint.before_manifest@3")
     assert first.wait(timeout=300) == -signal.SIGKILL, (broken / "node.log").read_text()[-3000:]
@@ -117,10 +123,7 @@ def test_sigkill_mid_save_and_mid_round_then_resume_is_bit_identical(tmp_path, d
 
     # Resumes from ckpt-000002 (next round 2); SIGKILLed from outside once it has reported round 3.
     second = _start(broken, digit_model)
-    deadline = time.monotonic() + 300
-    while not any(r["round"] == 3 for r in _rounds(broken)):
-        assert second.poll() is None and time.monotonic() < deadline, (broken / "node.log").read_text()[-3000:]
-        time.sleep(0.05)
+    _wait_while_running(second, broken, lambda: any(r["round"] == 3 for r in _rounds(broken)))
     second.send_signal(signal.SIGKILL)
     second.wait(timeout=60)
 

@@ -127,8 +127,7 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
         assert drafter.length_history([1, 2, 3]) == [3, 3]
         # A resume: back to what was journaled by the checkpoint (here the first two rows).
         checkpoint_rowid = store.journal_high_water() - 1
-        drafter.clear()
-        assert drafter.observed == 0 and drafter.length_history([1, 2, 3]) == []
+        drafter = SuffixDrafter()
         assert rebuild_drafter(drafter, store, limit=10, up_to_rowid=checkpoint_rowid) == 2
         assert drafter.session([1, 2, 3]).propose([4, 5], 4).tokens in ([6], [7])  # never the later row's 8
         model = load_model("tiny", dtype=torch.float32)
