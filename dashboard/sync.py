@@ -46,6 +46,13 @@ class SyncPanel(Vertical):
             facts.append("bit-exact (0 elements differ from the trainer's cast)", style="green")
         else:
             facts.append(f"{sync.engine_mismatch:,} elements differ from the trainer's cast", style="bold red")
+        node = snapshot.node
+        if node.engine_dtype:
+            facts.append("\nprecision     ", style="bold")
+            facts.append(f"engine {node.engine_dtype}, trainer {node.train_precision or DASH}")
+            for role, reason in (("engine", node.engine_dtype_reason), ("trainer", node.train_precision_reason)):
+                if reason:
+                    facts.append(f"\n              {role} {reason}", style="dim")
         facts.append("\nbehind swarm  ", style="bold")
         behind = sync.versions_behind
         facts.append(

@@ -31,8 +31,12 @@ def render_text(snapshot: StatusSnapshot) -> str:
     lines = [
         title,
         f"state: {phase_text(snapshot)[1]}",
-        "",
     ]
+    if node.engine_dtype:
+        lines.append(f"precision: engine {node.engine_dtype}, trainer {node.train_precision or DASH}")
+        lines += [f"  {role} {reason}" for role, reason in (("engine", node.engine_dtype_reason),
+                                                            ("trainer", node.train_precision_reason)) if reason]
+    lines.append("")
     lines += [f"{answer.label:>11}  {answer.text}" for answer in health(snapshot)]
     lines.append("")
     if snapshot.peers:

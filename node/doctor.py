@@ -108,7 +108,7 @@ def check_model(config: NodeConfig) -> tuple[Check, int | None]:
 
 def training_bytes(params: int, engine_dtype: str) -> int:
     """RAM a node needs: trainer weights, gradients and AdamW state in fp32, the engine copy, headroom."""
-    engine = {"bfloat16": 2, "float32": 4, "float64": 8}[engine_dtype]
+    engine = {"bfloat16": 2, "float32": 4, "float64": 8, "auto": 4}[engine_dtype]  # auto: at most float32
     return params * (_ADAM_BYTES_PER_PARAM + engine) + _HEADROOM_BYTES
 
 
@@ -136,6 +136,39 @@ def check_memory(config: NodeConfig, params: int | None) -> list[Check]:
         advice = "" if status == "ok" else ": stop other GPU processes (nvidia-smi) or use a smaller model"
         checks.append(Check("vram", status, f"cuda:{index} {_gib(free)} free of {_gib(total)}, a node needs ~{_gib(need)}{advice}"))
     return checks
+
+
+def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default") -> Check:
+    """What model.engine_dtype and model.autocast become on this device (node/precision.py), measured as a node would.
+
+    WARN where an explicit setting is one this device runs slower than the alternative.
+    """
+    from hivespec.node.precision import architecture_config, decode_batch, resolve_precision, train_rows
+
+    model, rollout = config.model, config.rollout
+    threads = model.threads or max(1, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    try:
+        architecture = architecture_config(model.name)
+    except (OSError, ValueError) as exc:
+        return Check("precision", "skip", f"the model's config is unreadable ({exc}); see the model line")
+    settings = {
+        "train_dtype": model.train_dtype, "device": model.device, "threads": threads,
+        "batch": decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+        "rows": train_rows(config.train.micro_batch_size, rollout.max_completion_length), "cache": cache,
+    }
+    chosen = resolve_precision(architecture, engine_dtype=model.engine_dtype, autocast=model.autocast, **settings)
+    best = resolve_precision(architecture, engine_dtype="auto", autocast="auto", **settings)
+    advice = []
+    if chosen.engine.dtype != best.engine.dtype and best.engine.dtype in (torch.bfloat16, torch.float32):
+        advice.append(f"model.engine_dtype {chosen.engine.label} is set, but {best.engine.label} is faster here "
+                      f"({best.engine.reason}): set model.engine_dtype: auto")
+    if chosen.trainer.dtype != best.trainer.dtype and chosen.trainer.source == "explicit" and model.train_dtype == "float32":
+        advice.append(f"model.autocast is {str(chosen.trainer.dtype is not None).lower()}, but {best.trainer.label} is faster "
+                      f"here ({best.trainer.reason}): set model.autocast: auto")
+    if advice:
+        return Check("precision", "warn", "; ".join(advice))
+    return Check("precision", "ok", chosen.describe())
 
 
 def check_vllm() -> Check:
@@ -346,7 +379,10 @@ def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.
 
     add(check_python(), check_torch(config))
     model, params = check_model(config)
-    add(model, *check_memory(config, params), check_vllm())
+    add(model, *check_memory(config, params))
+    if params is not None:
+        add(check_precision(config))
+    add(check_vllm())
     add(*check_ports(config))
     if network:
         add(*network_checks(config, timeout=timeout))

@@ -34,6 +34,7 @@ from hivespec.node.engine import TorchEngine
 from hivespec.node.gossip import Gossip
 from hivespec.node.identity import load_or_create_identity
 from hivespec.node.model import configure_threads, load_model
+from hivespec.node.precision import follower_engine_dtype
 from hivespec.node.sync import EngineWeights
 from hivespec.protocol.delta import (
     PolicyHead,
@@ -282,8 +283,9 @@ def run_follower(
     home = node_home(config)
     home.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(home / "identity.key")
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[config.model.engine_dtype]
-    model = load_model(config.model.name, dtype=torch.float32, device=config.model.device).to(dtype).eval()
+    model = load_model(config.model.name, dtype=torch.float32, device=config.model.device)
+    dtype = follower_engine_dtype(config, model.config)
+    model = model.to(dtype).eval()
     engine = EngineWeights(TorchEngine(model).sync_parameters())
     gossip = Gossip(identity, swarm=config.swarm.swarm, host=config.swarm.host, port=config.swarm.port,
                     initial_peers=config.swarm.initial_peers, record_ttl=config.swarm.record_ttl)

@@ -38,6 +38,7 @@ from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.peers import PeerScores
+from hivespec.node.precision import PrecisionPlan, decode_batch, resolve_precision, train_rows
 from hivespec.node.speculation import LengthAwarePolicy, build_speculation
 from hivespec.node.status import RunControl, StatusBoard
 from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
@@ -159,8 +160,10 @@ class Node:
         home_lock: HomeLock | None = None,
         publisher: PolicyPublisher | None = None,
         trace: TraceWriter | None = None,
+        precision: PrecisionPlan | None = None,
     ) -> None:
         self.config = config
+        self.precision = precision  # what model.engine_dtype / model.autocast "auto" became, and why
         self.trace = trace  # speculation.trace_file: what the drafter is fed, for bench/drafter_replay.py
         self.publisher = publisher
         self.peer_scores = peer_scores
@@ -697,6 +700,27 @@ def _to_train_sample(rollout: Rollout, source: str) -> TrainSample:
     )
 
 
+def _resolve_precision(config: NodeConfig, model_config: object, threads: int) -> tuple[NodeConfig, PrecisionPlan]:
+    """Decide model.engine_dtype and model.autocast where they are "auto" (node/precision.py).
+
+    Returns the config with both made concrete, so every part built after sees the dtype it runs.
+    """
+    model, rollout = config.model, config.rollout
+    plan = resolve_precision(
+        model_config,
+        engine_dtype=model.engine_dtype,
+        autocast=model.autocast,
+        train_dtype=model.train_dtype,
+        device=model.device,
+        batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+        rows=train_rows(config.train.micro_batch_size, rollout.max_completion_length),
+        threads=threads,
+    )
+    log.info("precision: %s", plan.describe())
+    resolved = replace(model, engine_dtype=plan.engine_dtype_name, autocast=plan.trainer.dtype is not None)
+    return replace(config, model=resolved), plan
+
+
 def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     """Build every part of a node from its config (loads the model, starts gossip)."""
     threads = configure_threads(config.model.threads, local_nodes=local_nodes)
@@ -717,6 +741,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
 
     tokenizer = load_tokenizer(config.model.name)
     trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device)
+    config, precision = _resolve_precision(config, trainer_model.config, threads)
     engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
@@ -726,7 +751,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     else:
         engine = TorchEngine(engine_model, max_batch_size=config.rollout.max_batch_size)
     sync = WeightSync(trainer_model, engine.sync_parameters())
-    autocast = torch.bfloat16 if config.model.autocast and config.model.train_dtype == "float32" else None
+    autocast = precision.trainer.dtype
     trainer = Trainer(
         trainer_model,
         learning_rate=config.train.learning_rate,
@@ -820,6 +845,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         # Built before any resume: snapshots are deltas from the base checkpoint (version 0).
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
         trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
+        precision=precision,
     )
     if policy is not None:  # its adaptive state is part of a checkpoint
         node.checkpoint_providers["speculation"] = policy

@@ -275,6 +275,7 @@ class StatusBoard:
             checkpoint_at=checkpoint[2] if checkpoint else None,
             solo=swarm["solo"] if isinstance(swarm.get("solo"), bool) else None,
             private=swarm["private"] if isinstance(swarm.get("private"), bool) else None,
+            **_precision_fields(node),
         )
         supervision = SupervisionStatus(
             oom_retries=oom_retries,
@@ -305,6 +306,19 @@ class StatusBoard:
         data = encode_status(self.snapshot())
         self._cache = (now, data)
         return data
+
+
+def _precision_fields(node: Node) -> dict[str, str]:
+    """NodeInfo's engine_dtype and train_precision, each with its reason, from the node's precision plan."""
+    plan = getattr(node, "precision", None)
+    if plan is None:
+        return {}
+    return {
+        "engine_dtype": plan.engine.label,
+        "engine_dtype_reason": f"{plan.engine.source}: {plan.engine.reason}"[:1000],
+        "train_precision": plan.trainer.label,
+        "train_precision_reason": f"{plan.trainer.source}: {plan.trainer.reason}"[:1000],
+    }
 
 
 def _peer_row(peer_id: str, tally: _PeerTally, score: dict) -> PeerRow:

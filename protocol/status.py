@@ -61,6 +61,10 @@ class NodeInfo:
     checkpoint_at: float | None = None
     solo: bool | None = None  # no DHT peers: training alone (and retrying the bootstrap)
     private: bool | None = None  # a private swarm (allowlist, encrypted bodies)
+    engine_dtype: str = ""  # the rollout engine's weight dtype, e.g. "bfloat16" ("" = not reported)
+    train_precision: str = ""  # "float32" or "bfloat16 autocast" ("" = not reported)
+    engine_dtype_reason: str = ""  # why, e.g. model.engine_dtype "auto" and the measured decode step times
+    train_precision_reason: str = ""  # why, e.g. model.autocast "auto" and the measured forward+backward times
 
 
 @dataclass(frozen=True)

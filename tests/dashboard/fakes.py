@@ -55,6 +55,8 @@ def make_snapshot(rounds: int = 6, *, paused: bool = False, name: str = "node-0"
             name=name, peer_id=peer_id, swarm="demo", model="smollm2-135m-instruct", device="cpu",
             reachability="public", policy_version=rounds, round=rounds - 1, rounds_target=10,
             phase="paused" if paused else "running", paused=paused, started_at=T0 - 25, uptime_s=now - T0 + 25,
+            engine_dtype="float32", engine_dtype_reason="cached: decode step at batch 16, 1 thread: float32 139 ms, bfloat16 348 ms",
+            train_precision="float32", train_precision_reason="cached: forward+backward of 896 tokens: float32 11 s, bfloat16 autocast 215 s",
         ),
         peers=[
             PeerRow(peer_id=PEER_A, name="swift-otter-3fa2", last_seen=now - 12, latency_ms=4.0, batches=rounds,

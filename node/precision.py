@@ -1,0 +1,434 @@
+"""Device-aware precision: which dtype the rollout engine samples in and whether the trainer autocasts.
+
+bf16 is twice as fast as float32 on a CPU with native bf16 (AVX512-BF16, AMX) or a modern GPU,
+and 3-20x slower on a CPU without it (AVX2 only: every bf16 matmul converts through float32).
+A fixed default is therefore wrong somewhere. With ``model.engine_dtype: auto`` and
+``model.autocast: auto`` the node decides at start-up, per role, from what this device does:
+
+- CUDA: bfloat16 where ``torch.cuda.is_bf16_supported()``, else float32 (no measurement).
+- CPU: a sub-second measurement of both dtypes on this model's matmul shapes at the thread count
+  the node uses: for the engine one decode step at its real batch size (weights streamed from
+  memory, as a decode step does), for the trainer a forward+backward of one layer's linears
+  under autocast. bf16 is chosen only where it measures at least ``BF16_MARGIN`` faster. The
+  result is cached per machine (CPU model, flags, torch version, threads, shapes) under the
+  model cache dir, so later starts decide in milliseconds; delete ``precision.json`` there to
+  re-measure. CPU flags (avx512_bf16, amx_bf16) and torch's CPU capability go into the reason
+  as evidence, never into the decision.
+- Any other device: float32, which every backend runs.
+
+Explicit values (``bfloat16``, ``float32``, ``true``, ``false``) are honoured as given. Each
+choice carries the reason, with the measured numbers, for the start-up log, ``hivespec doctor``
+and the status snapshot. Peers need not agree: the behaviour log-probs a rollout carries come
+from its author's engine, and the trainer's importance weights correct for whatever numerics
+produced them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+Role = Literal["engine", "trainer"]
+BF16_MARGIN = 0.9  # bf16 must take at most this share of float32's time to be chosen
+CACHE_FILE = "precision.json"
+_CACHE_FORMAT = 1
+_STREAM_BYTES = 48 << 20  # decode weights measured per step: past a CPU's last-level cache (the LM head adds more)
+_TRAIN_ROWS_MAX = 64  # training rows measured: a real matmul shape, yet cheap where bf16 is 20x slower
+_MEASURE_BUDGET_S = 0.4  # per role: repeats stop once both dtypes are timed and this is spent
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX, aarch64 FEAT_BF16
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64", torch.float16: "float16"}
+DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """One role's precision: ``dtype`` is the engine's weight dtype or the trainer's autocast dtype (None: off).
+
+    ``source`` is "explicit" (the config named it), "measured", "cached" (a measurement of this
+    machine read back), "device" (decided by the device's capability) or "fallback".
+    """
+
+    role: Role
+    dtype: torch.dtype | None
+    source: str
+    reason: str
+
+    @property
+    def label(self) -> str:
+        """Short form for headers: "bfloat16", "float32", or "float32 (no autocast)" for a trainer."""
+        if self.role == "trainer":
+            return "bfloat16 autocast" if self.dtype is not None else "float32"
+        return _DTYPE_NAMES.get(self.dtype, str(self.dtype))  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        return f"{self.role} {self.label} ({self.source}: {self.reason})"
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The engine's and the trainer's choices, decided together at start-up."""
+
+    engine: PrecisionChoice
+    trainer: PrecisionChoice
+
+    @property
+    def engine_dtype_name(self) -> str:
+        return _DTYPE_NAMES[self.engine.dtype]  # type: ignore[index]
+
+    def describe(self) -> str:
+        """Two clauses for the start-up log and `hivespec doctor`."""
+        return f"{self.engine.describe()}; {self.trainer.describe()}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the measured matmuls need from a model's architecture."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    q_width: int  # heads * head_dim
+    kv_width: int  # kv heads * head_dim
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> ModelShape:
+        """From a transformers config; fields a non-Llama config lacks get the usual Llama relations."""
+        hidden = int(config.hidden_size)
+        heads = int(getattr(config, "num_attention_heads", 1) or 1)
+        head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        return cls(
+            hidden=hidden,
+            intermediate=int(getattr(config, "intermediate_size", None) or 4 * hidden),
+            layers=int(getattr(config, "num_hidden_layers", 1) or 1),
+            q_width=heads * head_dim,
+            kv_width=kv_heads * head_dim,
+            vocab=int(getattr(config, "vocab_size", 0) or 0),
+        )
+
+    def layer_linears(self) -> list[tuple[int, int]]:
+        """(in, out) of one decoder layer's linears: q, k, v, o, gate, up, down."""
+        h, i = self.hidden, self.intermediate
+        return [(h, self.q_width), (h, self.kv_width), (h, self.kv_width), (self.q_width, h), (h, i), (h, i), (i, h)]
+
+    def layer_params(self) -> int:
+        return sum(a * b for a, b in self.layer_linears())
+
+
+# ----- evidence -----------------------------------------------------------------------------
+
+
+def cpu_facts() -> dict[str, Any]:
+    """CPU model, its bf16 flags, torch's CPU capability and version: the machine part of the cache key."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:  # x86, aarch64
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu": model or platform.processor() or platform.machine(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16_flags": sorted(f for f in _BF16_FLAGS if f in flags),
+        "avx512": "avx512f" in flags,
+        "torch": torch.__version__,
+    }
+
+
+def _evidence(facts: dict[str, Any]) -> str:
+    native = ", ".join(facts["native_bf16_flags"]) or "no avx512_bf16/amx_bf16"
+    return f"CPU {facts['cpu']}, torch capability {facts['capability']}, {native}"
+
+
+# ----- measurements -------------------------------------------------------------------------
+
+
+def _best_of(float32: Callable[[], None], bfloat16: Callable[[], None], budget_s: float) -> dict[str, float]:
+    """Best seconds of each dtype's run, cheap when one is far slower.
+
+    float32 runs once to warm up, then the two alternate (spreading a shared machine's noise
+    over both instead of skewing one; the minimum is kept since noise only adds time) until
+    ``budget_s`` is spent, at most 4 rounds. bf16 gets no separate warm-up: a first call that
+    includes one-time set-up and a second that does not both count, and when both take over 3x
+    float32's time the verdict cannot change, so it stops there. That keeps the measurement
+    sub-second on a CPU where bf16 is 20x slower.
+    """
+    float32()
+    best = {"float32": math.inf, "bfloat16": math.inf}
+    started = time.perf_counter()
+    for rounds in range(1, 5):
+        for name, run in (("float32", float32), ("bfloat16", bfloat16)):
+            mark = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - mark)
+        clear = best["bfloat16"] > 3.0 * best["float32"] or best["float32"] > 3.0 * best["bfloat16"]
+        if rounds >= 2 and (clear or time.perf_counter() - started > budget_s):
+            break
+    return best
+
+
+@torch.inference_mode()
+def measure_decode(shape: ModelShape, batch: int, *, budget_s: float = _MEASURE_BUDGET_S) -> dict[str, float]:
+    """Estimated seconds of one decode step at ``batch`` rows, float32 vs bfloat16 weights (CPU).
+
+    Runs every linear of as many distinct layers as fill ``_STREAM_BYTES`` (so weights come from
+    memory, not cache, as in a real decode step) plus the LM head, then scales the layers to the
+    model's depth. Attention over the KV cache and the norms are left out: at decode they are a
+    small share, and both dtypes pay them alike.
+    """
+    copies = max(1, min(shape.layers, math.ceil(_STREAM_BYTES / (4 * shape.layer_params()))))
+    runs: dict[str, Callable[[], None]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = [[torch.full((out, inp), 0.01, dtype=dtype) for inp, out in shape.layer_linears()] for _ in range(copies)]
+        head = torch.full((shape.vocab, shape.hidden), 0.01, dtype=dtype) if shape.vocab else None
+        x = torch.full((batch, shape.hidden), 0.1, dtype=dtype)
+
+        def step(layers: list = layers, head: torch.Tensor | None = head, x: torch.Tensor = x) -> None:
+            h = x
+            for q, k, v, o, gate, up, down in layers:
+                attn = F.linear(h, q)
+                F.linear(h, k), F.linear(h, v)
+                h = F.linear(attn, o)
+                h = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+            if head is not None:
+                F.linear(h, head)
+
+        runs[_DTYPE_NAMES[dtype]] = step
+    best = _best_of(runs["float32"], runs["bfloat16"], budget_s)
+    # Scale the streamed layers to the model's depth; the head ran once per step already.
+    return {name: seconds * shape.layers / copies for name, seconds in best.items()}
+
+
+def measure_training(shape: ModelShape, rows: int, *, budget_s: float = _MEASURE_BUDGET_S) -> dict[str, float]:
+    """Estimated seconds of a training forward+backward over ``rows`` tokens: float32 vs bf16 autocast (CPU).
+
+    Times one layer's linears on float32 master weights, the way the trainer runs them (autocast
+    casts to bf16 in the forward, gradients return in float32), at ``min(rows, 64)`` rows, and
+    scales to the model's depth and ``rows``.
+    """
+    measured_rows = max(1, min(rows, _TRAIN_ROWS_MAX))
+    weights = [torch.full((out, inp), 0.01, requires_grad=True) for inp, out in shape.layer_linears()]
+    x = torch.full((measured_rows, shape.hidden), 0.1, requires_grad=True)
+
+    def step(autocast: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            q, k, v, o, gate, up, down = weights
+            keys, values = F.linear(x, k), F.linear(x, v)
+            h = F.linear(F.linear(x, q), o)
+            h = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+        (h.float().sum() + keys.float().sum() + values.float().sum()).backward()
+        for w in weights:
+            w.grad = None
+        x.grad = None
+
+    best = _best_of(lambda: step(False), lambda: step(True), budget_s)
+    return {name: seconds * shape.layers * rows / measured_rows for name, seconds in best.items()}
+
+
+# ----- the cache ----------------------------------------------------------------------------
+
+
+def measurement_key(role: Role, shape: ModelShape, size: int, threads: int, facts: dict[str, Any]) -> str:
+    """What a measurement depends on: role, shapes, batch (or rows), threads and the machine."""
+    return json.dumps([_CACHE_FORMAT, role, asdict(shape), size, threads, facts], sort_keys=True)
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def cached_measurement(
+    role: Role, shape: ModelShape, size: int, threads: int, cache: Path | None, measure: Callable[[], dict[str, float]]
+) -> tuple[dict[str, float], bool]:
+    """``(seconds by dtype, from_cache)``: the cached timings for this key, else ``measure()`` written back.
+
+    Processes starting together take a file lock, so one measures (on an idle machine) and the
+    others read its result; a corrupt or foreign cache file is measured over.
+    """
+    key = measurement_key(role, shape, size, threads, cpu_facts())
+    if cache is None:
+        return measure(), False
+
+    def lookup() -> dict[str, float] | None:
+        entry = _read_cache(cache).get(key)
+        if isinstance(entry, dict) and all(isinstance(entry.get(n), (int, float)) for n in ("float32", "bfloat16")):
+            return {"float32": float(entry["float32"]), "bfloat16": float(entry["bfloat16"])}
+        return None
+
+    found = lookup()
+    if found is not None:
+        return found, True
+    from hivespec.node.model import _exclusive_lock
+
+    with _exclusive_lock(cache.with_suffix(".lock")):
+        found = lookup()
+        if found is not None:
+            return found, True
+        seconds = measure()
+        data = _read_cache(cache)
+        data[key] = {**seconds, "measured_at": time.time()}
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(cache)
+    return seconds, False
+
+
+def default_cache_path() -> Path:
+    """``<hivespec cache dir>/precision.json`` (``$HIVESPEC_CACHE_DIR`` moves it)."""
+    from hivespec.node.model import cache_dir
+
+    return cache_dir() / CACHE_FILE
+
+
+# ----- decisions ----------------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def _pick(seconds: dict[str, float]) -> bool:
+    """True when bf16 is worth it: at most BF16_MARGIN of float32's time."""
+    return seconds["bfloat16"] <= BF16_MARGIN * seconds["float32"]
+
+
+def _cuda_bf16(device: torch.device) -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, f"{device} requested but CUDA is not available"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    major, minor = torch.cuda.get_device_capability(index)
+    supported = torch.cuda.is_bf16_supported()
+    return supported, f"{name} (compute capability {major}.{minor}) {'supports' if supported else 'lacks'} bf16"
+
+
+def decide_engine(
+    requested: str, shape: ModelShape, *, device: str, batch: int, threads: int, cache: Path | None
+) -> PrecisionChoice:
+    """The engine's weight dtype: ``requested`` unless it is "auto" (see the module docstring)."""
+    if requested != "auto":
+        return PrecisionChoice("engine", DTYPES[requested], "explicit", "model.engine_dtype in the config")
+    kind = torch.device(device)
+    if kind.type == "cuda":
+        supported, why = _cuda_bf16(kind)
+        return PrecisionChoice("engine", torch.bfloat16 if supported else torch.float32, "device", why)
+    if kind.type != "cpu":
+        return PrecisionChoice("engine", torch.float32, "fallback", f"no measurement for device type {kind.type!r}; float32 runs everywhere")
+    seconds, cached = cached_measurement("engine", shape, batch, threads, cache, lambda: measure_decode(shape, batch))
+    bf16 = _pick(seconds)
+    reason = (f"decode step at batch {batch}, {threads} thread{'s' if threads != 1 else ''}: float32 {_ms(seconds['float32'])}, "
+              f"bfloat16 {_ms(seconds['bfloat16'])}; {_evidence(cpu_facts())}")
+    return PrecisionChoice("engine", torch.bfloat16 if bf16 else torch.float32, "cached" if cached else "measured", reason)
+
+
+def decide_trainer(
+    requested: bool | str, train_dtype: str, shape: ModelShape, *, device: str, rows: int, threads: int, cache: Path | None
+) -> PrecisionChoice:
+    """The trainer's autocast dtype (None: off): ``requested`` unless it is "auto".
+
+    Autocast only applies to float32 master weights; float64 training never autocasts.
+    """
+    if train_dtype != "float32":
+        return PrecisionChoice("trainer", None, "explicit", f"model.train_dtype {train_dtype} trains without autocast")
+    if requested != "auto":
+        return PrecisionChoice("trainer", torch.bfloat16 if requested else None, "explicit", "model.autocast in the config")
+    kind = torch.device(device)
+    if kind.type == "cuda":
+        supported, why = _cuda_bf16(kind)
+        return PrecisionChoice("trainer", torch.bfloat16 if supported else None, "device", why)
+    if kind.type != "cpu":
+        return PrecisionChoice("trainer", None, "fallback", f"no measurement for device type {kind.type!r}; float32 runs everywhere")
+    seconds, cached = cached_measurement("trainer", shape, rows, threads, cache, lambda: measure_training(shape, rows))
+    bf16 = _pick(seconds)
+    reason = (f"forward+backward of {rows} tokens, {threads} thread{'s' if threads != 1 else ''}: float32 {_ms(seconds['float32'])}, "
+              f"bfloat16 autocast {_ms(seconds['bfloat16'])}; {_evidence(cpu_facts())}")
+    return PrecisionChoice("trainer", torch.bfloat16 if bf16 else None, "cached" if cached else "measured", reason)
+
+
+def decode_batch(prompts_per_round: int, num_generations: int, max_batch_size: int) -> int:
+    """The engine's real decode batch: a round's sequences, at most ``max_batch_size``."""
+    return max(1, min(prompts_per_round * num_generations, max_batch_size))
+
+
+def train_rows(micro_batch_size: int, max_completion_length: int, prompt_tokens: int = 64) -> int:
+    """Tokens of one training micro batch: sequences times a typical prompt plus the longest completion."""
+    return max(1, micro_batch_size * (prompt_tokens + max_completion_length))
+
+
+def resolve_precision(
+    model_config: Any,
+    *,
+    engine_dtype: str,
+    autocast: bool | str,
+    train_dtype: str,
+    device: str,
+    batch: int,
+    rows: int,
+    threads: int | None = None,
+    cache: Path | None | Literal["default"] = "default",
+) -> PrecisionPlan:
+    """Decide both roles for a model (its transformers config) on ``device``; see the module docstring.
+
+    ``batch`` is the engine's decode batch (`decode_batch`), ``rows`` the tokens of a training
+    micro batch (`train_rows`), ``threads`` torch's intra-op threads (default: the current
+    setting). ``cache=None`` measures without reading or writing the cache.
+    """
+    shape = ModelShape.of(model_config)
+    threads = threads if threads is not None else torch.get_num_threads()
+    where = default_cache_path() if cache == "default" else cache
+    engine = decide_engine(engine_dtype, shape, device=device, batch=batch, threads=threads, cache=where)
+    trainer = decide_trainer(autocast, train_dtype, shape, device=device, rows=rows, threads=threads, cache=where)
+    return PrecisionPlan(engine, trainer)
+
+
+def architecture_config(model_name: str) -> Any:
+    """The transformers config of a configured model without loading its weights (for `hivespec doctor`)."""
+    from transformers import AutoConfig
+
+    from hivespec.node import model as models
+
+    if model_name == models.TINY_MODEL:
+        return models.tiny_config(models.load_tokenizer(models.TINY_MODEL))
+    return AutoConfig.from_pretrained(str(models._resolve_folder(model_name)), local_files_only=True)
+
+
+def follower_engine_dtype(config: Any, model_config: Any) -> torch.dtype:
+    """A follower's engine dtype: ``model.engine_dtype``, and for "auto" what a leader on this machine would pick.
+
+    Deltas are bit patterns of the leader's engine dtype, so a follower only mirrors a leader of
+    the same dtype; a leader on another machine may decide otherwise, so the log says so.
+    """
+    model, rollout = config.model, config.rollout
+    choice = decide_engine(
+        model.engine_dtype, ModelShape.of(model_config), device=model.device, threads=torch.get_num_threads(),
+        batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size), cache=default_cache_path(),
+    )
+    if choice.source != "explicit":
+        log.warning("follower engine %s (model.engine_dtype auto: %s); it must equal the leader's engine dtype: "
+                    "set model.engine_dtype to the leader's if its deltas are refused", choice.label, choice.reason)
+    assert choice.dtype is not None
+    return choice.dtype

@@ -1,0 +1,166 @@
+"""Device-aware precision: explicit values win, "auto" measures once per machine and follows the numbers.
+
+Measurements run for real on the tiny model's shapes (milliseconds). The decision rule is checked
+against cache entries written the way a measurement writes them, so it does not depend on what
+this CPU happens to measure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hivespec.node.config import ConfigError, load_config
+from hivespec.node.model import load_tokenizer, tiny_config
+from hivespec.node.precision import (
+    BF16_MARGIN,
+    ModelShape,
+    cpu_facts,
+    decode_batch,
+    measure_decode,
+    measure_training,
+    measurement_key,
+    resolve_precision,
+    train_rows,
+)
+
+THREADS = 1
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_config(load_tokenizer("tiny"))
+
+
+def _resolve(tiny, cache, **overrides):
+    settings = {"engine_dtype": "auto", "autocast": "auto", "train_dtype": "float32", "device": "cpu",
+                "batch": 16, "rows": 256, "threads": THREADS, "cache": cache}
+    return resolve_precision(tiny, **{**settings, **overrides})
+
+
+def _seed_cache(path: Path, tiny, *, engine: tuple[float, float], trainer: tuple[float, float], batch=16, rows=256) -> None:
+    """Write (float32, bfloat16) seconds per role under the keys this machine's node would look up."""
+    shape, facts = ModelShape.of(tiny), cpu_facts()
+    data = {
+        measurement_key("engine", shape, batch, THREADS, facts): {"float32": engine[0], "bfloat16": engine[1]},
+        measurement_key("trainer", shape, rows, THREADS, facts): {"float32": trainer[0], "bfloat16": trainer[1]},
+    }
+    path.write_text(json.dumps(data))
+
+
+def test_explicit_settings_are_honoured_without_measuring(tiny, tmp_path):
+    cache = tmp_path / "precision.json"
+    plan = _resolve(tiny, cache, engine_dtype="bfloat16", autocast=False)
+    assert plan.engine.dtype == torch.bfloat16 and plan.engine.source == "explicit"
+    assert plan.trainer.dtype is None and plan.trainer.source == "explicit"
+    plan = _resolve(tiny, cache, engine_dtype="float32", autocast=True)
+    assert plan.engine.dtype == torch.float32 and plan.trainer.dtype == torch.bfloat16
+    assert plan.engine_dtype_name == "float32" and plan.trainer.label == "bfloat16 autocast"
+    assert not cache.exists()  # nothing was measured
+
+
+def test_float64_master_weights_never_autocast(tiny, tmp_path):
+    plan = _resolve(tiny, tmp_path / "p.json", engine_dtype="float64", autocast="auto", train_dtype="float64")
+    assert plan.engine.dtype == torch.float64 and plan.trainer.dtype is None and "float64" in plan.trainer.reason
+
+
+def test_auto_measures_once_then_reads_the_machine_cache(tiny, tmp_path):
+    cache = tmp_path / "precision.json"
+    first = _resolve(tiny, cache)
+    assert first.engine.source == first.trainer.source == "measured"
+    assert first.engine.dtype in (torch.float32, torch.bfloat16)
+    # The reason carries both measured numbers and the CPU evidence.
+    for choice in (first.engine, first.trainer):
+        assert "float32" in choice.reason and "bfloat16" in choice.reason and cpu_facts()["cpu"] in choice.reason
+    entries = json.loads(cache.read_text())
+    assert len(entries) == 2 and all({"float32", "bfloat16"} <= set(e) for e in entries.values())
+    second = _resolve(tiny, cache)
+    assert second.engine.source == second.trainer.source == "cached"
+    assert (second.engine.dtype, second.trainer.dtype) == (first.engine.dtype, first.trainer.dtype)
+    assert second.engine.reason == first.engine.reason
+    # Another decode batch is another measurement: the engine may choose differently at batch 1.
+    assert _resolve(tiny, cache, batch=1).engine.source == "measured"
+    assert len(json.loads(cache.read_text())) == 3
+
+
+@pytest.mark.parametrize(
+    ("engine", "trainer", "engine_dtype", "autocast"),
+    [
+        ((0.139, 0.348), (10.9, 215.0), torch.float32, None),  # AVX2 only: bf16 slower in both roles
+        ((0.069, 0.037), (10.9, 215.0), torch.bfloat16, None),  # batch 1 on AVX2: bf16 decodes faster
+        ((0.100, 0.050), (10.0, 5.0), torch.bfloat16, torch.bfloat16),  # native bf16
+        ((0.100, 0.095), (10.0, 9.5), torch.float32, None),  # within the margin: float32 (exact, no slower)
+    ],
+)
+def test_auto_follows_the_measured_numbers(tiny, tmp_path, engine, trainer, engine_dtype, autocast):
+    cache = tmp_path / "precision.json"
+    _seed_cache(cache, tiny, engine=engine, trainer=trainer)
+    plan = _resolve(tiny, cache)
+    assert plan.engine.source == plan.trainer.source == "cached"
+    assert plan.engine.dtype == engine_dtype and plan.trainer.dtype == autocast
+    assert f"float32 {engine[0] * 1e3:.0f} ms" in plan.engine.reason
+    assert 0.95 > BF16_MARGIN
+
+
+def test_a_corrupt_cache_is_measured_over(tiny, tmp_path):
+    cache = tmp_path / "precision.json"
+    cache.write_text("{not json")
+    plan = _resolve(tiny, cache)
+    assert plan.engine.source == "measured" and len(json.loads(cache.read_text())) == 2
+
+
+def test_measurements_are_positive_and_scale_with_work(tiny):
+    shape = ModelShape.of(tiny)
+    assert (shape.hidden, shape.intermediate, shape.layers, shape.q_width, shape.kv_width) == (64, 128, 2, 64, 32)
+    decode = measure_decode(shape, 4, budget_s=0.05)
+    train = measure_training(shape, 64, budget_s=0.05)
+    assert all(v > 0 for v in (*decode.values(), *train.values()))
+    assert measure_training(shape, 6400, budget_s=0.05)["float32"] > train["float32"]  # scaled to the rows asked
+
+
+def test_sizes_the_node_measures_at():
+    assert decode_batch(4, 4, 16) == 16 and decode_batch(1, 4, 16) == 4 and decode_batch(4, 8, 16) == 16
+    assert train_rows(8, 48) == 8 * (64 + 48)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_decides_from_bf16_support_without_measuring(tiny, tmp_path):
+    plan = _resolve(tiny, tmp_path / "p.json", device="cuda")
+    expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    assert plan.engine.dtype == expected and plan.engine.source == "device" and "compute capability" in plan.engine.reason
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_config_accepts_auto_and_the_old_booleans():
+    config = load_config(None, environ={})
+    assert config.model.engine_dtype == "auto" and config.model.autocast == "auto"
+    for preset in ("demo", "public"):
+        model = load_config(preset, environ={}).model
+        assert (model.engine_dtype, model.autocast) == ("auto", "auto"), preset
+    tiny_model = load_config("tiny", environ={}).model
+    assert (tiny_model.engine_dtype, tiny_model.autocast) == ("float32", False)  # tests stay deterministic
+    assert load_config(None, overrides={"model.autocast": "true"}, environ={}).model.autocast is True
+    assert load_config(None, environ={"HIVESPEC_MODEL__AUTOCAST": "auto"}).model.autocast == "auto"
+    with pytest.raises(ConfigError, match="model.autocast.*true or false.*'auto'"):
+        load_config(None, overrides={"model.autocast": "fast"}, environ={})
+
+
+def test_doctor_warns_when_an_explicit_dtype_is_the_slower_one_here(tiny, tmp_path):
+    from hivespec.node.doctor import check_precision
+
+    cache = tmp_path / "precision.json"
+    config = load_config("tiny", overrides={"model.engine_dtype": "bfloat16", "model.autocast": "true",
+                                            "model.threads": str(THREADS), "rollout.prompts_per_round": "4",
+                                            "rollout.max_completion_length": "48"}, environ={})
+    batch, rows = decode_batch(4, 4, 16), train_rows(8, 48)
+    _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=batch, rows=rows)
+    check = check_precision(config, cache=cache)
+    assert check.status == "warn"
+    assert "set model.engine_dtype: auto" in check.detail and "set model.autocast: auto" in check.detail
+    auto = load_config("tiny", overrides={"model.engine_dtype": "auto", "model.autocast": "auto", "model.threads": str(THREADS),
+                                          "rollout.prompts_per_round": "4", "rollout.max_completion_length": "48"}, environ={})
+    check = check_precision(auto, cache=cache)
+    assert check.status == "ok" and "engine float32 (cached" in check.detail and "trainer float32 (cached" in check.detail
