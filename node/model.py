@@ -6,7 +6,7 @@ user cache dir; later loads read that copy in well under a second. The export is
 temporary folder and renamed into place under a file lock, so nodes started together never see
 a half-written cache and only one of them converts.
 
-Also here: the CPU thread policy, the dtype policy and the model fingerprint peers compare.
+Also here: the CPU thread policy and the model fingerprint peers compare (the dtype policy is node/precision.py).
 """
 
 from __future__ import annotations
@@ -297,18 +297,3 @@ def configure_threads(requested: int | None = None, *, local_nodes: int = 1) -> 
             # torch allows this only before any parallel work ran; the default is then kept.
             log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
     return threads
-
-
-def default_dtypes(device: str | torch.device) -> tuple[torch.dtype, torch.dtype]:
-    """The dtype policy as ``(train_dtype, engine_dtype)``: fp32 master weights, bf16 sampling.
-
-    The trainer keeps fp32 master weights and runs forwards under bf16 autocast: pure bf16
-    training rounds small AdamW updates away, autocast is as fast. The rollout engine samples
-    from a bf16 copy, about twice the decode speed of fp32 on CPU and the native dtype on CUDA;
-    the importance weights correct for the engine/trainer mismatch.
-    """
-    kind = torch.device(device).type
-    if kind == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        # Pre-Ampere GPUs: fp16 sampling, still corrected by the importance weights.
-        return torch.float32, torch.float16
-    return torch.float32, torch.bfloat16

@@ -19,7 +19,6 @@ from hivespec.node.model import (
     TINY_MODEL,
     cache_dir,
     configure_threads,
-    default_dtypes,
     embedded_gguf_path,
     ensure_embedded_cache,
     load_model,
@@ -167,12 +166,6 @@ def test_configure_threads() -> None:
             configure_threads(0)
     finally:
         torch.set_num_threads(1)
-
-
-def test_default_dtypes_policy() -> None:
-    assert default_dtypes("cpu") == (torch.float32, torch.bfloat16)
-    with pytest.raises(RuntimeError):
-        default_dtypes("not-a-device")
 
 
 @pytest.mark.slow
