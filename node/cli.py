@@ -67,6 +67,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         ready = {
             "event": "ready", "name": node.name, "peer_id": node.identity.peer_id,
             "maddrs": node.gossip.visible_maddrs, "status_url": status_url,
+            "precision": node.precision.describe() if node.precision is not None else "",
         }
         if events:
             events.write(ready)
@@ -77,6 +78,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(f"  {maddr}", flush=True)
         if status_url:
             print(f"status: {status_url}/status (dashboard: hivespec dash --node {status_url})", flush=True)
+        if node.precision is not None:
+            print(f"precision: {node.precision.describe()}", flush=True)
 
         def on_report(report) -> None:
             if events:

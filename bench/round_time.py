@@ -1,0 +1,321 @@
+"""How long a demo round takes under each precision policy, and how close trainer and engine are to bare transformers.
+
+Three parts, one run, on the embedded SmolLM2-135M-Instruct:
+
+1. Kernels against bare transformers, at the precision ``auto`` picks on this machine:
+   - trainer_vs_bare: one `Trainer.step` (GRPO with importance weights, micro batches, AdamW)
+     over real completions against a bare transformers step on the same tokens: the same micro
+     batches through ``model(input_ids, attention_mask, labels=...)``, backward and an AdamW
+     step, under the same autocast. Every sample gets a non-zero advantage, so the trainer runs
+     backward on all of them, as the bare step does. Target <= 1.3.
+   - engine_vs_hf_generate: the native engine's tokens/s against ``model.generate`` at the same
+     batch (the demo's decode batch), dtype and length (every row decodes max_new_tokens: no
+     stop tokens; sampling at temperature 1, no top-k/top-p). Target >= 1.0.
+2. The demo preset's round (generate, gossip with 2 peers, train, sync) as a real 3-node swarm
+   of `hivespec join` processes on 127.0.0.1 (bench/swarm_harness.py), once per precision:
+   ``auto`` (the default), ``bf16`` (engine bfloat16 + bf16 autocast: the old default) and
+   ``fp32`` (engine float32, no autocast), one after the other, never together. Per-phase
+   seconds are the mean over the 3 nodes; rounds after the first are the steady state (the
+   first also waits for the slowest node to start). Speculation is off unless --speculation
+   (it is lossless and benched in bench/spec_rollout.py; its one-time calibration would
+   otherwise be part of the first start).
+3. What ``auto`` chose on this machine, with its measured reason (node-0's ready event).
+
+    python bench/round_time.py --quick   # 1 prompt x 4 completions x 16 tokens, 1 round per setting: < 3 min
+    python bench/round_time.py           # the demo preset as shipped, 2 rounds per setting
+
+Ends with ``RESULT {"round_s_auto", "round_s_bf16", "round_s_fp32", "trainer_vs_bare", "engine_vs_hf_generate", ...}``.
+Run it alone (``/work/shared/tools/heavy``): it measures wall time on all cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from swarm_harness import SwarmNode, prepare_model, wait_ready
+
+PRECISIONS = {  # name: (model.engine_dtype, model.autocast)
+    "auto": ("auto", "auto"),
+    "bf16": ("bfloat16", "true"),
+    "fp32": ("float32", "false"),
+}
+PHASES = ("rollout", "gossip", "train", "sync", "round")
+NODES = 3
+
+
+class DemoNode(SwarmNode):
+    preset: ClassVar[str] = "demo"
+    join_flags: ClassVar[tuple[str, ...]] = ("--linger", "0")  # rounds come from --set rounds=N
+
+
+# ----- part 1: trainer and engine against bare transformers -----------------------------------
+
+
+def _prompts(count: int) -> list[list[int]]:
+    from hivespec.node.config import load_config
+    from hivespec.node.model import load_tokenizer
+    from hivespec.node.tasks.source import TaskSource
+
+    tokenizer = load_tokenizer()
+    tasks = TaskSource.from_config(load_config("demo", environ={}).tasks)
+    return [tasks.chat_prompt_ids(tokenizer, task) for task in tasks.prompts(seed=1, round=0, count=count)]
+
+
+def engine_vs_generate(model, dtype, prompts: list[list[int]], batch: int, new_tokens: int, repeats: int) -> dict:
+    """Best tokens/s of TorchEngine.generate and of model.generate on the same left-padded batch, dtype and length."""
+    import torch
+
+    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
+
+    engine_model = model.to(dtype).eval().requires_grad_(False)
+    engine = TorchEngine(engine_model, max_batch_size=batch)
+    requests = [GenerationRequest(tuple(prompts[i % len(prompts)]), seed=3, sample_index=i) for i in range(batch)]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop_token_ids=())
+    width = max(len(r.prompt_ids) for r in requests)
+    input_ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for i, r in enumerate(requests):
+        input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+        mask[i, width - len(r.prompt_ids):] = 1
+    tokens = batch * new_tokens
+    best_engine = best_hf = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        samples = engine.generate(requests, params)
+        best_engine = min(best_engine, time.perf_counter() - start)
+        assert sum(len(s.completion_ids) for s in samples) == tokens
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = engine_model.generate(
+                input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+            )
+        best_hf = min(best_hf, time.perf_counter() - start)
+        assert out.shape[1] == width + new_tokens
+    return {
+        "batch": batch, "new_tokens": new_tokens, "dtype": str(dtype).removeprefix("torch."),
+        "engine_tokens_per_s": round(tokens / best_engine, 1), "hf_generate_tokens_per_s": round(tokens / best_hf, 1),
+        "engine_vs_hf_generate": round(best_hf / best_engine, 3),
+    }
+
+
+def trainer_vs_bare(model, autocast, samples, micro_batch: int, repeats: int) -> dict:
+    """Best seconds of Trainer.step and of a bare transformers step (forward with labels, backward, AdamW) on the same tokens."""
+    import torch
+
+    from hivespec.node.trainer import Trainer
+
+    trainer = Trainer(model, learning_rate=1e-7, micro_batch_size=micro_batch, autocast_dtype=autocast)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
+    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))  # the trainer's batching
+    batches = []
+    for start in range(0, len(ordered), micro_batch):
+        chunk = ordered[start:start + micro_batch]
+        width = max(len(s.prompt_ids) + len(s.completion_ids) for s in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        labels = torch.full_like(ids, -100)
+        for row, s in enumerate(chunk):
+            tokens = list(s.prompt_ids) + list(s.completion_ids)
+            ids[row, :len(tokens)] = torch.tensor(tokens)
+            mask[row, :len(tokens)] = 1
+            labels[row, len(s.prompt_ids):len(tokens)] = torch.tensor(list(s.completion_ids))
+        batches.append((ids, mask, labels))
+
+    def bare_step() -> None:
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        for ids, mask, labels in batches:
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+        optimizer.step()
+        model.eval()
+
+    best_trainer = best_bare = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        stats = trainer.step(samples)
+        best_trainer = min(best_trainer, time.perf_counter() - start)
+        assert stats.trained_samples == len(samples), stats
+        start = time.perf_counter()
+        bare_step()
+        best_bare = min(best_bare, time.perf_counter() - start)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    return {
+        "samples": len(samples), "tokens": tokens, "micro_batch": micro_batch,
+        "autocast": "bfloat16" if autocast is not None else "off",
+        "trainer_step_s": round(best_trainer, 3), "bare_step_s": round(best_bare, 3),
+        "trainer_vs_bare": round(best_trainer / best_bare, 3),
+    }
+
+
+def kernel_comparison(args: argparse.Namespace, batch: int, threads: int) -> dict:
+    """Part 1, at the precision auto picks here; the parent frees the model before the swarms start."""
+    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
+    from hivespec.node.model import configure_threads, load_model
+    from hivespec.node.precision import decode_batch, resolve_precision, train_rows
+    from hivespec.node.trainer import TrainSample
+
+    configure_threads(threads)
+    model = load_model()
+    plan = resolve_precision(
+        model.config, engine_dtype="auto", autocast="auto", train_dtype="float32", device="cpu",
+        batch=decode_batch(1, batch, batch), rows=train_rows(8, args.max_new_tokens), threads=threads,
+    )
+    print(f"precision auto at {threads} thread(s): {plan.describe()}", flush=True)
+    prompts = _prompts(max(1, batch // 4))
+    # Real completions to train on: the policy's own samples, with rewards 0/1 alternating in each
+    # group so every sample has an advantage and the trainer runs backward on all of them.
+    sampler = TorchEngine(model.eval(), max_batch_size=batch)
+    requests = [GenerationRequest(tuple(prompts[i // 4 % len(prompts)]), seed=5, sample_index=i) for i in range(args.train_samples)]
+    drawn = sampler.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens))
+    samples = [
+        TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, reward=float(i % 2), group=str(i // 4))
+        for i, s in enumerate(drawn)
+    ]
+    train = trainer_vs_bare(model.requires_grad_(True), plan.trainer.dtype, samples, 8, args.repeats)
+    print(f"trainer vs bare: {json.dumps(train)}", flush=True)
+    engine = engine_vs_generate(model, plan.engine.dtype, prompts, batch, args.max_new_tokens, args.repeats)
+    print(f"engine vs model.generate: {json.dumps(engine)}", flush=True)
+    del model, sampler
+    gc.collect()
+    return {"precision": plan.describe(), "trainer": train, "engine": engine}
+
+
+# ----- part 2: the demo round per precision ------------------------------------------------------
+
+
+def node_sets(args: argparse.Namespace, precision: str, index: int) -> list[str]:
+    engine_dtype, autocast = PRECISIONS[precision]
+    sets = [
+        f"model.engine_dtype={engine_dtype}", f"model.autocast={autocast}", f"rounds={args.rounds}", f"seed={1000 + index}",
+        f"swarm.swarm=round-time-{precision}", f"swarm.expected_peers={NODES - 1}", "status.enabled=false",
+        f"speculation.enabled={'true' if args.speculation else 'false'}",
+    ]
+    if args.quick:
+        sets += [f"rollout.prompts_per_round={args.prompts}", f"rollout.num_generations={args.generations}",
+                 f"rollout.max_completion_length={args.max_new_tokens}"]
+    return sets
+
+
+def run_swarm(args: argparse.Namespace, precision: str, root: Path) -> dict:
+    """Start 3 nodes with one precision setting, wait for their rounds, return per-phase means and auto's reason."""
+    folder = root / precision
+    nodes = [DemoNode(f"node-{i}", folder / f"node-{i}", node_sets(args, precision, i), local_nodes=NODES) for i in range(NODES)]
+    started = time.monotonic()
+    nodes[0].start([])
+    first = wait_ready(nodes[0], timeout=args.timeout)
+    for node in nodes[1:]:
+        node.start(first)
+    try:
+        for node in nodes[1:]:
+            wait_ready(node, timeout=args.timeout)
+        ready_s = time.monotonic() - started
+        deadline = time.monotonic() + args.timeout
+        while any(n.alive() for n in nodes) and time.monotonic() < deadline:
+            for node in nodes:
+                for event in node.poll():
+                    if event["event"] == "round":
+                        s = event.get("seconds", {})
+                        print(f"  {precision} {node.name} round {event['round']}: "
+                              + " ".join(f"{p} {s.get(p, 0):.1f}s" for p in PHASES), flush=True)
+            time.sleep(0.5)
+        for node in nodes:
+            node.poll()
+    finally:
+        for node in nodes:
+            node.stop(timeout=30)
+    rounds = {node.name: node.rounds() for node in nodes}
+    missing = [name for name, r in rounds.items() if len(r) < args.rounds]
+    if missing:
+        tail = nodes[0].log_text()[-2000:]
+        raise RuntimeError(f"{precision}: {missing} finished fewer than {args.rounds} rounds in {args.timeout:.0f} s:\n{tail}")
+    steady = [e for r in rounds.values() for e in r if e["round"] >= 1] or [e for r in rounds.values() for e in r]
+    first_round = [e for r in rounds.values() for e in r if e["round"] == 0]
+
+    def mean(events: list[dict], phase: str) -> float:
+        return round(sum(e["seconds"].get(phase, 0.0) for e in events) / len(events), 2)
+
+    chosen = next((e.get("precision", "") for e in nodes[0].events if e["event"] == "ready"), "")
+    return {
+        "ready_s": round(ready_s, 1),
+        "phases": {p: mean(steady, p) for p in PHASES},
+        "first_round": {p: mean(first_round, p) for p in PHASES},
+        "accepted": [sum(e["accepted"] for e in r) for r in rounds.values()],
+        "chosen": chosen,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 prompt x 4 completions x 16 tokens, 1 round per setting (< 3 min)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per setting (default 2; --quick 1)")
+    parser.add_argument("--precisions", default="auto,bf16,fp32", help="settings to run, comma-separated")
+    parser.add_argument("--speculation", action="store_true", help="keep speculative rollouts on (off by default)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per swarm before giving up")
+    parser.add_argument("--workdir", default=None, help="folder for the nodes' homes and logs (default: a temp dir, removed)")
+    args = parser.parse_args()
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    # --quick shrinks the round's work; the full run is the demo preset as shipped (4 x 4 x 48).
+    args.prompts, args.generations, args.max_new_tokens = (1, 4, 16) if args.quick else (4, 4, 48)
+    args.train_samples = 8 if args.quick else 16
+    args.repeats = 1 if args.quick else 2
+    threads = max(1, (os.cpu_count() or 1) // NODES)  # what each demo node gets
+    batch = args.prompts * args.generations
+
+    import torch
+
+    from hivespec.node.precision import cpu_facts
+
+    facts = cpu_facts()
+    print(f"machine: {facts['cpu']}, torch {torch.__version__} capability {facts['capability']}, "
+          f"native bf16 flags {facts['native_bf16_flags'] or 'none'}, {os.cpu_count()} cores, {threads} thread(s) per node", flush=True)
+    started = time.perf_counter()
+    prepare_model()
+    kernels = kernel_comparison(args, batch, threads)
+
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="round-time-"))
+    swarms = {}
+    try:
+        for precision in args.precisions.split(","):
+            print(f"swarm {precision}: 3 nodes, {args.rounds} round(s)", flush=True)
+            swarms[precision] = run_swarm(args, precision, root)
+            print(f"swarm {precision}: {json.dumps(swarms[precision])}", flush=True)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\nper-phase seconds (mean of {NODES} nodes, {'rounds >= 1' if args.rounds > 1 else 'round 0'}):")
+    print(f"{'precision':<10}" + "".join(f"{p:>10}" for p in PHASES))
+    for precision, result in swarms.items():
+        print(f"{precision:<10}" + "".join(f"{result['phases'][p]:>10.1f}" for p in PHASES))
+    if "auto" in swarms:
+        print(f"auto chose: {swarms['auto']['chosen']}")
+    result = {
+        "round_s_auto": swarms.get("auto", {}).get("phases", {}).get("round"),
+        "round_s_bf16": swarms.get("bf16", {}).get("phases", {}).get("round"),
+        "round_s_fp32": swarms.get("fp32", {}).get("phases", {}).get("round"),
+        "trainer_vs_bare": kernels["trainer"]["trainer_vs_bare"],
+        "engine_vs_hf_generate": kernels["engine"]["engine_vs_hf_generate"],
+        "phases": {p: r["phases"] for p, r in swarms.items()},
+        "auto_chose": swarms.get("auto", {}).get("chosen", kernels["precision"]),
+        "cpu": facts["cpu"], "capability": facts["capability"], "native_bf16_flags": facts["native_bf16_flags"],
+        "torch": torch.__version__, "threads_per_node": threads, "quick": args.quick,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
