@@ -163,14 +163,15 @@ def kernel_comparison(args: argparse.Namespace, batch: int, threads: int) -> dic
     """Part 1, at the precision auto picks here; the parent frees the model before the swarms start."""
     from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
     from hivespec.node.model import configure_threads, load_model
-    from hivespec.node.precision import decode_batch, resolve_precision, train_rows
+    from hivespec.node.precision import decode_batch, resolve_precision, train_rows, weight_sample
     from hivespec.node.trainer import TrainSample
 
     configure_threads(threads)
     model = load_model()
-    plan = resolve_precision(
+    plan = resolve_precision(  # what a demo node decides (the same cache entries)
         model.config, engine_dtype="auto", autocast="auto", train_dtype="float32", device="cpu",
         batch=decode_batch(1, batch, batch), rows=train_rows(8, args.max_new_tokens), threads=threads,
+        new_tokens=args.max_new_tokens, sequences=batch, learning_rate=args.learning_rate, weights=weight_sample(model),
     )
     print(f"precision auto at {threads} thread(s): {plan.describe()}", flush=True)
     prompts = _prompts(max(1, batch // 4))
@@ -269,6 +270,9 @@ def main() -> int:
     # --quick shrinks the round's work; the full run is the demo preset as shipped (4 x 4 x 48).
     args.prompts, args.generations, args.max_new_tokens = (1, 4, 16) if args.quick else (4, 4, 48)
     args.train_samples = 8 if args.quick else 16
+    from hivespec.node.config import load_config
+
+    args.learning_rate = load_config("demo", environ={}).train.learning_rate
     args.repeats = 1 if args.quick else 2
     threads = max(1, (os.cpu_count() or 1) // NODES)  # what each demo node gets
     batch = args.prompts * args.generations

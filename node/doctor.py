@@ -143,19 +143,24 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
 
     WARN where an explicit setting is one this device runs slower than the alternative.
     """
-    from hivespec.node.precision import architecture_config, decode_batch, resolve_precision, train_rows
+    from hivespec.node.model import load_model
+    from hivespec.node.precision import decode_batch, resolve_precision, train_rows, weight_sample
 
     model, rollout = config.model, config.rollout
     threads = model.threads or max(1, os.cpu_count() or 1)
     torch.set_num_threads(threads)
     try:
-        architecture = architecture_config(model.name)
+        loaded = load_model(model.name)  # the sync estimate samples its real weights, as a node's does
     except (OSError, ValueError) as exc:
-        return Check("precision", "skip", f"the model's config is unreadable ({exc}); see the model line")
+        return Check("precision", "skip", f"the model does not load ({exc}); see the model line")
+    architecture, weights = loaded.config, weight_sample(loaded)
+    del loaded
     settings = {
         "train_dtype": model.train_dtype, "device": model.device, "threads": threads,
         "batch": decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
         "rows": train_rows(config.train.micro_batch_size, rollout.max_completion_length), "cache": cache,
+        "new_tokens": rollout.max_completion_length, "sequences": rollout.prompts_per_round * rollout.num_generations,
+        "learning_rate": config.train.learning_rate, "weights": weights,
     }
     chosen = resolve_precision(architecture, engine_dtype=model.engine_dtype, autocast=model.autocast, **settings)
     best = resolve_precision(architecture, engine_dtype="auto", autocast="auto", **settings)

@@ -245,11 +245,51 @@ def measure_training(shape: ModelShape, rows: int, *, budget_s: float = _MEASURE
     return {name: seconds * shape.layers * rows / measured_rows for name, seconds in best.items()}
 
 
+def weight_sample(model: torch.nn.Module, elements: int = 1 << 18) -> torch.Tensor:
+    """About ``elements`` float32 weights strided over every parameter: the model's magnitude mix, for `measure_sync`."""
+    params = [p.detach().float().flatten() for p in model.parameters()]
+    stride = max(1, sum(p.numel() for p in params) // elements)
+    return torch.cat([p[::stride] for p in params])[:elements].cpu()
+
+
+def measure_sync(params: int, learning_rate: float, weights: torch.Tensor | None = None) -> dict[str, float]:
+    """Estimated seconds of one trainer -> engine weight sync after an optimizer step: float32 vs bfloat16 engine.
+
+    Runs the real `WeightSync` (build, encode, decode, apply, hash) on a sample of the model's
+    ``weights`` (`weight_sample`; default 2**18 draws of N(0, 0.02)) after an Adam-sized step
+    (``learning_rate`` on every element) and scales to ``params``. A float32 engine sees every
+    element change, a bf16 one only those whose rounding moved: the delta codec's cost can
+    outweigh bf16's slower decode on a CPU without native bf16.
+    """
+    from hivespec.node.sync import WeightSync
+
+    generator = torch.Generator().manual_seed(0)
+    if weights is None:
+        weights = torch.randn(1 << 18, generator=generator) * 0.02
+    elements = weights.numel() // 512 * 512
+    trainer = torch.nn.Linear(elements // 512, 512, bias=False)
+    with torch.no_grad():
+        trainer.weight.copy_(weights[:elements].reshape(trainer.weight.shape))
+    base = trainer.weight.detach().clone()
+    step = learning_rate * torch.sign(torch.randn(trainer.weight.shape, generator=generator))
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            trainer.weight.copy_(base)
+        sync = WeightSync(trainer, {"weight": base.to(dtype).clone()})
+        with torch.no_grad():
+            trainer.weight.add_(step)
+        mark = time.perf_counter()
+        sync.sync(1)
+        seconds[_DTYPE_NAMES[dtype]] = (time.perf_counter() - mark) * params / elements
+    return seconds
+
+
 # ----- the cache ----------------------------------------------------------------------------
 
 
-def measurement_key(role: Role, shape: ModelShape, size: int, threads: int, facts: dict[str, Any]) -> str:
-    """What a measurement depends on: role, shapes, batch (or rows), threads and the machine."""
+def measurement_key(role: str, shape: ModelShape, size: float, threads: int, facts: dict[str, Any]) -> str:
+    """What a measurement depends on: role, shapes, batch (rows, learning rate), threads and the machine."""
     return json.dumps([_CACHE_FORMAT, role, asdict(shape), size, threads, facts], sort_keys=True)
 
 
@@ -262,7 +302,7 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 
 def cached_measurement(
-    role: Role, shape: ModelShape, size: int, threads: int, cache: Path | None, measure: Callable[[], dict[str, float]]
+    role: str, shape: ModelShape, size: float, threads: int, cache: Path | None, measure: Callable[[], dict[str, float]]
 ) -> tuple[dict[str, float], bool]:
     """``(seconds by dtype, from_cache)``: the cached timings for this key, else ``measure()`` written back.
 
@@ -327,9 +367,15 @@ def _cuda_bf16(device: torch.device) -> tuple[bool, str]:
 
 
 def decide_engine(
-    requested: str, shape: ModelShape, *, device: str, batch: int, threads: int, cache: Path | None
+    requested: str, shape: ModelShape, *, device: str, batch: int, threads: int, cache: Path | None,
+    steps: int = 0, learning_rate: float | None = None, weights: torch.Tensor | None = None,
 ) -> PrecisionChoice:
-    """The engine's weight dtype: ``requested`` unless it is "auto" (see the module docstring)."""
+    """The engine's weight dtype: ``requested`` unless it is "auto" (see the module docstring).
+
+    With ``steps`` (decode steps per round) and ``learning_rate`` (float32 master weights) a CPU
+    compares whole rounds: decode steps plus one weight sync, whose delta is dense for a float32
+    engine and sparse for a bf16 one. Without them it compares one decode step.
+    """
     if requested != "auto":
         return PrecisionChoice("engine", DTYPES[requested], "explicit", "model.engine_dtype in the config")
     kind = torch.device(device)
@@ -339,9 +385,19 @@ def decide_engine(
     if kind.type != "cpu":
         return PrecisionChoice("engine", torch.float32, "fallback", f"no measurement for device type {kind.type!r}; float32 runs everywhere")
     seconds, cached = cached_measurement("engine", shape, batch, threads, cache, lambda: measure_decode(shape, batch))
-    bf16 = _pick(seconds)
     reason = (f"decode step at batch {batch}, {threads} thread{'s' if threads != 1 else ''}: float32 {_ms(seconds['float32'])}, "
-              f"bfloat16 {_ms(seconds['bfloat16'])}; {_evidence(cpu_facts())}")
+              f"bfloat16 {_ms(seconds['bfloat16'])}")
+    if steps and learning_rate:
+        params = shape.layers * shape.layer_params() + shape.vocab * shape.hidden
+        sync, sync_cached = cached_measurement(
+            "sync", shape, learning_rate, threads, cache, lambda: measure_sync(params, learning_rate, weights)
+        )
+        cached = cached and sync_cached
+        seconds = {name: steps * seconds[name] + sync[name] for name in seconds}
+        reason += (f"; weight sync after a step: float32 {_ms(sync['float32'])}, bfloat16 {_ms(sync['bfloat16'])}; "
+                   f"a round of {steps} steps + sync: float32 {_ms(seconds['float32'])}, bfloat16 {_ms(seconds['bfloat16'])}")
+    bf16 = _pick(seconds)
+    reason += f"; {_evidence(cpu_facts())}"
     return PrecisionChoice("engine", torch.bfloat16 if bf16 else torch.float32, "cached" if cached else "measured", reason)
 
 
@@ -390,30 +446,28 @@ def resolve_precision(
     rows: int,
     threads: int | None = None,
     cache: Path | None | Literal["default"] = "default",
+    new_tokens: int = 0,
+    sequences: int = 0,
+    learning_rate: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> PrecisionPlan:
     """Decide both roles for a model (its transformers config) on ``device``; see the module docstring.
 
     ``batch`` is the engine's decode batch (`decode_batch`), ``rows`` the tokens of a training
     micro batch (`train_rows`), ``threads`` torch's intra-op threads (default: the current
-    setting). ``cache=None`` measures without reading or writing the cache.
+    setting). With ``new_tokens`` (max completion length), ``sequences`` (per round) and
+    ``learning_rate`` the engine's choice weighs a round's decoding plus its weight sync, measured
+    on ``weights`` (`weight_sample` of the model; default: synthetic).
+    ``cache=None`` measures without reading or writing the cache.
     """
     shape = ModelShape.of(model_config)
     threads = threads if threads is not None else torch.get_num_threads()
     where = default_cache_path() if cache == "default" else cache
-    engine = decide_engine(engine_dtype, shape, device=device, batch=batch, threads=threads, cache=where)
+    steps = new_tokens * max(1, math.ceil(sequences / batch)) if new_tokens else 0
+    engine = decide_engine(engine_dtype, shape, device=device, batch=batch, threads=threads, cache=where, steps=steps,
+                           learning_rate=learning_rate if train_dtype == "float32" else None, weights=weights)
     trainer = decide_trainer(autocast, train_dtype, shape, device=device, rows=rows, threads=threads, cache=where)
     return PrecisionPlan(engine, trainer)
-
-
-def architecture_config(model_name: str) -> Any:
-    """The transformers config of a configured model without loading its weights (for `hivespec doctor`)."""
-    from transformers import AutoConfig
-
-    from hivespec.node import model as models
-
-    if model_name == models.TINY_MODEL:
-        return models.tiny_config(models.load_tokenizer(models.TINY_MODEL))
-    return AutoConfig.from_pretrained(str(models._resolve_folder(model_name)), local_files_only=True)
 
 
 def follower_engine_dtype(config: Any, model_config: Any) -> torch.dtype:

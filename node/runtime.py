@@ -38,7 +38,7 @@ from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.peers import PeerScores
-from hivespec.node.precision import PrecisionPlan, decode_batch, resolve_precision, train_rows
+from hivespec.node.precision import PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
 from hivespec.node.speculation import LengthAwarePolicy, build_speculation
 from hivespec.node.status import RunControl, StatusBoard
 from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
@@ -700,14 +700,14 @@ def _to_train_sample(rollout: Rollout, source: str) -> TrainSample:
     )
 
 
-def _resolve_precision(config: NodeConfig, model_config: object, threads: int) -> tuple[NodeConfig, PrecisionPlan]:
+def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threads: int) -> tuple[NodeConfig, PrecisionPlan]:
     """Decide model.engine_dtype and model.autocast where they are "auto" (node/precision.py).
 
     Returns the config with both made concrete, so every part built after sees the dtype it runs.
     """
     model, rollout = config.model, config.rollout
     plan = resolve_precision(
-        model_config,
+        trainer_model.config,
         engine_dtype=model.engine_dtype,
         autocast=model.autocast,
         train_dtype=model.train_dtype,
@@ -715,6 +715,10 @@ def _resolve_precision(config: NodeConfig, model_config: object, threads: int) -
         batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
         rows=train_rows(config.train.micro_batch_size, rollout.max_completion_length),
         threads=threads,
+        new_tokens=rollout.max_completion_length,
+        sequences=rollout.prompts_per_round * rollout.num_generations,
+        learning_rate=config.train.learning_rate,
+        weights=weight_sample(trainer_model),
     )
     log.info("precision: %s", plan.describe())
     resolved = replace(model, engine_dtype=plan.engine_dtype_name, autocast=plan.trainer.dtype is not None)
@@ -741,7 +745,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
 
     tokenizer = load_tokenizer(config.model.name)
     trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device)
-    config, precision = _resolve_precision(config, trainer_model.config, threads)
+    config, precision = _resolve_precision(config, trainer_model, threads)
     engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)

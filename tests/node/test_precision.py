@@ -41,12 +41,14 @@ def _resolve(tiny, cache, **overrides):
     return resolve_precision(tiny, **{**settings, **overrides})
 
 
-def _seed_cache(path: Path, tiny, *, engine: tuple[float, float], trainer: tuple[float, float], batch=16, rows=256) -> None:
+def _seed_cache(path: Path, tiny, *, engine: tuple[float, float], trainer: tuple[float, float], batch=16, rows=256,
+                sync: tuple[float, float] = (0.0, 0.0), learning_rate: float = 1e-3) -> None:
     """Write (float32, bfloat16) seconds per role under the keys this machine's node would look up."""
     shape, facts = ModelShape.of(tiny), cpu_facts()
     data = {
         measurement_key("engine", shape, batch, THREADS, facts): {"float32": engine[0], "bfloat16": engine[1]},
         measurement_key("trainer", shape, rows, THREADS, facts): {"float32": trainer[0], "bfloat16": trainer[1]},
+        measurement_key("sync", shape, learning_rate, THREADS, facts): {"float32": sync[0], "bfloat16": sync[1]},
     }
     path.write_text(json.dumps(data))
 
@@ -76,7 +78,7 @@ def test_auto_measures_once_then_reads_the_machine_cache(tiny, tmp_path):
     for choice in (first.engine, first.trainer):
         assert "float32" in choice.reason and "bfloat16" in choice.reason and cpu_facts()["cpu"] in choice.reason
     entries = json.loads(cache.read_text())
-    assert len(entries) == 2 and all({"float32", "bfloat16"} <= set(e) for e in entries.values())
+    assert len(entries) == 2 and all({"float32", "bfloat16"} <= set(e) for e in entries.values())  # no sync term asked
     second = _resolve(tiny, cache)
     assert second.engine.source == second.trainer.source == "cached"
     assert (second.engine.dtype, second.trainer.dtype) == (first.engine.dtype, first.trainer.dtype)
@@ -103,6 +105,29 @@ def test_auto_follows_the_measured_numbers(tiny, tmp_path, engine, trainer, engi
     assert plan.engine.dtype == engine_dtype and plan.trainer.dtype == autocast
     assert f"float32 {engine[0] * 1e3:.0f} ms" in plan.engine.reason
     assert 0.95 > BF16_MARGIN
+
+
+def test_a_dense_float32_sync_can_outweigh_slower_bf16_decoding(tiny, tmp_path):
+    """A float32 engine gets a dense delta after every step; the round, not one decode step, decides."""
+    cache = tmp_path / "precision.json"
+    _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), sync=(110.0, 9.0))
+    per_step = _resolve(tiny, cache)
+    assert per_step.engine.dtype == torch.float32  # decode alone: float32
+    per_round = _resolve(tiny, cache, new_tokens=48, sequences=16, learning_rate=1e-3)
+    assert per_round.engine.dtype == torch.bfloat16 and per_round.engine.source == "cached"
+    assert "weight sync after a step: float32 110.0 s, bfloat16 9.0 s" in per_round.engine.reason
+    assert "a round of 48 steps + sync" in per_round.engine.reason
+    # float64 master weights: no sync term (the bf16 sparsity argument is about float32 masters).
+    assert _resolve(tiny, cache, new_tokens=48, sequences=16, learning_rate=1e-3, train_dtype="float64").engine.dtype == torch.float32
+
+
+def test_sync_measurement_runs_the_real_weight_sync(tiny):
+    from hivespec.node.model import load_model
+    from hivespec.node.precision import measure_sync, weight_sample
+
+    weights = weight_sample(load_model("tiny"), elements=1 << 14)
+    seconds = measure_sync(10**6, 1e-3, weights)
+    assert set(seconds) == {"float32", "bfloat16"} and all(v > 0 for v in seconds.values())
 
 
 def test_a_corrupt_cache_is_measured_over(tiny, tmp_path):
@@ -156,7 +181,8 @@ def test_doctor_warns_when_an_explicit_dtype_is_the_slower_one_here(tiny, tmp_pa
                                             "model.threads": str(THREADS), "rollout.prompts_per_round": "4",
                                             "rollout.max_completion_length": "48"}, environ={})
     batch, rows = decode_batch(4, 4, 16), train_rows(8, 48)
-    _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=batch, rows=rows)
+    _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=batch, rows=rows,
+                sync=(1.0, 1.0), learning_rate=config.train.learning_rate)
     check = check_precision(config, cache=cache)
     assert check.status == "warn"
     assert "set model.engine_dtype: auto" in check.detail and "set model.autocast: auto" in check.detail
