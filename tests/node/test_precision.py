@@ -190,3 +190,20 @@ def test_doctor_warns_when_an_explicit_dtype_is_the_slower_one_here(tiny, tmp_pa
                                           "rollout.prompts_per_round": "4", "rollout.max_completion_length": "48"}, environ={})
     check = check_precision(auto, cache=cache)
     assert check.status == "ok" and "engine float32 (cached" in check.detail and "trainer float32 (cached" in check.detail
+
+
+def test_status_snapshot_carries_the_choice_and_older_snapshots_still_decode():
+    from hivespec.dashboard.text import render_text
+    from hivespec.protocol.status import STATUS_VERSION, NodeInfo, StatusSnapshot, decode_status, encode_status
+
+    info = NodeInfo(name="n", peer_id="hs00", swarm="s", engine_dtype="bfloat16", train_precision="float32",
+                    engine_dtype_reason="measured: a round of 48 steps + sync: float32 78 s, bfloat16 52 s",
+                    train_precision_reason="measured: forward+backward of 896 tokens: float32 5.7 s, bfloat16 autocast 117 s")
+    snapshot = StatusSnapshot(version=STATUS_VERSION, time=1.0, node=info)
+    verdict, decoded = decode_status(encode_status(snapshot))
+    assert verdict.ok and decoded == snapshot
+    text = render_text(decoded)
+    assert "precision: engine bfloat16, trainer float32" in text and "float32 78 s, bfloat16 52 s" in text
+    older = json.dumps({"version": STATUS_VERSION, "time": 1.0, "node": {"name": "n", "peer_id": "hs00", "swarm": "s"}})
+    verdict, decoded = decode_status(older.encode())
+    assert verdict.ok and decoded.node.engine_dtype == "" and "precision:" not in render_text(decoded)
