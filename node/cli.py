@@ -56,12 +56,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     config = _config(args)
     events = _EventLog(Path(args.events)) if args.events else None
     logging.getLogger(__name__).info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
+    phases = _PhaseLog(events)
     try:
-        node = build_node(config, local_nodes=args.local_nodes)
+        node = build_node(config, local_nodes=args.local_nodes, on_phase=phases)
     except IdentityInUse as exc:
         print(f"hivespec: {exc}", file=sys.stderr)
         return 3
-    _stop_between_rounds(node)
+    _stop_at_safe_point(node)
+    _stop_with_parent()
     try:
         status_url = node.serve_status()
         ready = {
@@ -86,24 +88,60 @@ def cmd_join(args: argparse.Namespace) -> int:
         node.run(on_report)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        if node.stop_report:
+            print(f"hivespec: {node.name}: {node.stop_report}", file=sys.stderr, flush=True)
         if events:
+            if node.control.stopping:
+                events.write({"event": "stopped", "name": node.name, "detail": node.stop_report or "stopped after a round"})
             events.write({"event": "done", "name": node.name})
         if not node.control.stopping:
+            phases("done", "serving its last batch to peers until stopped" if args.linger < 0 else "")
             _linger(args.linger)
     finally:
         node.close()
     return 0
 
 
-def _stop_between_rounds(node) -> None:
-    """First SIGINT/SIGTERM: finish the round, save a checkpoint, exit. A second one exits at once."""
+PARENT_ENV = "HIVESPEC_DEMO_PARENT"  # pid of the demo parent that started this node
+
+
+def _stop_with_parent() -> None:
+    """A demo node: SIGTERM (a stop at the next safe point) when the demo parent dies (Linux prctl)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != parent:  # the parent died before the line above: stop now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _PhaseLog:
+    """`on_phase` for a node: each phase as a JSON-lines event (the demo parent prints them) and a log line."""
+
+    def __init__(self, events: _EventLog | None) -> None:
+        self._events = events
+        self._log = logging.getLogger("hivespec.node")
+
+    def __call__(self, phase: str, detail: str = "") -> None:
+        self._log.info("%s%s", phase, f": {detail}" if detail else "")
+        if self._events is not None:
+            self._events.write({"event": "phase", "phase": phase, "detail": detail})
+
+
+def _stop_at_safe_point(node) -> None:
+    """First SIGINT/SIGTERM: stop at the round's next safe point (seconds), save a checkpoint where
+    configured, exit. A second one exits at once."""
 
     def handler(signum: int, _frame) -> None:
         if node.control.stopping:
+            print(f"hivespec: {signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
             raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        saving = node.checkpoints is not None and node.config.checkpoint.at_exit
         print(
-            f"hivespec: {signal.Signals(signum).name}: finishing round {node.next_round} and saving a checkpoint "
-            "(send it again to stop at once)",
+            f"hivespec: {signal.Signals(signum).name}: stopping at the next safe point of round {node.next_round}"
+            f"{' and saving a checkpoint' if saving else ''} (send it again to exit at once)",
             file=sys.stderr,
             flush=True,
         )
