@@ -134,7 +134,7 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
         assert drafter.session([1, 2, 3]).propose([4, 5], 4).tokens in ([6], [7])  # never the later row's 8
         model = load_model("tiny", dtype=torch.float32)
         engine = TorchEngine(model, max_batch_size=2)
-        build = dict(model_config=model.config, dtype="float32", device="cpu", max_batch_size=2, cache_folder=tmp_path / "cache")
+        build = {"model_config": model.config, "dtype": "float32", "device": "cpu", "max_batch_size": 2, "cache_folder": tmp_path / "cache"}
         drafter, policy, calibration = build_speculation(SpeculationConfig(rebuild_rollouts=10), engine, store, **build)
     assert drafter.observed == 3
     # No cached curve: the policy starts inactive and the engine decodes plainly until it is measured.
