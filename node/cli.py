@@ -14,8 +14,9 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
-from hivespec.node.config import ConfigError, NodeConfig, describe, load_config, node_home, parse_override
+from hivespec.node.config import ConfigError, InputError, NodeConfig, describe, load_config, node_home, parse_override
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
@@ -51,9 +52,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> N
 
 def cmd_join(args: argparse.Namespace) -> int:
     from hivespec.node.bootstrap import IdentityInUse
+    from hivespec.node.gossip import GossipError
+    from hivespec.node.inputs import check_swarm_inputs
     from hivespec.node.runtime import build_node
 
     config = _config(args)
+    check_swarm_inputs(config)
     events = _EventLog(Path(args.events)) if args.events else None
     logging.getLogger(__name__).info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
     phases = _PhaseLog(events)
@@ -62,6 +66,9 @@ def cmd_join(args: argparse.Namespace) -> int:
     except IdentityInUse as exc:
         print(f"hivespec: {exc}", file=sys.stderr)
         return 3
+    except GossipError as exc:  # nothing to join through (port taken, peers unreachable): the user's input
+        print(f"hivespec join: {exc}", file=sys.stderr)
+        return 2
     _stop_at_safe_point(node)
     _stop_with_parent()
     try:
@@ -153,8 +160,10 @@ def _stop_at_safe_point(node) -> None:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from hivespec.node.doctor import run_checks
+    from hivespec.node.inputs import check_swarm_inputs
 
     config = _config(args)
+    check_swarm_inputs(config)
     checks = run_checks(config, network=not args.offline, timeout=args.timeout,
                         on_check=None if args.json else lambda check: print(check.line(), flush=True))
     failed = [c for c in checks if c.status == "fail"]
@@ -216,6 +225,12 @@ def _linger(seconds: float) -> None:
 
 def cmd_follow(args: argparse.Namespace) -> int:
     from hivespec.node.follower import run_follower
+    from hivespec.node.gossip import GossipError
+    from hivespec.node.inputs import check_leader, check_swarm_inputs
+
+    config = _config(args)
+    check_leader(args.leader)
+    check_swarm_inputs(config)
 
     def on_report(report, follower) -> None:
         if report.applied or report.snapshot is not None or report.rejected:
@@ -227,14 +242,20 @@ def cmd_follow(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    follower = run_follower(_config(args), args.leader, until_version=args.until_version, on_report=on_report)
+    try:
+        follower = run_follower(config, args.leader, until_version=args.until_version, on_report=on_report)
+    except GossipError as exc:
+        print(f"hivespec follow: {exc}", file=sys.stderr)
+        return 2
     return 0 if args.until_version is None or follower.engine.version >= args.until_version else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from hivespec.node.demo import run_demo
+    from hivespec.node.inputs import check_swarm_inputs
 
     config = _config(args)
+    check_swarm_inputs(config)
     return run_demo(
         config, nodes=args.nodes, preset=args.config, overrides=_overrides(args), workdir=args.dir, dashboard=args.dashboard,
     )
@@ -260,7 +281,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         snapshot = HttpSource(_node_url(args)).fetch()
     except SourceError as exc:
         print(f"hivespec status: {exc}", file=sys.stderr)
-        return 1
+        return 2
     if args.json:
         print(json.dumps(json.loads(encode_status(snapshot)), indent=2))
     else:
@@ -309,10 +330,12 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         load_private_swarm,
     )
     from hivespec.node.config import node_home
-    from hivespec.node.gossip import Gossip
+    from hivespec.node.gossip import Gossip, GossipError
     from hivespec.node.identity import load_or_create_identity
+    from hivespec.node.inputs import check_swarm_inputs
 
     config = _config(args)
+    check_swarm_inputs(config)
     swarm = config.swarm
     home = node_home(config)
     try:
@@ -331,7 +354,11 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             announce_maddrs=swarm.announce_maddrs, use_relay=swarm.use_relay, use_auto_relay=swarm.use_auto_relay,
             nat_port_map=swarm.nat_port_map, record_ttl=swarm.record_ttl, private=private,
         )
-        gossip.start()
+        try:
+            gossip.start()
+        except GossipError as exc:
+            print(f"hivespec bootstrap: {exc}", file=sys.stderr)
+            return 2
         try:
             status = gossip.status()
             print(f"bootstrap peer {identity.name} ({identity.peer_id}) for swarm {swarm.swarm!r}"
@@ -421,8 +448,15 @@ def format_report_line(r: dict) -> str:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (what was wrong and where to read more), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hivespec", description="Peer-to-peer swarm RL post-training client.")
+    parser = _Parser(prog="hivespec", description="Peer-to-peer swarm RL post-training client.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -511,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as exc:
-        print(f"hivespec: config error: {exc}", file=sys.stderr)
+        print(f"hivespec {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    except InputError as exc:
+        print(f"hivespec {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hivespec: interrupted", file=sys.stderr)
