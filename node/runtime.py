@@ -465,9 +465,11 @@ class Node:
             self.control.check("calibrating")
             self.phase("calibrating", text)
 
-        self.calibration.run(on_progress=progress)
+        policy = self.calibration.policy
+        curve = self.calibration.run(on_progress=progress)
         self.calibration = None
-        self.phase("calibrating", f"done in {time.perf_counter() - started:.1f}s; speculation on")
+        paying = [b for b in curve.batches if policy.wants_drafts(b)]
+        self.phase("calibrating", f"done in {time.perf_counter() - started:.1f}s; drafting pays at batch sizes {paying or 'none'}")
 
     def _generation_progress(self, round_index: int, total: int) -> Callable[[int], None]:
         made = 0
