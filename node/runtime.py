@@ -180,7 +180,7 @@ class Node:
         self.calibration = calibration  # the verify-cost curve still to measure (speculation waits for it)
         self.on_phase = on_phase
         self.stop_report = ""  # what a stop in the middle of a round kept and saved, for the CLI to print
-        self._round_start: _RoundStart | None = None
+        self._round_start: _RoundStart | None = None  # captured as each round begins
         self._progress_at = 0.0
         self.trace = trace  # speculation.trace_file: what the drafter is fed, for bench/drafter_replay.py
         self.publisher = publisher
@@ -259,10 +259,8 @@ class Node:
         self.status.finished()
         return reports
 
-    def _capture_round_start(self, round_index: int) -> _RoundStart | None:
+    def _capture_round_start(self, round_index: int) -> _RoundStart:
         """The state a stop inside this round checkpoints (cheap: ids and small dicts, no tensors)."""
-        if self.checkpoints is None or not self.config.checkpoint.at_exit:
-            return None
         return _RoundStart(
             round=round_index,
             journal_rowid=self.store.journal_high_water(),
@@ -281,12 +279,15 @@ class Node:
         admitted foreign ones) is found again, nothing is lost or trained twice.
         """
         round_index = self.next_round
-        kept = len(self.store.foreign_after(self._round_start.journal_rowid)) if self._round_start is not None else 0
+        assert self._round_start is not None and self._round_start.round == round_index
+        kept = len(self.store.foreign_after(self._round_start.journal_rowid))
         line = f"stopped in round {round_index} while {stop.where}; nothing of round {round_index} was trained"
         if kept:
             line += f"; its {kept} accepted foreign rollouts are kept in the journal"
+        if self.checkpoints is None or not self.config.checkpoint.at_exit:
+            return line + "; no checkpoint is configured (checkpoint.at_exit)"
         if not save:
-            return line + ("" if self.checkpoints is not None and self.config.checkpoint.at_exit else "; no checkpoint is configured")
+            return line + f"; the last checkpoint already holds this state (resumes at round {round_index})"
         path = self.save_checkpoint(as_of=self._round_start)
         if path is None:
             return line + "; saving a checkpoint failed (see the log)"
