@@ -175,7 +175,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
-    """Run the node's rounds in a thread and the dashboard in the foreground; q stops after the round."""
+    """Run the node's rounds in a thread and the dashboard in the foreground; q stops at the round's next safe point."""
     import threading
 
     from hivespec.dashboard.app import DashboardApp
@@ -209,7 +209,7 @@ def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
         for handler in terminal:
             root.addHandler(handler)
     if worker.is_alive():
-        print(f"{node.name}: stopping after the current round (Ctrl-C twice aborts); log in {log_path}", flush=True)
+        print(f"{node.name}: stopping at the round's next safe point (Ctrl-C twice aborts); log in {log_path}", flush=True)
         node.control.stop()
         worker.join()
     return 1 if failed else 0
