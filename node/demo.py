@@ -147,6 +147,8 @@ def run_demo(
     children = stop.children
     try:
         _prepare_model(config.model.name)
+        if stop.signum:  # stopped while the model was converting: no node started yet
+            raise _Stopped
         first = _spawn(0, root, preset, overrides, nodes, initial_peers=[])
         children.append(first)
         maddrs = _wait_ready(children, [first], started, stop)
