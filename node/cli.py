@@ -86,6 +86,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(f"  {maddr}", flush=True)
         if status_url:
             print(f"status: {status_url}/status (dashboard: hivespec dash --node {status_url})", flush=True)
+        _warn_if_unreachable("join", config, node.gossip.status())
 
         def on_report(report) -> None:
             if events:
@@ -122,6 +123,18 @@ def _stop_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     if str(os.getppid()) != parent:  # the parent died before the line above: stop now
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _warn_if_unreachable(command: str, config: NodeConfig, status: dict) -> None:
+    """One line when the user named bootstrap peers and none answered: the node goes on solo, retrying."""
+    peers = config.swarm.initial_peers
+    if peers and status.get("solo"):
+        print(
+            f"hivespec {command}: no bootstrap peer answered ({', '.join(p[:80] for p in peers[:3])}); running solo and "
+            "retrying in the background. Check the address and that the peer is running and reachable "
+            "(or set swarm.require_peers=true to fail instead)",
+            file=sys.stderr, flush=True,
+        )
 
 
 class _PhaseLog:
@@ -366,6 +379,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             for maddr in gossip.visible_maddrs:
                 print(f"  {maddr}", flush=True)
             print(f"joined via: {status['joined_via'] or '-'}; solo: {status['solo']}", flush=True)
+            _warn_if_unreachable("bootstrap", config, status)
             _linger(args.duration)
         finally:
             gossip.shutdown()

@@ -89,3 +89,25 @@ def test_the_first_command_a_new_user_got_wrong_through_the_real_executable(file
         "hivespec join: --initial-peer (swarm.initial_peers) 'garbage' is not a peer's multiaddr; use the form "
         "/ip4/<address>/tcp/<port>/p2p/<peer id>, as `hivespec join` and `hivespec bootstrap` print it"
     )
+
+
+def test_unreachable_bootstrap_peers_are_named_in_one_line(files):
+    """Solo by default (the node retries in the background, and says so); an error with swarm.require_peers."""
+    unreachable = "/ip4/127.0.0.1/tcp/1/p2p/QmXdb6jVUaaTsWwhRxDBnMxtoWW6G5YwYuTuWEmdbSEDF8"
+    cli = [sys.executable, "-P", "-m", "hivespec.node.cli"]
+    result = subprocess.run(
+        [*cli, "bootstrap", "--duration", "0", "--initial-peer", unreachable, "--set", "swarm.bootstrap_timeout=2",
+         "--home", str(files / "boot")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    notice = [line for line in result.stderr.splitlines() if line.startswith("hivespec bootstrap: ")]
+    assert len(notice) == 1 and f"no bootstrap peer answered ({unreachable}); running solo" in notice[0], result.stderr
+    result = subprocess.run(
+        [*cli, "join", "--model", "tiny", "--initial-peer", unreachable, "--set", "swarm.bootstrap_timeout=2",
+         "--set", "swarm.require_peers=true", "--set", "status.enabled=false", "--home", str(files / "join")],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "none of the 1 initial peers answered within 2 s" in lines[0] and "Traceback" not in result.stderr
