@@ -181,6 +181,7 @@ class Node:
         self.on_phase = on_phase
         self.stop_report = ""  # what a stop in the middle of a round kept and saved, for the CLI to print
         self._round_start: _RoundStart | None = None  # captured as each round begins
+        self._saved_state = False  # a checkpoint of the current training state exists (resumed from or saved)
         self._progress_at = 0.0
         self.trace = trace  # speculation.trace_file: what the drafter is fed, for bench/drafter_replay.py
         self.publisher = publisher
@@ -246,6 +247,7 @@ class Node:
             if every and self.next_round % every == 0:
                 report = self._checkpoint_after(report)
                 saved_at = self.next_round
+                self._saved_state = True
             self.status.record_round(report)
             reports.append(report)
             if on_report is not None:
@@ -287,7 +289,9 @@ class Node:
         if self.checkpoints is None or not self.config.checkpoint.at_exit:
             return line + "; no checkpoint is configured (checkpoint.at_exit)"
         if not save:
-            return line + f"; the last checkpoint already holds this state (resumes at round {round_index})"
+            if self.resumed_from is not None or self._saved_state:
+                return line + f"; the last checkpoint already holds this state (resumes at round {round_index})"
+            return line + f"; no round has finished yet, so there is nothing to checkpoint (a restart begins at round {round_index})"
         path = self.save_checkpoint(as_of=self._round_start)
         if path is None:
             return line + "; saving a checkpoint failed (see the log)"

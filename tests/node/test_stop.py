@@ -54,34 +54,36 @@ def _join(home: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
 def test_sigterm_while_waiting_for_peers_stops_within_seconds_saves_and_resumes(tmp_path):
     home = tmp_path / "node"
     env = dict(os.environ, HIVESPEC_CACHE_DIR=str(tmp_path / "cache"))
-    # One peer expected, none comes: round 0 waits up to 10 minutes for its batch.
-    child = _join(home, "--rounds", "3", "--set", "swarm.expected_peers=1", "--set", "swarm.round_timeout=600", env=env)
+    # One peer expected, none comes: each round waits round_timeout for its batch, then trains alone.
+    child = _join(home, "--rounds", "3", "--set", "swarm.expected_peers=1", "--set", "swarm.round_timeout=10", env=env)
     events = home / "events.jsonl"
-    _wait_for(child, home / "node.log", lambda: any(e.get("phase") == "waiting for peers" for e in _events(events)))
+    waiting = {"phase": "waiting for peers", "detail": "round 1"}
+    _wait_for(child, home / "node.log", lambda: any(waiting.items() <= e.items() for e in _events(events)))
     time.sleep(1.0)
     sent = time.monotonic()
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=60) == 0, (home / "node.log").read_text()[-3000:]
     assert time.monotonic() - sent < STOP_WITHIN_S
     log = (home / "node.log").read_text()
-    assert "stopping at the next safe point of round 0 and saving a checkpoint" in log
-    assert "stopped in round 0 while waiting for peers' round-0 batches; nothing of round 0 was trained" in log
-    assert "(resumes at round 0)" in log
+    assert "stopping at the next safe point of round 1 and saving a checkpoint" in log
+    assert "stopped in round 1 while waiting for peers' round-1 batches; nothing of round 1 was trained" in log
+    assert "saved (resumes at round 1)" in log
     assert [e["event"] for e in _events(events)][-2:] == ["stopped", "done"]
     phases = [e["phase"] for e in _events(events) if e["event"] == "phase"]
     assert phases[:3] == ["loading", "starting gossip", "generating"]
     assert "calibrating" in phases  # no curve cached: measured in the first wait, before waiting for peers
     checkpoint = CheckpointManager(home / "checkpoints").load_latest()
-    assert checkpoint is not None and checkpoint.next_round == 0 and checkpoint.meta["policy_version"] == 0
+    # The state of the last completed round (0): one optimizer step, round 1 to run next.
+    assert checkpoint is not None and checkpoint.next_round == 1 and checkpoint.meta["policy_version"] == 1
     with RolloutStore(home / "rollouts.sqlite") as store:
         assert store.journal_high_water() > checkpoint.meta["journal_rowid"]  # the round's own rollouts stay journaled
 
-    # The checkpoint resumes: round 0 again (solo now), then round 1.
-    again = _join(home, "--rounds", "2", "--set", "swarm.expected_peers=0", env=env)
+    # The checkpoint resumes: round 1 again (solo now), then round 2.
+    again = _join(home, "--rounds", "3", "--set", "swarm.expected_peers=0", env=env)
     assert again.wait(timeout=300) == 0, (home / "node.log").read_text()[-3000:]
     assert "resumed from" in (home / "node.log").read_text()
     rounds = [e["round"] for e in _events(events) if e["event"] == "round"]
-    assert rounds == [0, 1]
+    assert rounds == [0, 1, 2]
 
 
 @pytest.mark.slow  # ~40-90 s: a demo of two tiny nodes
