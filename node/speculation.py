@@ -295,6 +295,12 @@ class CurveCalibration:
     batches: Sequence[int]
 
     def run(self, on_progress: Progress | None = None) -> VerifyCostCurve:
+        """Measure the curve (or take the one another node on this machine cached since start-up), cache it, activate the policy."""
+        cached, _ = load_cached_curve(self.cache_folder, self.key, self.batches)
+        if cached is not None:  # e.g. a demo's first node measured it while this one generated
+            log.info("verify-cost curve found in %s (measured by another node on this machine)", self.cache_folder)
+            self.policy.set_curve(cached)
+            return cached
         started = time.perf_counter()
         log.info("measuring the verify-cost curve for batches %s (once per machine; decoding plainly until then)", list(self.batches))
         curve = calibrate_verify_cost(self.time_forwards, key=self.key, batches=self.batches, on_progress=on_progress)

@@ -10,6 +10,7 @@ from hivespec.node.drafter import Draft, SuffixDrafter
 from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
 from hivespec.node.model import load_model
 from hivespec.node.speculation import (
+    CurveCalibration,
     LengthAwarePolicy,
     VerifyCostCurve,
     build_speculation,
@@ -225,3 +226,18 @@ def test_a_short_draft_runs_as_the_cheaper_padded_forward_and_stays_lossless():
     padded = TorchEngine(model, max_batch_size=1, drafter=drafter, policy=policy).generate(requests, params, stats=stats)
     assert padded == plain
     assert stats.accepted > 0 and stats.tokens_per_forward > 1.0
+
+
+def test_a_calibration_takes_the_curve_a_sibling_node_cached_meanwhile(tmp_path):
+    calls = []
+
+    def timer(batch, widths):
+        calls.append(batch)
+        return [float(batch) * (1 + 0.1 * w) for w in widths]
+
+    first = CurveCalibration(LengthAwarePolicy(None, SuffixDrafter()), timer, tmp_path, "k", [1, 4])
+    second = CurveCalibration(LengthAwarePolicy(None, SuffixDrafter()), timer, tmp_path, "k", [1, 4])
+    measured = first.run()
+    assert calls == [1, 4]
+    assert second.run() == measured and calls == [1, 4]  # read from the cache, not timed again
+    assert second.policy.active and second.policy.curve == measured
