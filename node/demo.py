@@ -109,6 +109,13 @@ class _Stop:
             _signal(child, signal.SIGTERM)
 
 
+def _why(child: _Child) -> str:
+    """A hint for an exit the node could not explain itself."""
+    if child.process.returncode == -signal.SIGKILL:
+        return " (SIGKILL: most likely the kernel's out-of-memory killer; `dmesg` says; try fewer --nodes)"
+    return ""
+
+
 def _signal(child: _Child, signum: int) -> None:
     if child.process.poll() is None:
         try:
@@ -340,7 +347,7 @@ def _tail(children: list[_Child], rounds: int, started: float, stop: _Stop) -> N
                 elif event["event"] == "done":
                     child.done = True
             if not child.done and child.process.poll() is not None:
-                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}")
+                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode}{_why(child)}:\n{child.log_tail()}")
         ticker.tick([c for c in children if not c.done])
         time.sleep(0.25)
 
