@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Protocol
@@ -44,6 +45,13 @@ class HttpSource:
         url = url.rstrip("/")
         if not url.startswith("http://"):
             raise SourceError(f"node URL must start with http:// (a local status server), got {url!r}")
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            raise SourceError(f"node URL {url!r} is malformed ({exc}); use http://HOST:PORT, e.g. http://127.0.0.1:4483") from None
+        if not parts.hostname or port is None:
+            raise SourceError(f"node URL {url!r} needs a host and a port: http://HOST:PORT, e.g. http://127.0.0.1:4483")
         self.url = url
         self.label = label or url.removeprefix("http://")
         self.timeout = timeout

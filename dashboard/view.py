@@ -114,7 +114,7 @@ def phase_text(snapshot: StatusSnapshot) -> tuple[Level, str]:
     if node.phase == "pausing":
         return "warn", f"pausing after round {current}{target} finishes"
     if node.phase == "stopping":
-        return "warn", "stopping after the current round"
+        return "warn", "stopping at the round's next safe point"
     if node.phase == "done":
         return "good", f"done: {done} rounds"
     if node.phase == "starting":

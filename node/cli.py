@@ -14,8 +14,9 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
-from hivespec.node.config import ConfigError, NodeConfig, describe, load_config, node_home, parse_override
+from hivespec.node.config import ConfigError, InputError, NodeConfig, describe, load_config, node_home, parse_override
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
@@ -51,17 +52,25 @@ def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> N
 
 def cmd_join(args: argparse.Namespace) -> int:
     from hivespec.node.bootstrap import IdentityInUse
+    from hivespec.node.gossip import GossipError
+    from hivespec.node.inputs import check_swarm_inputs
     from hivespec.node.runtime import build_node
 
     config = _config(args)
+    check_swarm_inputs(config)
     events = _EventLog(Path(args.events)) if args.events else None
     logging.getLogger(__name__).info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
+    phases = _PhaseLog(events)
     try:
-        node = build_node(config, local_nodes=args.local_nodes)
+        node = build_node(config, local_nodes=args.local_nodes, on_phase=phases)
     except IdentityInUse as exc:
         print(f"hivespec: {exc}", file=sys.stderr)
         return 3
-    _stop_between_rounds(node)
+    except GossipError as exc:  # nothing to join through (port taken, peers unreachable): the user's input
+        print(f"hivespec join: {exc}", file=sys.stderr)
+        return 2
+    _stop_at_safe_point(node)
+    _stop_with_parent()
     try:
         status_url = node.serve_status()
         ready = {
@@ -80,6 +89,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(f"status: {status_url}/status (dashboard: hivespec dash --node {status_url})", flush=True)
         if node.precision is not None:
             print(f"precision: {node.precision.describe()}", flush=True)
+        _warn_if_unreachable("join", config, node.gossip.status())
 
         def on_report(report) -> None:
             if events:
@@ -89,24 +99,72 @@ def cmd_join(args: argparse.Namespace) -> int:
         node.run(on_report)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        if node.stop_report:
+            print(f"hivespec: {node.name}: {node.stop_report}", file=sys.stderr, flush=True)
         if events:
+            if node.control.stopping:
+                events.write({"event": "stopped", "name": node.name, "detail": node.stop_report or "stopped after a round"})
             events.write({"event": "done", "name": node.name})
         if not node.control.stopping:
+            phases("done", "serving its last batch to peers until stopped" if args.linger < 0 else "")
             _linger(args.linger)
     finally:
         node.close()
     return 0
 
 
-def _stop_between_rounds(node) -> None:
-    """First SIGINT/SIGTERM: finish the round, save a checkpoint, exit. A second one exits at once."""
+PARENT_ENV = "HIVESPEC_DEMO_PARENT"  # pid of the demo parent that started this node
+
+
+def _stop_with_parent() -> None:
+    """A demo node: SIGTERM (a stop at the next safe point) when the demo parent dies (Linux prctl)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != parent:  # the parent died before the line above: stop now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _warn_if_unreachable(command: str, config: NodeConfig, status: dict) -> None:
+    """One line when the user named bootstrap peers and none answered: the node goes on solo, retrying."""
+    peers = config.swarm.initial_peers
+    if peers and status.get("solo"):
+        print(
+            f"hivespec {command}: no bootstrap peer answered ({', '.join(p[:80] for p in peers[:3])}); running solo and "
+            "retrying in the background. Check the address and that the peer is running and reachable "
+            "(or set swarm.require_peers=true to fail instead)",
+            file=sys.stderr, flush=True,
+        )
+
+
+class _PhaseLog:
+    """`on_phase` for a node: each phase as a JSON-lines event (the demo parent prints them) and a log line."""
+
+    def __init__(self, events: _EventLog | None) -> None:
+        self._events = events
+        self._log = logging.getLogger("hivespec.node")
+
+    def __call__(self, phase: str, detail: str = "") -> None:
+        self._log.info("%s%s", phase, f": {detail}" if detail else "")
+        if self._events is not None:
+            self._events.write({"event": "phase", "phase": phase, "detail": detail})
+
+
+def _stop_at_safe_point(node) -> None:
+    """First SIGINT/SIGTERM: stop at the round's next safe point (seconds), save a checkpoint where
+    configured, exit. A second one exits at once."""
 
     def handler(signum: int, _frame) -> None:
         if node.control.stopping:
+            print(f"hivespec: {signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
             raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        saving = node.checkpoints is not None and node.config.checkpoint.at_exit
         print(
-            f"hivespec: {signal.Signals(signum).name}: finishing round {node.next_round} and saving a checkpoint "
-            "(send it again to stop at once)",
+            f"hivespec: {signal.Signals(signum).name}: stopping at the next safe point of round {node.next_round}"
+            f"{' and saving a checkpoint' if saving else ''} (send it again to exit at once)",
             file=sys.stderr,
             flush=True,
         )
@@ -118,8 +176,10 @@ def _stop_between_rounds(node) -> None:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from hivespec.node.doctor import run_checks
+    from hivespec.node.inputs import check_swarm_inputs
 
     config = _config(args)
+    check_swarm_inputs(config)
     checks = run_checks(config, network=not args.offline, timeout=args.timeout,
                         on_check=None if args.json else lambda check: print(check.line(), flush=True))
     failed = [c for c in checks if c.status == "fail"]
@@ -131,7 +191,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
-    """Run the node's rounds in a thread and the dashboard in the foreground; q stops after the round."""
+    """Run the node's rounds in a thread and the dashboard in the foreground; q stops at the round's next safe point."""
     import threading
 
     from hivespec.dashboard.app import DashboardApp
@@ -165,7 +225,7 @@ def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
         for handler in terminal:
             root.addHandler(handler)
     if worker.is_alive():
-        print(f"{node.name}: stopping after the current round (Ctrl-C twice aborts); log in {log_path}", flush=True)
+        print(f"{node.name}: stopping at the round's next safe point (Ctrl-C twice aborts); log in {log_path}", flush=True)
         node.control.stop()
         worker.join()
     return 1 if failed else 0
@@ -181,6 +241,12 @@ def _linger(seconds: float) -> None:
 
 def cmd_follow(args: argparse.Namespace) -> int:
     from hivespec.node.follower import run_follower
+    from hivespec.node.gossip import GossipError
+    from hivespec.node.inputs import check_leader, check_swarm_inputs
+
+    config = _config(args)
+    check_leader(args.leader)
+    check_swarm_inputs(config)
 
     def on_report(report, follower) -> None:
         if report.applied or report.snapshot is not None or report.rejected:
@@ -192,14 +258,20 @@ def cmd_follow(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    follower = run_follower(_config(args), args.leader, until_version=args.until_version, on_report=on_report)
+    try:
+        follower = run_follower(config, args.leader, until_version=args.until_version, on_report=on_report)
+    except GossipError as exc:
+        print(f"hivespec follow: {exc}", file=sys.stderr)
+        return 2
     return 0 if args.until_version is None or follower.engine.version >= args.until_version else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from hivespec.node.demo import run_demo
+    from hivespec.node.inputs import check_swarm_inputs
 
     config = _config(args)
+    check_swarm_inputs(config)
     return run_demo(
         config, nodes=args.nodes, preset=args.config, overrides=_overrides(args), workdir=args.dir, dashboard=args.dashboard,
     )
@@ -225,7 +297,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         snapshot = HttpSource(_node_url(args)).fetch()
     except SourceError as exc:
         print(f"hivespec status: {exc}", file=sys.stderr)
-        return 1
+        return 2
     if args.json:
         print(json.dumps(json.loads(encode_status(snapshot)), indent=2))
     else:
@@ -274,10 +346,12 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         load_private_swarm,
     )
     from hivespec.node.config import node_home
-    from hivespec.node.gossip import Gossip
+    from hivespec.node.gossip import Gossip, GossipError
     from hivespec.node.identity import load_or_create_identity
+    from hivespec.node.inputs import check_swarm_inputs
 
     config = _config(args)
+    check_swarm_inputs(config)
     swarm = config.swarm
     home = node_home(config)
     try:
@@ -296,7 +370,11 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             announce_maddrs=swarm.announce_maddrs, use_relay=swarm.use_relay, use_auto_relay=swarm.use_auto_relay,
             nat_port_map=swarm.nat_port_map, record_ttl=swarm.record_ttl, private=private,
         )
-        gossip.start()
+        try:
+            gossip.start()
+        except GossipError as exc:
+            print(f"hivespec bootstrap: {exc}", file=sys.stderr)
+            return 2
         try:
             status = gossip.status()
             print(f"bootstrap peer {identity.name} ({identity.peer_id}) for swarm {swarm.swarm!r}"
@@ -304,6 +382,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             for maddr in gossip.visible_maddrs:
                 print(f"  {maddr}", flush=True)
             print(f"joined via: {status['joined_via'] or '-'}; solo: {status['solo']}", flush=True)
+            _warn_if_unreachable("bootstrap", config, status)
             _linger(args.duration)
         finally:
             gossip.shutdown()
@@ -386,8 +465,15 @@ def format_report_line(r: dict) -> str:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (what was wrong and where to read more), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hivespec", description="Peer-to-peer swarm RL post-training client.")
+    parser = _Parser(prog="hivespec", description="Peer-to-peer swarm RL post-training client.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -476,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as exc:
-        print(f"hivespec: config error: {exc}", file=sys.stderr)
+        print(f"hivespec {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    except InputError as exc:
+        print(f"hivespec {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hivespec: interrupted", file=sys.stderr)

@@ -8,6 +8,7 @@ errors at every layer, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import types
 import typing
@@ -26,6 +27,10 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names the key and the fix."""
+
+
+class InputError(ValueError):
+    """Something else the user typed (a flag, a file it names) is wrong; the message names it and the fix, on one line."""
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
@@ -187,6 +192,15 @@ class SwarmConfig:
     private: PrivateSwarmConfig = field(default_factory=PrivateSwarmConfig)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"swarm.port must be in 0..65535 (0 = any free port), got {self.port}")
+        try:
+            ipaddress.IPv4Address(self.host)
+        except ValueError:
+            raise ConfigError(
+                f"swarm.host must be an IPv4 address to listen on (127.0.0.1 for this machine only, 0.0.0.0 for all), "
+                f"got {self.host!r}"
+            ) from None
         if self.bootstrap_timeout < 0 or self.rebootstrap_interval <= 0 or self.record_ttl <= 0:
             raise ConfigError(
                 f"swarm.bootstrap_timeout must be >= 0 and rebootstrap_interval, record_ttl > 0; got "
@@ -337,7 +351,12 @@ def load_config(
         file = preset_path(str(path))
         if not file.is_file():
             raise ConfigError(f"config file {file} not found; presets: {sorted(p.stem for p in CONFIG_DIR.glob('*.yaml'))}")
-        loaded = yaml.safe_load(file.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"config file {file}: cannot read it ({exc.strerror}); fix its permissions or pass another --config") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {file} is not valid YAML ({_yaml_problem(exc)}); fix that line") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{file}: the top level must be a mapping, got {type(loaded).__name__}")
         data = loaded
@@ -345,10 +364,27 @@ def load_config(
     for key, raw in env.items():
         if key.startswith(ENV_PREFIX) and "__" in key:
             dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
-            _set_dotted(data, dotted, yaml.safe_load(raw), source=f"env {key}")
+            _set_dotted(data, dotted, _yaml_value(raw, f"env {key}"), source=f"env {key}")
     for dotted, raw in (overrides or {}).items():
-        _set_dotted(data, dotted, yaml.safe_load(raw), source=f"--set {dotted}")
+        _set_dotted(data, dotted, _yaml_value(raw, f"--set {dotted}"), source=f"--set {dotted}")
     return _build(NodeConfig, data, "")
+
+
+def _yaml_value(raw: str, source: str) -> Any:
+    """A --set or env value read as YAML (so numbers, booleans and lists keep their type)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"{source}={raw!r} is not a valid value ({_yaml_problem(exc)}); quote text with brackets or colons, "
+            "e.g. --set 'key=\"a: b\"'"
+        ) from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(problem)
 
 
 def parse_override(text: str) -> tuple[str, str]:

@@ -11,8 +11,11 @@ node's status server (each child serves one on a free loopback port; ``n`` switc
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,12 +23,15 @@ from pathlib import Path
 
 import yaml
 
-from hivespec.node.cli import REPORT_HEADER, format_report_line
+from hivespec.node.cli import PARENT_ENV, REPORT_HEADER, format_report_line
 from hivespec.node.config import NodeConfig
 
-# The first node on a machine also measures the verify-cost curve for speculation (cached
-# afterwards), which takes minutes on a busy 2-core CPU; a crashed child fails at once anyway.
-READY_TIMEOUT_S = 600.0
+# A node is ready once its model is loaded and gossip is up (seconds to a minute on a busy
+# 2-core CPU); speculation's calibration runs later, inside the first round. A crashed child
+# fails the wait at once anyway.
+READY_TIMEOUT_S = 300.0
+STATUS_EVERY_S = 10.0  # a status line per node at least this often while the demo waits
+STOP_GRACE_S = 60.0  # after a stop, how long the nodes get to reach a safe point and save
 TRACE_KEY = "speculation.trace_file"
 
 
@@ -39,8 +45,13 @@ class _Child:
     ready: dict | None = None
     done: bool = False
     reports: list[dict] = field(default_factory=list)
+    phase: str = "starting"  # what the node said it is doing (its latest phase event)
+    detail: str = "importing torch"
+    phase_since: float = field(default_factory=time.monotonic)
+    stopped: str = ""  # the node's own account of a stop (what it kept and saved)
 
     def poll_events(self) -> list[dict]:
+        """New events since the last call; phase and stop events also update the child's status."""
         if not self.events_path.exists():
             return []
         with self.events_path.open("rb") as f:
@@ -48,13 +59,69 @@ class _Child:
             chunk = f.read()
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        events = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        for event in events:
+            if event["event"] == "phase":
+                if event["phase"] != self.phase:
+                    self.phase_since = time.monotonic()
+                self.phase, self.detail = event["phase"], event.get("detail", "")
+                if self.phase == "calibrating" and self.detail.startswith("done"):  # once per machine: worth a line
+                    print(f"{self.name}: speculation's verify-cost curve measured ({self.detail})", flush=True)
+            elif event["event"] == "ready" and self.phase in ("starting", "loading", "starting gossip"):
+                self.phase, self.detail, self.phase_since = "ready", "", time.monotonic()
+            elif event["event"] == "stopped":
+                self.stopped = event.get("detail", "")
+        return events
+
+    def status(self) -> str:
+        if self.process.poll() is not None and not self.done:
+            return f"{self.name}: exited ({self.process.returncode})"
+        detail = f" {self.detail}" if self.detail else ""
+        return f"{self.name}: {self.phase}{detail} ({time.monotonic() - self.phase_since:.0f}s)"
 
     def log_tail(self, lines: int = 20) -> str:
         log = self.home / "node.log"
         if not log.exists():
             return "(no log)"
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class _Stop:
+    """The parent's stop switch: the first SIGINT/SIGTERM asks every node to stop, a second one gives up waiting."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.children: list[_Child] = []
+
+    def __call__(self, signum: int, _frame) -> None:
+        if self.signum:
+            print(f"hivespec demo: {signal.Signals(signum).name} again: stopping the nodes now", file=sys.stderr, flush=True)
+            for child in self.children:
+                _signal(child, signal.SIGTERM)  # a node's second signal exits it at once
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(
+            f"hivespec demo: {signal.Signals(signum).name}: asking {len(self.children)} node(s) to stop at their next "
+            "safe point (send it again to stop them at once)",
+            file=sys.stderr, flush=True,
+        )
+        for child in self.children:
+            _signal(child, signal.SIGTERM)
+
+
+def _why(child: _Child) -> str:
+    """A hint for an exit the node could not explain itself."""
+    if child.process.returncode == -signal.SIGKILL:
+        return " (SIGKILL: most likely the kernel's out-of-memory killer; `dmesg` says; try fewer --nodes)"
+    return ""
+
+
+def _signal(child: _Child, signum: int) -> None:
+    if child.process.poll() is None:
+        try:
+            child.process.send_signal(signum)
+        except ProcessLookupError:
+            pass
 
 
 def run_demo(
@@ -66,46 +133,54 @@ def run_demo(
     workdir: str | None = None,
     dashboard: bool = False,
 ) -> int:
-    """Run the local swarm to completion; returns a process exit code."""
+    """Run the local swarm to completion; returns a process exit code.
+
+    The first SIGINT/SIGTERM is forwarded once to every node (each stops at its next safe point
+    and says what it kept); the parent reports and exits 130/143. A second one stops them at once.
+    """
     if nodes < 1:
-        print("hivespec demo: --nodes must be >= 1", file=sys.stderr)
+        print(f"hivespec demo: --nodes must be >= 1, got {nodes}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     root = Path(workdir) if workdir else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"hivespec demo: {nodes} nodes x {config.rounds} rounds, model {config.model.name}, data in {root}/", flush=True)
-    _prepare_model(config.model.name)
-
-    children: list[_Child] = []
     try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"hivespec demo: cannot create the work directory {root} ({exc.strerror}); pass another --dir", file=sys.stderr)
+        return 2
+    print(f"hivespec demo: {nodes} nodes x {config.rounds} rounds, model {config.model.name}, data in {root}/", flush=True)
+    stop = _Stop()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    children = stop.children
+    try:
+        _prepare_model(config.model.name)
+        if stop.signum:  # stopped while the model was converting: no node started yet
+            raise _Stopped
         first = _spawn(0, root, preset, overrides, nodes, initial_peers=[])
         children.append(first)
-        maddrs = _wait_ready(first)
+        maddrs = _wait_ready(children, [first], started, stop)
         for index in range(1, nodes):
             children.append(_spawn(index, root, preset, overrides, nodes, initial_peers=maddrs))
-        for child in children[1:]:
-            _wait_ready(child)
+        _wait_ready(children, children[1:], started, stop)
         print(f"all {nodes} nodes up after {time.perf_counter() - started:.1f}s; bootstrap {maddrs[0]}", flush=True)
         if dashboard:
             _dashboard(children)
         else:
             print(REPORT_HEADER, flush=True)
-            _tail(children, config.rounds)
+            _tail(children, config.rounds, started, stop)
     except _DemoFailure as failure:
         print(f"hivespec demo: {failure}", file=sys.stderr)
         return 1
+    except _Stopped:
+        _report_stop(children, started)
+        return 128 + stop.signum
     except KeyboardInterrupt:
-        print("hivespec demo: interrupted, stopping nodes", file=sys.stderr)
+        print("hivespec demo: interrupted", file=sys.stderr)
         return 130
     finally:
-        for child in children:
-            if child.process.poll() is None:
-                child.process.terminate()
-        for child in children:
-            try:
-                child.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                child.process.kill()
+        _shutdown(children)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     _summary(children, time.perf_counter() - started)
     return 0
 
@@ -114,18 +189,57 @@ class _DemoFailure(RuntimeError):
     pass
 
 
+class _Stopped(Exception):
+    """Every node stopped after the parent forwarded a stop."""
+
+
+def _shutdown(children: list[_Child]) -> None:
+    for child in children:
+        _signal(child, signal.SIGTERM)
+    for child in children:
+        try:
+            child.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+
+
+def _report_stop(children: list[_Child], started: float) -> None:
+    print(f"hivespec demo: stopped after {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+    for child in children:
+        child.poll_events()
+        what = child.stopped or f"exited with code {child.process.returncode}"
+        print(f"  {child.name}: {len(child.reports)} round(s) done; {what}", file=sys.stderr, flush=True)
+
+
 def _prepare_model(name: str) -> None:
     """Convert the embedded GGUF once, in the parent, so the N nodes do not all wait on it.
 
     ``tiny`` needs it too (it uses the embedded tokenizer); a local HF folder needs nothing.
+    The conversion runs in a thread so the parent can say it is still at work every 10 s.
     """
-    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, ensure_embedded_cache
+    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, embedded_cache_path, ensure_embedded_cache
 
     if name not in (EMBEDDED_MODEL, TINY_MODEL):
         return
     mark = time.perf_counter()
-    print("preparing the embedded model (the first run converts its GGUF, ~20 s) ...", flush=True)
-    ensure_embedded_cache()
+    print(f"preparing the embedded model in {embedded_cache_path()} (the first run converts its GGUF, ~20 s) ...", flush=True)
+    failed: list[BaseException] = []
+
+    def convert() -> None:
+        try:
+            ensure_embedded_cache()
+        except BaseException as exc:  # noqa: BLE001 - reported by the parent thread below
+            failed.append(exc)
+
+    worker = threading.Thread(target=convert, name="hivespec-convert", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(STATUS_EVERY_S)
+        if worker.is_alive():
+            print(f"  still converting the model ({time.perf_counter() - mark:.0f}s)", flush=True)
+    if failed:
+        raise _DemoFailure(f"preparing the embedded model failed: {failed[0]}")
     print(f"model ready in {time.perf_counter() - mark:.1f}s", flush=True)
 
 
@@ -151,7 +265,13 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
     for maddr in initial_peers:
         command += ["--initial-peer", maddr]
     log = (home / "node.log").open("ab")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    # Its own process group: a Ctrl-C reaches the parent only, which forwards exactly one stop
+    # (the terminal's SIGINT to the whole group would count as the first of two). If the parent
+    # dies without forwarding, the node hears SIGTERM (see `cli._stop_with_parent`).
+    env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0, env=env
+    )
     return _Child(name=name, home=home, process=process, events_path=events)
 
 
@@ -163,44 +283,73 @@ def node_trace_path(path: str, index: int) -> Path:
     return base.with_name(f"{stem}.node-{index}{suffixes}")
 
 
-def _wait_ready(child: _Child) -> list[str]:
+class _Ticker:
+    """Prints every node's status line at most every STATUS_EVERY_S (plain lines: terminals and CI logs alike)."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.next_at = time.monotonic() + STATUS_EVERY_S
+
+    def tick(self, children: list[_Child]) -> None:
+        if time.monotonic() < self.next_at or not children:
+            return
+        self.next_at = time.monotonic() + STATUS_EVERY_S
+        print(f"[{time.perf_counter() - self.started:5.0f}s] " + " | ".join(c.status() for c in children), flush=True)
+
+
+def _wait_ready(children: list[_Child], waiting: list[_Child], started: float, stop: _Stop) -> list[str]:
+    """Wait for `waiting` to be ready, printing every child's status; the first one's multiaddrs."""
     deadline = time.monotonic() + READY_TIMEOUT_S
+    ticker = _Ticker(started)
     while time.monotonic() < deadline:
-        for event in child.poll_events():
-            if event["event"] == "ready":
-                child.ready = event
-        if child.ready:
-            return child.ready["maddrs"]
-        if child.process.poll() is not None:
-            raise _DemoFailure(f"{child.name} exited with code {child.process.returncode} before it was ready:\n{child.log_tail()}")
+        for child in children:
+            for event in child.poll_events():
+                if event["event"] == "ready":
+                    child.ready = event
+        if all(child.ready for child in waiting):
+            return waiting[0].ready["maddrs"] if waiting else []
+        if stop.signum:
+            _wait_stopped(children, ticker)
+        for child in waiting:
+            if child.process.poll() is not None:
+                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode} before it was ready:\n{child.log_tail()}")
+        ticker.tick(children)
         time.sleep(0.2)
-    raise _DemoFailure(f"{child.name} not ready after {READY_TIMEOUT_S:.0f}s; log:\n{child.log_tail()}")
+    slow = ", ".join(c.status() for c in waiting if not c.ready)
+    raise _DemoFailure(f"not ready after {READY_TIMEOUT_S:.0f}s: {slow}; log:\n{waiting[0].log_tail()}")
 
 
-def _tail(children: list[_Child], rounds: int) -> None:
-    """Print rows as nodes report; on a terminal, a progress line shows rounds done per node."""
-    interactive = sys.stdout.isatty()
-    last_progress = ""
-    while not all(child.done for child in children):
+def _wait_stopped(children: list[_Child], ticker: _Ticker) -> None:
+    """After a forwarded stop: keep showing status until every node has exited (or the grace runs out)."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(c.process.poll() is None for c in children) and time.monotonic() < deadline:
         for child in children:
             for event in child.poll_events():
                 if event["event"] == "round":
                     child.reports.append(event)
-                    if interactive:
-                        print("\r\033[K", end="")
-                        last_progress = ""
+                    print(format_report_line(event), flush=True)
+        ticker.tick(children)
+        time.sleep(0.2)
+    raise _Stopped
+
+
+def _tail(children: list[_Child], rounds: int, started: float, stop: _Stop) -> None:
+    """Print rows as nodes report them, and every node's status every STATUS_EVERY_S."""
+    ticker = _Ticker(started)
+    while not all(child.done for child in children):
+        if stop.signum:
+            _wait_stopped(children, ticker)
+        for child in children:
+            for event in child.poll_events():
+                if event["event"] == "round":
+                    child.reports.append(event)
                     print(format_report_line(event), flush=True)
                 elif event["event"] == "done":
                     child.done = True
             if not child.done and child.process.poll() is not None:
-                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}")
-        progress = "rounds done: " + "  ".join(f"{c.name} {len(c.reports)}/{rounds or '-'}" for c in children)
-        if interactive and progress != last_progress:
-            print(f"\r\033[K{progress}", end="", flush=True)
-            last_progress = progress
+                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode}{_why(child)}:\n{child.log_tail()}")
+        ticker.tick([c for c in children if not c.done])
         time.sleep(0.25)
-    if interactive:
-        print("\r\033[K", end="", flush=True)
 
 
 def _dashboard(children: list[_Child]) -> None:

@@ -293,11 +293,13 @@ class TorchEngine:
         """Completions for the requests, in request order.
 
         on_tokens, if given, is called after every decode step with the number of tokens the
-        step added across the batch (for progress and throughput counters). speculative
-        defaults to "when the engine has a drafter"; stats, if given, accumulates counters.
+        step added across the batch (for progress and throughput counters; it may raise to
+        abandon the call, e.g. on a stop request). speculative defaults to "when the engine has
+        a drafter and its policy is active" (a policy still waiting for its verify-cost curve
+        is not); stats, if given, accumulates counters.
         """
         if speculative is None:
-            speculative = self.drafter is not None
+            speculative = self.drafter is not None and self.policy is not None and self.policy.active
         if speculative and self.drafter is None:
             raise ValueError("speculative=True needs an engine built with a drafter and a policy")
         if self._model.training:
@@ -539,7 +541,16 @@ class TorchEngine:
         return output.logits if keep else output.logits[:, -1, :]
 
     @torch.inference_mode()
-    def time_forwards(self, batch: int, widths: Sequence[int], *, context: int = 128, rounds: int = 2) -> list[float]:
+    def time_forwards(
+        self,
+        batch: int,
+        widths: Sequence[int],
+        *,
+        context: int = 128,
+        rounds: int = 2,
+        warm_up: Sequence[int] | None = None,
+        wider_pays: Callable[[int, float], bool] | None = None,
+    ) -> list[float]:
         """Seconds for one step of each width of new tokens per row, at `batch` rows over a `context`-token cache.
 
         What the verify-cost calibration measures: the forward and the keyed sampling of every
@@ -547,7 +558,9 @@ class TorchEngine:
         CPU that is ~1 ms for one position and ~8 ms for 17, next to a ~55 ms forward). Widths
         are timed in turn, `rounds` times after a warm-up round, and each keeps its fastest run:
         on a shared machine noise only ever adds time, and interleaving spreads it over all
-        widths instead of skewing one.
+        widths instead of skewing one. The warm-up runs `warm_up` (default: every width); its
+        times count too. `wider_pays(width, ratio to width 1)`, if given, is asked after each
+        width of a round: False skips the wider ones (returned as inf; the caller extrapolates).
         """
         widest = max(widths)
         generator = torch.Generator().manual_seed(0)
@@ -557,16 +570,26 @@ class TorchEngine:
         cache = DynamicCache(config=self._model.config)
         self._forward(ids[:, :context], mask[:, :context], positions[:, :context], cache)
         best = [float("inf")] * len(widths)
-        for round_index in range(rounds + 1):
+
+        def step(width: int) -> float:
+            start = time.perf_counter()
+            end = context + width
+            logits = self._forward(ids[:, context:end], mask[:, :end], positions[:, context:end], cache, keep=width)
+            rows = torch.arange(batch * width, device=self._device)
+            sample_tokens(logits.reshape(batch * width, -1), seed=0, sample_ids=rows, positions=rows, temperature=1.0, top_p=1.0)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            seconds = time.perf_counter() - start
+            cache.crop(-width)
+            return seconds
+
+        for i, width in enumerate(widths):
+            if warm_up is None or width in warm_up:
+                seconds = step(width)
+                best[i] = seconds if warm_up is not None else best[i]
+        for _ in range(rounds):
             for i, width in enumerate(widths):
-                start = time.perf_counter()
-                end = context + width
-                logits = self._forward(ids[:, context:end], mask[:, :end], positions[:, context:end], cache, keep=width)
-                rows = torch.arange(batch * width, device=self._device)
-                sample_tokens(logits.reshape(batch * width, -1), seed=0, sample_ids=rows, positions=rows, temperature=1.0, top_p=1.0)
-                if self._device.type == "cuda":
-                    torch.cuda.synchronize(self._device)
-                if round_index:
-                    best[i] = min(best[i], time.perf_counter() - start)
-                cache.crop(-width)
+                best[i] = min(best[i], step(width))
+                if wider_pays is not None and i + 1 < len(widths) and not wider_pays(width, best[i] / best[0]):
+                    break
         return best

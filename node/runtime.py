@@ -39,8 +39,8 @@ from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.peers import PeerScores
 from hivespec.node.precision import PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
-from hivespec.node.speculation import LengthAwarePolicy, build_speculation
-from hivespec.node.status import RunControl, StatusBoard
+from hivespec.node.speculation import CurveCalibration, LengthAwarePolicy, build_speculation
+from hivespec.node.status import RoundStopped, RunControl, StatusBoard
 from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
 from hivespec.node.store import RolloutStore, StoredRollout
 from hivespec.node.supervise import GossipSupervisor, Watchdog, generate_splitting_on_oom, train_step_with_oom_retry
@@ -57,6 +57,10 @@ from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_rollout, enc
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+PROGRESS_EVERY_S = 5.0  # at most one progress report per phase this often (the demo prints every 10 s)
+
+# What a node is doing, for people: `Node.on_phase(phase, detail)` hears these (see `Node.phase`).
+PhaseListener = Callable[[str, str], None]
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ class RoundReport:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _RoundStart:
+    """What a checkpoint needs of the state at a round's start, for a stop in the middle of it."""
+
+    round: int
+    journal_rowid: int
+    pending: tuple[_Pending, ...]
+    providers: dict
+
+
 @dataclass
 class _Pending:
     """An admitted foreign rollout waiting to be trained on."""
@@ -161,9 +175,17 @@ class Node:
         publisher: PolicyPublisher | None = None,
         trace: TraceWriter | None = None,
         precision: PrecisionPlan | None = None,
+        calibration: CurveCalibration | None = None,
+        on_phase: PhaseListener | None = None,
     ) -> None:
         self.config = config
         self.precision = precision  # what model.engine_dtype / model.autocast "auto" became, and why
+        self.calibration = calibration  # the verify-cost curve still to measure (speculation waits for it)
+        self.on_phase = on_phase
+        self.stop_report = ""  # what a stop in the middle of a round kept and saved, for the CLI to print
+        self._round_start: _RoundStart | None = None  # captured as each round begins
+        self._saved_state = False  # a checkpoint of the current training state exists (resumed from or saved)
+        self._progress_at = 0.0
         self.trace = trace  # speculation.trace_file: what the drafter is fed, for bench/drafter_replay.py
         self.publisher = publisher
         self.peer_scores = peer_scores
@@ -209,6 +231,7 @@ class Node:
         reports = []
         self.next_round = self._catch_up(self.next_round)
         saved_at = self.next_round
+        stopped: RoundStopped | None = None
         while self.config.rounds == 0 or self.next_round < self.config.rounds:
             if self.watchdog is not None and self.control.paused:
                 self.watchdog.forget("round")  # paused on purpose is not a stall
@@ -216,22 +239,77 @@ class Node:
                 break
             round_index = self.next_round
             self.status.round_started(round_index)
-            report = self.run_round(round_index)
+            self._round_start = self._capture_round_start(round_index)
+            try:
+                report = self.run_round(round_index)
+            except RoundStopped as stop:
+                stopped = stop
+                break
             self.next_round = round_index + 1
             every = self.config.checkpoint.every_rounds
             if every and self.next_round % every == 0:
                 report = self._checkpoint_after(report)
                 saved_at = self.next_round
+                self._saved_state = True
             self.status.record_round(report)
             reports.append(report)
             if on_report is not None:
                 on_report(report)
-        if self.config.checkpoint.at_exit and saved_at != self.next_round:
+        if stopped is not None:
+            self.stop_report = self._stopped_mid_round(stopped, save=self.config.checkpoint.at_exit and saved_at != self.next_round)
+        elif self.config.checkpoint.at_exit and saved_at != self.next_round:
             self.save_checkpoint()
         if self.watchdog is not None:
             self.watchdog.forget("round")
         self.status.finished()
         return reports
+
+    def _capture_round_start(self, round_index: int) -> _RoundStart:
+        """The state a stop inside this round checkpoints (cheap: ids and small dicts, no tensors)."""
+        return _RoundStart(
+            round=round_index,
+            journal_rowid=self.store.journal_high_water(),
+            pending=tuple(self._pending),
+            providers={name: provider.state_dict() for name, provider in self.checkpoint_providers.items()},
+        )
+
+    def _stopped_mid_round(self, stop: RoundStopped, *, save: bool) -> str:
+        """After a stop inside round `next_round`: keep the journal, save as of the round's start; returns a line for people.
+
+        No optimizer step of the round happened (the trainer's safe points come before it), so
+        the weights, optimizer and versions are still those of the last completed round; the
+        checkpoint takes the journal mark, pending pool and provider state captured when the
+        round began, exactly what a save after the previous round would have held. A resume
+        then re-runs the round, as after a crash: what the round journaled (own rollouts,
+        admitted foreign ones) is found again, nothing is lost or trained twice.
+        """
+        round_index = self.next_round
+        assert self._round_start is not None and self._round_start.round == round_index
+        kept = len(self.store.foreign_after(self._round_start.journal_rowid))
+        line = f"stopped in round {round_index} while {stop.where}; nothing of round {round_index} was trained"
+        if kept:
+            line += f"; its {kept} accepted foreign rollouts are kept in the journal"
+        if self.checkpoints is None or not self.config.checkpoint.at_exit:
+            return line + "; no checkpoint is configured (checkpoint.at_exit)"
+        if not save:
+            if self.resumed_from is not None or self._saved_state:
+                return line + f"; the last checkpoint already holds this state (resumes at round {round_index})"
+            return line + f"; no round has finished yet, so there is nothing to checkpoint (a restart begins at round {round_index})"
+        path = self.save_checkpoint(as_of=self._round_start)
+        if path is None:
+            return line + "; saving a checkpoint failed (see the log)"
+        return line + f"; checkpoint {path.name} saved (resumes at round {round_index})"
+
+    def phase(self, phase: str, detail: str = "") -> None:
+        """Tell `on_phase` what the node is doing now (loading, calibrating, generating, training, ...)."""
+        self._progress_at = time.monotonic()
+        if self.on_phase is not None:
+            self.on_phase(phase, detail)
+
+    def _progress(self, phase: str, detail: str) -> None:
+        """A progress report within a phase, at most every PROGRESS_EVERY_S."""
+        if time.monotonic() - self._progress_at >= PROGRESS_EVERY_S:
+            self.phase(phase, detail)
 
     def _catch_up(self, start: int) -> int:
         """The round to run first: `start`, or the swarm's latest round when peers are already past it.
@@ -271,6 +349,7 @@ class Node:
         if self.gossip_supervisor is not None:
             self.gossip = self.gossip_supervisor.check()
         spec = SpeculationStats()
+        self.phase("generating", f"round {round_index}")
         own = self._rollouts(round_index, spec)
         tokens_generated = sum(len(r.completion_ids) for r in own)
         timings["rollout"] = time.perf_counter() - started
@@ -279,6 +358,8 @@ class Node:
         self._beat("gossip")
         try:
             self._publish(round_index, own)
+            self._calibrate()
+            self.phase("waiting for peers", f"round {round_index}")
             admissions = self._collect(round_index)
         except GossipError as exc:  # the supervisor rebuilds gossip at the next round; train solo now
             log.error("round %d: gossip failed (%s); training on own rollouts this round", round_index, exc)
@@ -289,12 +370,23 @@ class Node:
 
         mark = time.perf_counter()
         self._beat("train")
+        self.control.check("gossiping")
+        self.phase("training", f"round {round_index}")
         foreign = self._select_foreign(round_index, len(own))
-        step = train_step_with_oom_retry(self.trainer, self._train_samples(own, foreign), on_retry=self._count_oom)
+        samples = self._train_samples(own, foreign)
+        self.trainer.between_micro_batches = lambda done, total: self._train_progress(round_index, done, total)
+        try:
+            step = train_step_with_oom_retry(self.trainer, samples, on_retry=self._count_oom)
+        except RoundStopped:
+            self._pending.extend(foreign)  # not trained on: back in the pool as they were
+            raise
+        finally:
+            self.trainer.between_micro_batches = None
         timings["train"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
         self._beat("sync")
+        self.phase("syncing", f"round {round_index}")
         sync_stats, delta_chunks = self.sync.sync(step.version)
         self.engine.weights_updated(sync_stats.tensors)
         delta_published = self._publish_delta(step.version, delta_chunks)
@@ -364,6 +456,44 @@ class Node:
             "peer_scores": {peer: row["score"] for peer, row in scores.items()},
         }
 
+    def _calibrate(self) -> None:
+        """Measure the verify-cost curve now if it is still missing: the node is about to wait for peers anyway.
+
+        Runs in the round's idle wait, once, right after the node's own batch is out: on the
+        round loop's thread, so it competes with no phase of this node, and always in the
+        first round, so which rounds decode speculatively does not depend on timing (a resume
+        reads the cached curve and drafts from its first round, as the uninterrupted run did).
+        """
+        if self.calibration is None:
+            return
+        self.phase("calibrating", "speculation's verify-cost curve (once per machine)")
+        started = time.perf_counter()
+
+        def progress(text: str) -> None:
+            self.control.check("calibrating")
+            self.phase("calibrating", text)
+
+        policy = self.calibration.policy
+        curve = self.calibration.run(on_progress=progress)
+        self.calibration = None
+        paying = [b for b in curve.batches if policy.wants_drafts(b)]
+        self.phase("calibrating", f"done in {time.perf_counter() - started:.1f}s; drafting pays at batch sizes {paying or 'none'}")
+
+    def _generation_progress(self, round_index: int, total: int) -> Callable[[int], None]:
+        made = 0
+
+        def on_tokens(added: int) -> None:
+            nonlocal made
+            made += added
+            self.control.check(f"generating round {round_index}")
+            self._progress("generating", f"round {round_index}: {made} tokens, {total} completions")
+
+        return on_tokens
+
+    def _train_progress(self, round_index: int, done: int, total: int) -> None:
+        self.control.check(f"training round {round_index}")
+        self._progress("training", f"round {round_index}: micro-batch {done + 1}/{total}")
+
     def _beat(self, phase: str) -> None:
         if self.watchdog is not None:
             self.watchdog.beat("round", phase)
@@ -380,29 +510,32 @@ class Node:
             return replace(report, checkpoint_error=str(exc))
         return replace(report, checkpoint=path.name if path is not None else "")
 
-    def save_checkpoint(self) -> Path | None:
-        """Save a checkpoint now (between rounds); logs and returns None when it fails or none is configured."""
+    def save_checkpoint(self, *, as_of: _RoundStart | None = None) -> Path | None:
+        """Save a checkpoint now (between rounds, or `as_of` a stopped round's start); logs and returns None when it fails or none is configured."""
         try:
-            return self._save()
+            return self._save(as_of)
         except CheckpointError as exc:
             log.error("checkpoint failed: %s", exc)
             return None
 
-    def _save(self) -> Path | None:
+    def _save(self, as_of: _RoundStart | None = None) -> Path | None:
         if self.checkpoints is None:
             return None
+        pending = as_of.pending if as_of is not None else self._pending
         meta = {
-            "next_round": self.next_round,
+            "next_round": as_of.round if as_of is not None else self.next_round,
             "policy_version": self.trainer.version,
             "sync_version": self.sync.version,
             "fingerprint": self.fingerprint,
             "seed": self.seed,
-            "journal_rowid": self.store.journal_high_water(),
+            "journal_rowid": as_of.journal_rowid if as_of is not None else self.store.journal_high_water(),
             "replay_marks": self.store.replay_high_water(),
             "pending": [
-                {"author": p.author, "round": p.round, "hash": rollout_content_hash(p.rollout).hex()} for p in self._pending
+                {"author": p.author, "round": p.round, "hash": rollout_content_hash(p.rollout).hex()} for p in pending
             ],
-            "providers": {name: provider.state_dict() for name, provider in self.checkpoint_providers.items()},
+            "providers": as_of.providers if as_of is not None else {
+                name: provider.state_dict() for name, provider in self.checkpoint_providers.items()
+            },
             "drafter": "rebuilt from the rollout journal up to journal_rowid",
             # Scores are about peers' behaviour, not training state: never rolled back, only flushed here.
             "peers": "kept in peers.json (node/peers.py)",
@@ -477,9 +610,14 @@ class Node:
             for i in range(cfg.num_generations):
                 requests.append(GenerationRequest(prompt_ids=prompt_ids, seed=seed, sample_index=group * cfg.num_generations + i))
                 owners.append(task)
-        samples = generate_splitting_on_oom(
-            lambda chunk: self.engine.generate(chunk, self.sampling, stats=spec), requests, on_split=self._count_oom
-        )
+        on_tokens = self._generation_progress(round_index, len(requests))
+        if isinstance(self.engine, TorchEngine):
+            def generate(chunk: list[GenerationRequest]) -> list:
+                return self.engine.generate(chunk, self.sampling, stats=spec, on_tokens=on_tokens)
+        else:  # vLLM decodes a whole call at once: a stop waits for it
+            def generate(chunk: list[GenerationRequest]) -> list:
+                return self.engine.generate(chunk, self.sampling, stats=spec)
+        samples = generate_splitting_on_oom(generate, requests, on_split=self._count_oom)
         if self.engine.drafter is not None:
             for sample in samples:
                 self.engine.drafter.observe(sample.prompt_ids, sample.completion_ids)
@@ -547,8 +685,11 @@ class Node:
         useful: set[str] = set()
         refused: set[str] = set()
         while True:
+            self.control.check(f"waiting for peers' round-{round_index} batches")
+            left = max(0.0, deadline - time.monotonic())
+            self._progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' batches, {left:.0f}s left")
             fetched = self.gossip.wait_for_round(
-                round_index, peers=swarm.expected_peers + len(refused), timeout=max(0.0, deadline - time.monotonic())
+                round_index, peers=swarm.expected_peers + len(refused), timeout=min(1.0, left)  # short: a stop is seen within a second
             )
             for item in fetched:
                 admission = self._admit(round_index, item)
@@ -725,8 +866,18 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
     return replace(config, model=resolved), plan
 
 
-def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
-    """Build every part of a node from its config (loads the model, starts gossip)."""
+def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListener | None = None) -> Node:
+    """Build every part of a node from its config (loads the model, starts gossip).
+
+    `on_phase(phase, detail)` hears what it is doing (loading the model, starting gossip) and
+    becomes the node's `on_phase`. Speculation's verify-cost curve is not measured here: a node
+    without a cached one starts decoding plainly (see `Node._calibrate`).
+    """
+
+    def phase(name: str, detail: str = "") -> None:
+        if on_phase is not None:
+            on_phase(name, detail)
+
     threads = configure_threads(config.model.threads, local_nodes=local_nodes)
     if config.model.engine == "vllm":
         require_vllm()  # before the model loads and the home is locked
@@ -743,8 +894,10 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     peer_scores = PeerScores(home / "peers.json")
     log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
 
+    phase("loading", f"model {config.model.name}")
     tokenizer = load_tokenizer(config.model.name)
     trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device)
+    phase("loading", "choosing precision (bf16 or float32, measured once per machine)")
     config, precision = _resolve_precision(config, trainer_model, threads)
     engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
@@ -781,8 +934,9 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
     checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
     policy: LengthAwarePolicy | None = None
+    calibration: CurveCalibration | None = None
     if config.speculation.enabled and isinstance(engine, TorchEngine):  # vLLM's own drafter is set at construction
-        drafter, policy = build_speculation(
+        drafter, policy, calibration = build_speculation(
             config.speculation, engine, store, model_config=engine_model.config, dtype=config.model.engine_dtype,
             device=config.model.device, max_batch_size=config.rollout.max_batch_size,
             journal_rowid=int(checkpoint.meta["journal_rowid"]) if checkpoint is not None else None,
@@ -823,6 +977,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         gossip.start()
         return gossip
 
+    phase("starting gossip", f"swarm {config.swarm.swarm!r}")
     gossip = start_gossip()
     supervise = config.supervise
     watchdog = Watchdog(stall_after=supervise.stall_after)
@@ -850,6 +1005,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
         trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
         precision=precision,
+        calibration=calibration,
+        on_phase=on_phase,
     )
     if policy is not None:  # its adaptive state is part of a checkpoint
         node.checkpoint_providers["speculation"] = policy

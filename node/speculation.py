@@ -3,9 +3,14 @@
 A speculative step feeds K + 1 tokens per row instead of one, so it pays only when the tokens
 it expects to emit outgrow what the wider forward costs. That cost ratio, T(B, K + 1) / T(B, 1)
 for a batch of B rows, depends on the device, dtype, model and thread count (on this 2-core
-CPU in fp32: ~1.5x for 8 drafts at B = 1, ~3x at B = 8), so it is measured once at start-up
+CPU in fp32: ~1.5x for 8 drafts at B = 1, ~3x at B = 8), so it is measured once per machine
 (`calibrate_verify_cost`) and cached on disk under the model cache dir, keyed by all of those
-(`load_or_calibrate`). It is not monotone in K: 2- and 3-token forwards cost ~1.7-2x here (slow
+(`load_or_calibrate`). The measurement is small (the node's own batch sizes only: 1, a quarter
+of its batch and its batch; one timed pass over a short context; seconds, not minutes) and it
+never holds up start-up: a node without a cached curve decodes plainly and measures it later,
+when it would otherwise sit idle (`CurveCalibration`, run by the node while it waits for peers'
+batches), then turns speculation on. Plain and speculative decoding give the same completions,
+so when speculation switches on changes no result beyond fp32 rounding. It is not monotone in K: 2- and 3-token forwards cost ~1.7-2x here (slow
 small-matrix GEMMs) against ~1.3x for 5, so a step runs the cheapest forward at least as wide as
 it needs (`VerifyCostCurve.cover`; the engine pads the extra slots).
 
@@ -33,9 +38,11 @@ import json
 import logging
 import os
 import platform
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
     from hivespec.node.store import RolloutStore
 
 __all__ = [
+    "CurveCalibration",
     "LengthAwarePolicy",
     "RowPlan",
     "SpeculationPolicy",
@@ -55,17 +63,20 @@ __all__ = [
     "VerifyCostCurve",
     "build_speculation",
     "calibrate_verify_cost",
+    "calibration_batches",
     "device_verify_cost",
     "length_class",
     "load_or_calibrate",
     "model_identity",
     "rebuild_drafter",
+    "wider_pays",
 ]
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16)  # what a bench measures; a node measures `calibration_batches`
 CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
+CALIBRATION_CONTEXT = 16  # cached tokens per row while timing: the prefill is a third of the cost at 32 (batch 16)
 _CURVE_FORMAT = 4  # 4: steps include the keyed sampling; 3: raw per-width ratios (2 forced them monotone)
 
 # Draft cap and objective weight per length class (DAS's hard / medium / easy budgets 16 / 8 / 4).
@@ -143,6 +154,29 @@ class VerifyCostCurve:
 
 
 TimeForwards = Callable[[int, Sequence[int]], list[float]]
+Progress = Callable[[str], None]
+
+
+def wider_pays(width: int, ratio: float) -> bool:
+    """Whether to time forwards wider than `width`, whose cost is `ratio` x a plain step.
+
+    Once a width costs more than the tokens it would emit at the per-token acceptance the
+    policy starts from (0.8), the batch is compute-bound there and every wider forward costs
+    at least about proportionally more: they are not timed, and the curve prices them linearly
+    from this one (`calibrate_verify_cost`). At batch 16 in fp32 on a 2-core CPU this skips the
+    17-token forward, half of that batch's timing.
+    """
+    return width <= 1 or (1.0 - 0.8**width) / 0.2 > ratio
+
+
+def calibration_batches(max_batch_size: int) -> list[int]:
+    """The batch sizes a node times: 1, a quarter of its batch and its batch.
+
+    Rows leave a batch as they finish, so a node decodes at every size up to its batch; the
+    curve prices a size by the next larger measured one (the conservative side), so these
+    three points bound every step it runs at a fraction of the cost of timing each size.
+    """
+    return sorted({1, max(1, max_batch_size // 4), max_batch_size})
 
 
 def calibrate_verify_cost(
@@ -151,7 +185,8 @@ def calibrate_verify_cost(
     batches: Sequence[int] = CALIBRATION_BATCHES,
     widths: Sequence[int] = CALIBRATION_WIDTHS,
     key: str = "",
-    repeats: int = 3,
+    repeats: int = 1,
+    on_progress: Progress | None = None,
 ) -> VerifyCostCurve:
     """Measure the curve with `time_forwards(batch, widths) -> seconds` (e.g. `TorchEngine.time_forwards`).
 
@@ -159,17 +194,28 @@ def calibrate_verify_cost(
     its fastest time: the curve is cached for good, so one busy moment on a shared machine must
     not inflate it. Ratios are kept per width as measured, not forced monotone: a narrow width
     that measures slower than a wider one usually really is (see `VerifyCostCurve.cover`).
+    `on_progress` is told each batch as it is timed (a line for the log or the demo).
     """
     seconds_by_batch = {batch: [float("inf")] * len(widths) for batch in batches}
+    total, done = max(1, repeats) * len(batches), 0
     for _ in range(max(1, repeats)):
         for batch in batches:
+            if on_progress is not None:
+                on_progress(f"timing batch {batch} ({done + 1}/{total})")
             timed = time_forwards(batch, list(widths))
             seconds_by_batch[batch] = [min(a, b) for a, b in zip(seconds_by_batch[batch], timed, strict=True)]
+            done += 1
     ratios, base = [], []
     for batch in batches:
         seconds = seconds_by_batch[batch]
         base.append(seconds[0])
-        ratios.append((1.0, *(round(max(1.0, s / seconds[0]), 4) for s in seconds[1:])))
+        row = [1.0]
+        for j in range(1, len(widths)):
+            if seconds[j] == float("inf"):  # not timed (see `wider_pays`): at least linear from the last timed width
+                row.append(round(row[-1] * widths[j] / widths[j - 1], 4))
+            else:
+                row.append(round(max(1.0, seconds[j] / seconds[0]), 4))
+        ratios.append(tuple(row))
     return VerifyCostCurve(tuple(batches), tuple(widths), tuple(ratios), tuple(base), key)
 
 
@@ -192,10 +238,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def load_or_calibrate(
-    cache_folder: Path, key: str, time_forwards: TimeForwards, *, batches: Sequence[int] = CALIBRATION_BATCHES, **kwargs
-) -> VerifyCostCurve:
-    """The cached curve for `key` if it covers `batches`, else a fresh measurement written to the cache (atomically).
+def load_cached_curve(cache_folder: Path, key: str, batches: Sequence[int]) -> tuple[VerifyCostCurve | None, list[int]]:
+    """The cached curve for `key` if it covers `batches` (else None), and the batches a fresh one must measure.
 
     A cached curve measured for fewer batch sizes (another max_batch_size) is re-measured for
     the union, so a curve taken at batch 1 is never stretched to price batch 16.
@@ -205,20 +249,77 @@ def load_or_calibrate(
     try:
         curve = VerifyCostCurve.from_json(path.read_text())
         if curve.key == key and wanted <= set(curve.batches):
-            return curve
+            return curve, sorted(curve.batches)
         if curve.key == key:
             log.info("re-measuring verify cost: the cache covers batches %s, %s wanted", list(curve.batches), sorted(wanted))
             wanted |= set(curve.batches)
     except (OSError, ValueError, KeyError, TypeError) as error:
         if path.exists():
             log.info("re-measuring verify cost: %s unreadable (%s)", path, error)
-    log.info("measuring the verify-cost curve T(k)/T(1) once for this device, dtype and model")
-    curve = calibrate_verify_cost(time_forwards, key=key, batches=sorted(wanted), **kwargs)
+    return None, sorted(wanted)
+
+
+def _write_cache(cache_folder: Path, curve: VerifyCostCurve) -> None:
+    path = cache_folder / f"verify-cost-{curve.key}.json"
     cache_folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(curve.to_json())
-    tmp.replace(path)
+    tmp.replace(path)  # atomic: nodes sharing the cache never read half a curve
+
+
+def load_or_calibrate(
+    cache_folder: Path, key: str, time_forwards: TimeForwards, *, batches: Sequence[int] = CALIBRATION_BATCHES, **kwargs
+) -> VerifyCostCurve:
+    """The cached curve for `key` if it covers `batches`, else a fresh measurement written to the cache (atomically)."""
+    curve, wanted = load_cached_curve(cache_folder, key, batches)
+    if curve is not None:
+        return curve
+    log.info("measuring the verify-cost curve T(k)/T(1) once for this device, dtype and model")
+    curve = calibrate_verify_cost(time_forwards, key=key, batches=wanted, **kwargs)
+    _write_cache(cache_folder, curve)
     return curve
+
+
+@dataclass
+class CurveCalibration:
+    """A verify-cost curve still to measure: `run()` times it, caches it and gives it to the policy.
+
+    The node runs it while it would otherwise sit idle (waiting for peers' batches), not at
+    start-up: until then the policy is inactive and the engine decodes plainly.
+    """
+
+    policy: LengthAwarePolicy
+    time_forwards: TimeForwards
+    cache_folder: Path
+    key: str
+    batches: Sequence[int]
+
+    def run(self, on_progress: Progress | None = None) -> VerifyCostCurve:
+        """Measure the curve (or take the one another node on this machine cached since start-up), cache it, activate the policy."""
+        cached, _ = load_cached_curve(self.cache_folder, self.key, self.batches)
+        if cached is not None:  # e.g. a demo's first node measured it while this one generated
+            log.info("verify-cost curve found in %s (measured by another node on this machine)", self.cache_folder)
+            self.policy.set_curve(cached)
+            return cached
+        started = time.perf_counter()
+        log.info("measuring the verify-cost curve for batches %s (once per machine; decoding plainly until then)", list(self.batches))
+        curve = calibrate_verify_cost(self.time_forwards, key=self.key, batches=self.batches, on_progress=on_progress)
+        _write_cache(self.cache_folder, curve)
+        self.policy.set_curve(curve)
+        log.info("verify-cost curve measured in %.1fs; %s", time.perf_counter() - started, describe_curve(self.policy))
+        return curve
+
+
+def describe_curve(policy: LengthAwarePolicy) -> str:
+    """One log line: the measured cost of a 9-token verify per batch and where drafting pays."""
+    curve = policy.curve
+    if curve is None:
+        return "no verify-cost curve yet: decoding plainly"
+    paying = [b for b in curve.batches if policy.wants_drafts(b)]
+    return (
+        f"verify cost T(9)/T(1) = {[curve.ratio(b, 9) for b in curve.batches]} for batches {list(curve.batches)}; "
+        f"drafting pays at batch sizes {paying or 'none'}"
+    )
 
 
 def model_identity(model_config: object, dtype: str) -> str:
@@ -256,13 +357,16 @@ def build_speculation(
     max_batch_size: int,
     cache_folder: Path | None = None,
     journal_rowid: int | None = None,
-) -> tuple[SuffixDrafter, LengthAwarePolicy]:
-    """The drafter (replayed from the store) and the length-aware policy on the cached verify-cost curve.
+) -> tuple[SuffixDrafter, LengthAwarePolicy, CurveCalibration | None]:
+    """The drafter (replayed from the store), the length-aware policy, and the curve's calibration if not cached.
 
+    The policy starts on the cached verify-cost curve (`cache_folder`, default
+    `<model cache dir>/speculation`) when there is one for this model, dtype, device and
+    thread count; otherwise it starts inactive (plain decoding) and the returned
+    `CurveCalibration` measures the curve when the caller runs it.
     A resuming node passes its checkpoint's `journal_rowid`: the drafter then holds what it held
     at the checkpoint, not the interrupted round's rollouts, which the node is about to make
     again (with them it would draft differently, and fp32 log-probs differ by forward width).
-    The curve is cached under `cache_folder` (default: `<model cache dir>/speculation`).
     """
     from hivespec.node.drafter import SuffixDrafter
 
@@ -276,14 +380,26 @@ def build_speculation(
     if store is not None and config.rebuild_rollouts:
         replayed = rebuild_drafter(drafter, store, config.rebuild_rollouts, up_to_rowid=journal_rowid)
         log.info("drafter rebuilt from %d stored rollouts%s", replayed, "" if journal_rowid is None else " (up to the checkpoint)")
-    curve = device_verify_cost(engine, model_config, dtype, device, max_batch_size, cache_folder)
+    folder, key = _curve_location(model_config, dtype, device, cache_folder)
+    curve, wanted = load_cached_curve(folder, key, calibration_batches(max_batch_size))
     policy = LengthAwarePolicy(curve, drafter, max_budget=config.num_speculative_tokens)
-    paying = [b for b in curve.batches if policy.wants_drafts(b)]
-    log.info(
-        "speculation: verify cost T(9)/T(1) = %s for batches %s; drafting pays at batch sizes %s",
-        [curve.ratio(b, 9) for b in curve.batches], list(curve.batches), paying or "none",
-    )
-    return drafter, policy
+    calibration = None
+    if curve is None:
+        # One timed pass after a warm-up of the plain step (whose time, the ratios' divisor, is
+        # then the better of two), over a short cache, stopping where the batch is compute-bound.
+        timer = partial(engine.time_forwards, context=CALIBRATION_CONTEXT, rounds=1, warm_up=(1,), wider_pays=wider_pays)
+        calibration = CurveCalibration(policy, timer, folder, key, wanted)
+    log.info("speculation: %s", describe_curve(policy))
+    return drafter, policy, calibration
+
+
+def _curve_location(model_config: object, dtype: str, device: str, cache_folder: Path | None) -> tuple[Path, str]:
+    import torch
+
+    from hivespec.node.model import cache_dir
+
+    key = curve_key(model_identity(model_config, dtype), dtype, device, torch.get_num_threads())
+    return (cache_folder if cache_folder is not None else cache_dir() / "speculation"), key
 
 
 def device_verify_cost(
@@ -295,15 +411,11 @@ def device_verify_cost(
     cache_folder: Path | None = None,
 ) -> VerifyCostCurve:
     """The verify-cost curve of this model, dtype, device and torch thread count for batches up to
-    `max_batch_size`: cached under `cache_folder` (default `<model cache dir>/speculation`), else measured once.
+    `max_batch_size` (every size of `CALIBRATION_BATCHES`, for benches): cached under
+    `cache_folder` (default `<model cache dir>/speculation`), else measured now.
     """
-    import torch
-
-    from hivespec.node.model import cache_dir
-
     batches = sorted({b for b in CALIBRATION_BATCHES if b <= max_batch_size} | {max_batch_size})
-    key = curve_key(model_identity(model_config, dtype), dtype, device, torch.get_num_threads())
-    folder = cache_folder if cache_folder is not None else cache_dir() / "speculation"
+    folder, key = _curve_location(model_config, dtype, device, cache_folder)
     return load_or_calibrate(folder, key, engine.time_forwards, batches=batches)
 
 
@@ -348,6 +460,11 @@ class SpeculationPolicy(Protocol):
         """False when a batch this large is compute-bound: skip drafting altogether."""
         ...
 
+    @property
+    def active(self) -> bool:
+        """False while the policy cannot price drafts yet (no verify-cost curve): the engine decodes plainly."""
+        ...
+
     def observe(self, drafted: int, accepted: int, rejections: int) -> None:
         """A step's outcome: draft tokens verified, accepted, and rows whose draft was cut by a rejection."""
         ...
@@ -372,6 +489,10 @@ class UniformPolicy:
     def wants_drafts(self, batch: int) -> bool:
         return self.budget > 0
 
+    @property
+    def active(self) -> bool:
+        return True
+
     def observe(self, drafted: int, accepted: int, rejections: int) -> None:
         return None
 
@@ -381,7 +502,7 @@ class LengthAwarePolicy:
 
     def __init__(
         self,
-        curve: VerifyCostCurve,
+        curve: VerifyCostCurve | None,
         drafter: SuffixDrafter,
         *,
         max_budget: int = 16,
@@ -405,6 +526,16 @@ class LengthAwarePolicy:
         self._covers: dict[tuple[int, int], tuple[int, float]] = {}  # curve.cover, asked every step
 
     @property
+    def active(self) -> bool:
+        """True once the policy has a verify-cost curve; before that the engine decodes plainly."""
+        return self.curve is not None
+
+    def set_curve(self, curve: VerifyCostCurve) -> None:
+        """Price drafts on `curve` from now on (a calibration finished)."""
+        self.curve = curve
+        self._covers.clear()
+
+    @property
     def alpha(self) -> float:
         """Observed per-token acceptance: accepted drafts / (accepted drafts + rejections), decaying."""
         return self._hits / (self._hits + self._misses)
@@ -417,6 +548,8 @@ class LengthAwarePolicy:
         return RowPlan(max(1, round(self.max_budget * _CLASS_CAP_SHARE[kind])), _CLASS_WEIGHT[kind], kind)
 
     def wants_drafts(self, batch: int) -> bool:
+        if self.curve is None:
+            return False
         return any((1 + k) / self.curve.cover(batch, k + 1)[1] >= self.min_gain for k in range(1, self.max_budget + 1))
 
     def width(self, drafts: Sequence[Draft], plans: Sequence[RowPlan]) -> int:
@@ -454,6 +587,7 @@ class LengthAwarePolicy:
     def _cover(self, batch: int, width: int) -> tuple[int, float]:
         covered = self._covers.get((batch, width))
         if covered is None:
+            assert self.curve is not None, "width() is only asked when wants_drafts() said yes"
             covered = self._covers[batch, width] = self.curve.cover(batch, width)
         return covered
 

@@ -51,8 +51,24 @@ LOGS_SENT = 60
 SNAPSHOT_CACHE_S = 0.2
 
 
+class RoundStopped(Exception):
+    """A stop request reached a safe point inside a round: the round is abandoned, nothing of it trained.
+
+    Raised by `RunControl.check` from the round's safe points (between decode steps, between
+    micro-batches before the optimizer step, while waiting for peers, while calibrating).
+    """
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"stopped while {where}")
+        self.where = where
+
+
 class RunControl:
-    """Pause/resume/stop for the round loop, checked between rounds (a round is never cut in half)."""
+    """Pause/resume/stop for the round loop.
+
+    Pause acts between rounds. Stop acts at the next safe point inside a round too: the round
+    loop calls `check` there, which raises `RoundStopped` once a stop was requested.
+    """
 
     def __init__(self) -> None:
         self._runnable = threading.Event()
@@ -75,9 +91,14 @@ class RunControl:
         log.info("training %s (requested over the status server or the dashboard)", "paused" if paused else "resumed")
 
     def stop(self) -> None:
-        """Finish the current round, then leave the loop."""
+        """Leave the loop at the next safe point (see `check`)."""
         self._stop.set()
         self._runnable.set()
+
+    def check(self, where: str) -> None:
+        """Raise `RoundStopped(where)` if a stop was requested; `where` says what the round was doing."""
+        if self._stop.is_set():
+            raise RoundStopped(where)
 
     def wait_to_run(self) -> bool:
         """Block while paused; True when the next round may start, False when stopping."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -179,6 +179,10 @@ class Trainer:
         self.device = next(model.parameters()).device
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=learning_rate, weight_decay=weight_decay)
+        # Called as (index, total) before each micro batch's forward and backward until the first
+        # optimizer step; it may raise (a stop request) to abandon the step with the model untouched.
+        self.between_micro_batches: Callable[[int, int], None] | None = None
+        self.optimizer_steps_in_call = 0
 
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
         """One policy update (``ppo_epochs`` optimizer steps) over ``samples``.
@@ -191,6 +195,17 @@ class Trainer:
         sources = sorted({s.source for s in samples})
         batches = list(self._plan(samples, sources))
         self.model.train()
+        self.optimizer_steps_in_call = 0
+        try:
+            return self._step(samples, sources, batches, started)
+        except BaseException:
+            if self.optimizer_steps_in_call == 0:  # abandoned before any update: leave no gradient behind
+                self.optimizer.zero_grad(set_to_none=True)
+            self.model.eval()
+            raise
+
+    def _step(self, samples: Sequence[TrainSample], sources: list[str], batches: list[_MicroBatch], started: float) -> StepStats:
+        hook = self.between_micro_batches
         old: list[Tensor] = []
         weights: list[ImportanceWeights] = []
         loss_sum = kl_sum = 0.0
@@ -201,6 +216,8 @@ class Trainer:
             for index, batch in enumerate(batches):
                 if epoch > 0 and not batch.with_grad:
                     continue
+                if hook is not None and epoch == 0:
+                    hook(index, len(batches))
                 with torch.set_grad_enabled(batch.with_grad):
                     logp = self._logprobs(batch)
                 if epoch == 0:
@@ -209,6 +226,8 @@ class Trainer:
                 if not batch.with_grad:
                     continue
                 loss, batch_clipped, batch_kl = self._loss(logp, old[index], weights[index], batch)
+                if hook is not None and epoch == 0:
+                    hook(index, len(batches))  # a second safe point: a forward and a backward take seconds each on a CPU
                 loss.backward()
                 if epoch == self.ppo_epochs - 1:
                     loss_sum += float(loss.detach())
@@ -224,6 +243,7 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.div_(kept_tokens)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+            self.optimizer_steps_in_call += 1
             self.optimizer.step()
         self.version += 1
         self.model.eval()

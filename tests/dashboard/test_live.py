@@ -159,4 +159,4 @@ def test_hivespec_status_finds_the_local_node_and_never_imports_torch(swarm):
     assert result.returncode == 0 and json.loads(result.stdout)["node"]["name"] == "node-0"
     result = subprocess.run([sys.executable, "-P", "-m", "hivespec.node.cli", "status", "--node", "http://127.0.0.1:9"],
                             capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 1 and "is the node running?" in result.stderr
+    assert result.returncode == 2 and "is the node running?" in result.stderr

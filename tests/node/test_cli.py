@@ -50,4 +50,4 @@ def test_config_prints_resolved_values_and_documents_every_key():
 def test_config_errors_are_one_clear_line():
     result = _run("config", "--set", "train.lr=1")
     assert result.returncode == 2
-    assert result.stderr.startswith("hivespec: config error: unknown config key(s) ['lr'] in train")
+    assert result.stderr.startswith("hivespec config: config error: unknown config key(s) ['lr'] in train")

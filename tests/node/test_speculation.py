@@ -7,16 +7,19 @@ import torch
 
 from hivespec.node.config import SpeculationConfig
 from hivespec.node.drafter import Draft, SuffixDrafter
-from hivespec.node.engine import TorchEngine
+from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
 from hivespec.node.model import load_model
 from hivespec.node.speculation import (
+    CurveCalibration,
     LengthAwarePolicy,
     VerifyCostCurve,
     build_speculation,
     calibrate_verify_cost,
+    calibration_batches,
     length_class,
     load_or_calibrate,
     rebuild_drafter,
+    wider_pays,
 )
 from hivespec.node.store import RolloutStore, StoredRollout
 from hivespec.protocol.rollout import Rollout
@@ -132,15 +135,50 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
         assert drafter.session([1, 2, 3]).propose([4, 5], 4).tokens in ([6], [7])  # never the later row's 8
         model = load_model("tiny", dtype=torch.float32)
         engine = TorchEngine(model, max_batch_size=2)
-        drafter, policy = build_speculation(
-            SpeculationConfig(rebuild_rollouts=10), engine, store, model_config=model.config, dtype="float32",
-            device="cpu", max_batch_size=2, cache_folder=tmp_path / "cache",
-        )
+        build = {"model_config": model.config, "dtype": "float32", "device": "cpu", "max_batch_size": 2, "cache_folder": tmp_path / "cache"}
+        drafter, policy, calibration = build_speculation(SpeculationConfig(rebuild_rollouts=10), engine, store, **build)
     assert drafter.observed == 3
-    assert policy.curve.batches == (1, 2)
-    assert list((tmp_path / "cache").glob("verify-cost-*.json"))
+    # No cached curve: the policy starts inactive and the engine decodes plainly until it is measured.
+    assert calibration is not None and not policy.active and not policy.wants_drafts(1)
     engine.set_speculation(drafter, policy)
     assert engine.drafter is drafter
+    requests = [GenerationRequest((1, 2, 3), seed=5, sample_index=i) for i in range(2)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    stats = SpeculationStats()
+    plain = engine.generate(requests, params, stats=stats)
+    assert stats.speculative_steps == 0 and stats.proposed == 0
+    progress: list[str] = []
+    curve = calibration.run(on_progress=progress.append)
+    assert progress == ["timing batch 1 (1/2)", "timing batch 2 (2/2)"]
+    assert policy.active and policy.curve is curve and curve.batches == (1, 2)
+    assert list((tmp_path / "cache").glob("verify-cost-*.json"))
+    speculative = engine.generate(requests, params)
+    # Lossless: the same completions; log-probs equal up to the rounding of other forward widths.
+    assert [s.completion_ids for s in speculative] == [s.completion_ids for s in plain]
+    for a, b in zip(speculative, plain, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # The next start finds the curve cached: active at once, nothing left to measure.
+    again = build_speculation(SpeculationConfig(rebuild_rollouts=0), engine, None, **build)
+    assert again[2] is None and again[1].active and again[1].curve == curve
+
+
+def test_calibration_skips_widths_past_the_compute_bound_and_prices_them_linearly():
+    timed_widths = []
+
+    def compute_bound(batch, widths, wider_pays=wider_pays):
+        seconds = []
+        for width in widths:
+            seconds.append(float(width))  # every token costs a full plain step: nothing pays
+            timed_widths.append(width)
+            if not wider_pays(width, seconds[-1] / seconds[0]):
+                break
+        return seconds + [float("inf")] * (len(widths) - len(seconds))
+
+    curve = calibrate_verify_cost(compute_bound, batches=(16,), key="k")
+    assert timed_widths == [1, 2]  # 2 tokens for 2x: at 80% acceptance a 2-token step emits 1.8
+    assert curve.ratios[0] == (1.0, 2.0, 3.0, 5.0, 9.0, 17.0)
+    assert not LengthAwarePolicy(curve, SuffixDrafter()).wants_drafts(16)
+    assert calibration_batches(16) == [1, 4, 16] and calibration_batches(2) == [1, 2] and calibration_batches(1) == [1]
 
 
 def test_observed_rejections_turn_speculation_down_and_probes_keep_measuring():
@@ -188,3 +226,18 @@ def test_a_short_draft_runs_as_the_cheaper_padded_forward_and_stays_lossless():
     padded = TorchEngine(model, max_batch_size=1, drafter=drafter, policy=policy).generate(requests, params, stats=stats)
     assert padded == plain
     assert stats.accepted > 0 and stats.tokens_per_forward > 1.0
+
+
+def test_a_calibration_takes_the_curve_a_sibling_node_cached_meanwhile(tmp_path):
+    calls = []
+
+    def timer(batch, widths):
+        calls.append(batch)
+        return [float(batch) * (1 + 0.1 * w) for w in widths]
+
+    first = CurveCalibration(LengthAwarePolicy(None, SuffixDrafter()), timer, tmp_path, "k", [1, 4])
+    second = CurveCalibration(LengthAwarePolicy(None, SuffixDrafter()), timer, tmp_path, "k", [1, 4])
+    measured = first.run()
+    assert calls == [1, 4]
+    assert second.run() == measured and calls == [1, 4]  # read from the cache, not timed again
+    assert second.policy.active and second.policy.curve == measured
