@@ -7,7 +7,8 @@ moved with one copy (through pinned memory on CUDA), and unpacked into views. Te
 where they are asked to go are returned as they are, so CPU code runs the same path at no cost.
 
 `HostTransferGuard` is the check (a torch function mode): inside it, reading a tensor's data
-from Python (`.numpy()`, `.tolist()`, `.item()`, `int(t)`, `bool(t)`, `np.asarray(t)`, `.cpu()`)
+from Python (`.numpy()`, `.tolist()`, `.item()`, `int(t)`, `bool(t)`, `np.asarray(t)`, `.cpu()`;
+`.to("cpu")` of a non-CPU tensor)
 raises `HostTransferError` unless the tensor came out of `to_host`. With ``strict=True`` every
 tensor counts as a device tensor, so a CPU-only test catches what would fail or stall on a GPU;
 ``strict=False`` watches non-CPU tensors only (for runs on a real device). It also counts the
@@ -30,6 +31,7 @@ __all__ = ["HostTransferError", "HostTransferGuard", "to_device", "to_host"]
 _ALIGN = 16  # bytes: every dtype's view of a packed segment starts aligned
 _BUCKET_BYTES = 256 << 20  # at most this much device memory is staged for one copy
 _GUARDS: contextvars.ContextVar[tuple[HostTransferGuard, ...]] = contextvars.ContextVar("host_transfer_guards", default=())
+_IN_TRANSFER: contextvars.ContextVar[bool] = contextvars.ContextVar("in_host_transfer", default=False)
 
 
 class HostTransferError(RuntimeError):
@@ -80,24 +82,33 @@ def _move(tensors: Sequence[Tensor], device: torch.device, bucket_bytes: int, *,
     pin = device.type == "cpu" and any(t.device.type == "cuda" for t in tensors) or (
         device.type == "cuda" and all(t.device.type == "cpu" for t in tensors)
     )
-    for bucket in _buckets(tensors, bucket_bytes):
-        items = [tensors[i] for i in bucket]
-        offsets, total = _segments(items)
-        source_device = items[0].device
-        packed = torch.zeros(total, dtype=torch.uint8, device=source_device, pin_memory=pin and source_device.type == "cpu")
-        for t, offset in zip(items, offsets, strict=True):
-            data = _as_bytes(t)
-            packed[offset : offset + data.numel()] = data
-        if device.type == "cpu" and pin:
-            moved = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            moved.copy_(packed)  # synchronous: the caller reads it next
-        else:
-            moved = packed.to(device, non_blocking=pin)
-        for guard in _GUARDS.get():
-            guard._transferred(moved, total, to_host=host)
-        for i, view in zip(bucket, _unpack(moved, items, offsets), strict=True):
-            out[i] = view
+    inside = _IN_TRANSFER.set(True)  # the declared boundary: its own copies are what the guard allows
+    try:
+        for bucket in _buckets(tensors, bucket_bytes):
+            _move_bucket(tensors, bucket, device, pin, host, out)
+    finally:
+        _IN_TRANSFER.reset(inside)
     return [t for t in out if t is not None]
+
+
+def _move_bucket(tensors: Sequence[Tensor], bucket: list[int], device: torch.device, pin: bool, host: bool,
+                 out: list[Tensor | None]) -> None:
+    items = [tensors[i] for i in bucket]
+    offsets, total = _segments(items)
+    source_device = items[0].device
+    packed = torch.zeros(total, dtype=torch.uint8, device=source_device, pin_memory=pin and source_device.type == "cpu")
+    for t, offset in zip(items, offsets, strict=True):
+        data = _as_bytes(t)
+        packed[offset : offset + data.numel()] = data
+    if device.type == "cpu" and pin:
+        moved = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        moved.copy_(packed)  # synchronous: the caller reads it next
+    else:
+        moved = packed.to(device, non_blocking=pin)
+    for guard in _GUARDS.get():
+        guard._transferred(moved, total, to_host=host)
+    for i, view in zip(bucket, _unpack(moved, items, offsets), strict=True):
+        out[i] = view
 
 
 def to_host(tensors: Sequence[Tensor], *, bucket_bytes: int = _BUCKET_BYTES) -> list[Tensor]:
@@ -134,6 +145,7 @@ def to_device(tensors: Sequence[Tensor], device: torch.device | str, *, bucket_b
         raise ValueError(f"to_device moves tensors of one device at a time, got {sorted(map(str, devices))}")
     here = next(iter(devices))
     if here == device or (here.type == device.type and device.index is None):
+        # A strict guard copies and counts: on CPU the host is the device, so this is the call that crosses a bus on a GPU.
         return _move(tensors, here, bucket_bytes, host=False) if _simulating() else tensors
     if device.type == "cpu":
         return to_host(tensors, bucket_bytes=bucket_bytes)
@@ -191,7 +203,9 @@ class HostTransferGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _READS or (func is Tensor.to and _to_cpu(args, kwargs)):
+        # `.to(cpu)` is checked on real device tensors only: device-agnostic code writes `.to(x.device)`.
+        cross = func is Tensor.to and _to_cpu(args, kwargs) and isinstance(args[0], Tensor) and args[0].device.type != "cpu"
+        if not _IN_TRANSFER.get() and (func in _READS or cross):
             tensor = args[0] if args else None
             if isinstance(tensor, Tensor) and self._is_device_data(tensor):
                 name = getattr(func, "__name__", str(func))

@@ -60,7 +60,7 @@ def host_bits(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorBits]:
         _check_dtype(name, tensor)
     host = to_host([t.detach().contiguous() for t in tensors.values()])
     return {
-        name: TensorBits(_NAMES[t.dtype], h.view(_BITS[t.dtype][0]).numpy().view(_BITS[t.dtype][1]))
+        name: TensorBits(_NAMES[t.dtype], h.view(_BITS[t.dtype][0]).numpy().view(_BITS[t.dtype][1]))  # host data
         for (name, t), h in zip(tensors.items(), host, strict=True)
     }
 
@@ -291,9 +291,11 @@ class WeightSync:
         for i, (name, engine_tensor) in enumerate(group):
             by_route.setdefault((self.trainer_params[name].device, engine_tensor.device), []).append(i)
         with torch.no_grad():
-            for (_, engine_device), indices in by_route.items():
+            for (trainer_device, engine_device), indices in by_route.items():
                 casts = [self.trainer_params[group[i][0]].detach().to(group[i][1].dtype).contiguous() for i in indices]
-                for i, moved in zip(indices, to_device(casts, engine_device), strict=True):
+                # Cast where the trainer is; move (batched) only when the engine sits elsewhere (vLLM's CPU copy).
+                moved_casts = casts if trainer_device == engine_device else to_device(casts, engine_device)
+                for i, moved in zip(indices, moved_casts, strict=True):
                     out[i] = (group[i][0], group[i][1], moved)
         return [item for item in out if item is not None]
 
@@ -320,8 +322,8 @@ class WeightSync:
                 name=name,
                 shape=tuple(engine_tensor.shape),
                 dtype=_NAMES[engine_tensor.dtype],
-                indices=indices.numpy(),
-                values=values.numpy().view(_BITS[engine_tensor.dtype][1]),
+                indices=indices.numpy(),  # host data
+                values=values.numpy().view(_BITS[engine_tensor.dtype][1]),  # host data
             ))
         result = state_hash(_PatchedState(self.engine.state, tensors))
         return WeightDelta(self.engine.version, version, self.engine.hash, result, tuple(tensors))

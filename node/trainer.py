@@ -265,7 +265,7 @@ class Trainer:
         batches = list(self._plan(samples, sources))
         flat = to_host([self._logprobs(batch) for batch in batches])  # one transfer for every micro batch
         for batch, host in zip(batches, flat, strict=True):
-            values = host.tolist()
+            values = host.tolist()  # host data: one to_host above
             start = 0
             for sample, _ in batch.samples:
                 stop = start + len(sample.completion_ids)
