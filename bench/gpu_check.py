@@ -41,9 +41,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # the bench folder only (swarm_harness); the repo root stays off sys.path
 
-from swarm_harness import SwarmNode, prepare_model, start_swarm  # noqa: E402
+from swarm_harness import SwarmNode, prepare_model, start_swarm
 
-from hivespec.node.model import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer  # noqa: E402
+from hivespec.node.model import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -184,7 +184,7 @@ def speculation_part(device: torch.device, model: str, quick: bool) -> dict:
 
 
 def _run_bench(command: list[str]) -> dict:
-    process = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    process = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT)
     for line in reversed(process.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -269,7 +269,7 @@ def delta_part(device: torch.device, model_name: str) -> dict:
 
 
 def pytest_part(paths: list[str]) -> dict:
-    process = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *paths], capture_output=True, text=True, cwd=ROOT)
+    process = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *paths], check=False, capture_output=True, text=True, cwd=ROOT)
     summary = process.stdout.strip().splitlines()[-1] if process.stdout.strip() else process.stderr[-500:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
     return {"ok": process.returncode == 0, "summary": summary, **counts}
