@@ -14,7 +14,8 @@ Parts, each reported in the RESULT line:
 - trainer: seconds per GRPO step;
 - delta: sparse delta extract and apply bandwidth (kernels/delta.py) and one full sync's time,
   with the engine checked bit-exact to the trainer and its host mirror afterwards;
-- gpu_tests: the tests that skip without CUDA (tests/node/test_sync_devices.py, tests/kernels/test_host_transfer.py);
+- gpu_tests: the tests that skip without CUDA (tests/node/test_sync_devices.py, tests/kernels/test_host_transfer.py,
+  tests/node/test_checkpoint_cuda.py);
 - vllm (when vLLM imports): the swarm round with model.engine=vllm and tests/node/test_vllm_engine.py.
 
 Without CUDA (and no --device) it prints one line saying so and exits 0. Ends with one line
@@ -87,7 +88,8 @@ def swarm_part(device: torch.device, model: str, *, engine: str = "native", roun
     """2 nodes, `rounds` rounds each; every round's engine_mismatch must be 0, each node must accept foreign rollouts."""
     if model != "tiny":
         prepare_model()
-    sets = [f"model.device={device}", f"model.name={model}", f"model.engine={engine}"]
+    # Each round waits for the other node's batch (as bench/swarm_vs_solo.py's shared condition does).
+    sets = [f"model.device={device}", f"model.name={model}", f"model.engine={engine}", "swarm.expected_peers=1"]
     if device.type == "cuda":
         dtype = "bfloat16" if _engine_dtype(device) == torch.bfloat16 else "float32"
         sets += [f"model.engine_dtype={dtype}", "model.train_dtype=float32"]
@@ -307,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "speculation": lambda: speculation_part(device, args.model, args.quick),
         "trainer": lambda: trainer_part(device, args.model, args.quick),
         "delta": lambda: delta_part(device, args.model),
-        "gpu_tests": lambda: pytest_part(["tests/node/test_sync_devices.py", "tests/kernels/test_host_transfer.py"]),
+        "gpu_tests": lambda: pytest_part(["tests/node/test_sync_devices.py", "tests/kernels/test_host_transfer.py",
+                                          "tests/node/test_checkpoint_cuda.py"]),
     }
     if vllm_importable() and device.type == "cuda":
         parts["vllm"] = lambda: {"swarm": swarm_part(device, args.model, engine="vllm"),
