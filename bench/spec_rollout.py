@@ -62,6 +62,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="torch device of the model (bench/gpu_check.py passes cuda)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (4 if args.quick else 8)
@@ -94,7 +95,7 @@ def greedy_oracle(model, records, budget: int, max_new_tokens: int) -> tuple[flo
     result = ReplayResult(feeding="greedy oracle")
     agree = 0
     for record in records:
-        ids = torch.tensor([[*record.prompt_ids, *record.completion_ids]])
+        ids = torch.tensor([[*record.prompt_ids, *record.completion_ids]], device=model.device)
         with torch.inference_mode():
             logits = model(ids).logits[0, len(record.prompt_ids) - 1 : -1]
         argmax = logits.argmax(-1).tolist()
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hivespec.node.trace import TraceRecord, TraceWriter, replay
 
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=getattr(torch, args.dtype)).requires_grad_(False)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device).requires_grad_(False)
     source = TaskSource([("jsonl", 1, 1.0)], jsonl_path=GSM_MINI_PATH)
     jsonl = source.families["jsonl"]
     tasks = [jsonl.make(i, 1) for i in range(args.prompts)]  # type: ignore[attr-defined]
@@ -137,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plain_engine = TorchEngine(model, max_batch_size=args.batch_size)
     started = time.perf_counter()
-    curve = device_verify_cost(plain_engine, model.config, args.dtype, "cpu", args.batch_size)
+    curve = device_verify_cost(plain_engine, model.config, args.dtype, args.device, args.batch_size)
     print(f"model {args.model} {args.dtype}, {threads} threads, batch {args.batch_size}; verify cost (cached or measured "
           f"in {time.perf_counter() - started:.1f}s):", flush=True)
     for b in curve.batches:

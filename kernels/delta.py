@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["apply_delta", "extract_delta"]
+__all__ = ["apply_delta", "extract_delta", "mismatch_count", "write_delta"]
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -41,6 +41,14 @@ def extract_delta(base: Tensor, new: Tensor) -> tuple[Tensor, Tensor]:
     return indices, new_bits[indices].view(new.dtype)
 
 
+def mismatch_count(base: Tensor, new: Tensor) -> Tensor:
+    """Number of elements whose bits differ, as a 0-d int64 tensor on their device (reading it syncs)."""
+    if base.shape != new.shape or base.dtype != new.dtype or base.device != new.device:
+        raise ValueError(f"base and new must match in shape, dtype and device, got {tuple(base.shape)} {base.dtype} "
+                         f"{base.device} and {tuple(new.shape)} {new.dtype} {new.device}")
+    return (_bits(base.detach()) != _bits(new.detach())).sum()
+
+
 def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
     """Write values into target at flat indices, in place and bit-exact (no autograd record).
 
@@ -49,6 +57,34 @@ def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
     before writing anything. Returns the values it overwrote, so
     ``apply_delta(target, indices, previous)`` undoes the write bit for bit.
     """
+    _check_write(target, indices, values)
+    if indices.numel() == 0:
+        return values.clone()
+    # These reads sync a device; `write_delta` skips them for indices validated on the host.
+    first, last = int(indices[0]), int(indices[-1])
+    if first < 0 or last >= target.numel():
+        raise ValueError(f"indices span [{first}, {last}] but target has {target.numel()} elements")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError("indices must be strictly ascending (sorted, no repeats), as extract_delta makes them")
+    return write_delta(target, indices, values)
+
+
+def write_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
+    """`apply_delta` without reading the indices: shapes, dtypes and devices are checked, never the data.
+
+    For indices already validated on the host (the delta decoder checks range and order before
+    anything is written), so a write stays asynchronous on a GPU. Out-of-range indices raise
+    from torch's indexing (on CUDA: a device-side assert); unsorted ones write last-wins.
+    """
+    _check_write(target, indices, values)
+    with torch.no_grad():
+        bits = _bits(target)
+        previous = bits[indices]
+        bits[indices] = _bits(values)
+    return previous.view(target.dtype)
+
+
+def _check_write(target: Tensor, indices: Tensor, values: Tensor) -> None:
     if not target.is_contiguous():
         raise ValueError("target must be contiguous; apply the delta to the contiguous parameter it came from")
     if indices.dtype != torch.int64 or indices.dim() != 1:
@@ -65,15 +101,3 @@ def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
             f"target is on {target.device}, indices on {indices.device}, values on {values.device}; "
             "move indices and values to target's device"
         )
-    if indices.numel() == 0:
-        return values.clone()
-    first, last = int(indices[0]), int(indices[-1])
-    if first < 0 or last >= target.numel():
-        raise ValueError(f"indices span [{first}, {last}] but target has {target.numel()} elements")
-    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise ValueError("indices must be strictly ascending (sorted, no repeats), as extract_delta makes them")
-    with torch.no_grad():
-        bits = _bits(target)
-        previous = bits[indices]
-        bits[indices] = _bits(values)
-    return previous.view(target.dtype)

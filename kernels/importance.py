@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ImportanceStats", "ImportanceWeights", "importance_stats", "importance_weights"]
+from hivespec.kernels.host_transfer import to_host
+
+__all__ = ["ImportanceStats", "ImportanceWeights", "importance_stats", "importance_stats_where", "importance_weights"]
 
 # |log r| beyond this is "infinitely off-policy" for every filter; it keeps +-inf out of means and exp.
 _LOG_RATIO_BOUND = 100.0
@@ -63,11 +65,7 @@ class ImportanceWeights:
 
     def stats(self, where: Tensor | None = None) -> ImportanceStats:
         """Statistics of all tokens, or of those where ``where`` (bool, same shape) is True."""
-        if where is None:
-            return importance_stats(self.weights, self.valid, self.kept, self.truncated, self.vetoed)
-        return importance_stats(
-            self.weights[where], self.valid[where], self.kept[where], self.truncated[where], self.vetoed[where]
-        )
+        return importance_stats_where(self, [torch.ones_like(self.valid) if where is None else where])[0]
 
     @staticmethod
     def cat(parts: list[ImportanceWeights]) -> ImportanceWeights:
@@ -110,6 +108,7 @@ def importance_weights(
     if sequence_bounds is not None:
         ids = _sequence_ids(logp, sequence_ids).reshape(-1)
         flat_valid = valid.reshape(-1)
+        # Sized by the largest id: one device sync per call (ids are the caller's, unbounded).
         count = torch.zeros(int(ids.max()) + 1 if ids.numel() else 0, dtype=torch.float64, device=device)
         total = torch.zeros_like(count)
         count.index_add_(0, ids, flat_valid.double())
@@ -134,22 +133,46 @@ def importance_weights(
 
 
 def importance_stats(weights: Tensor, valid: Tensor, kept: Tensor, truncated: Tensor, vetoed: Tensor) -> ImportanceStats:
-    """ImportanceStats of flat per-token tensors (see ImportanceWeights); reading it syncs the device."""
-    tokens = int(valid.sum().item())
+    """ImportanceStats of flat per-token tensors (see ImportanceWeights); reading it syncs the device once."""
+    flags = ImportanceWeights(weights.reshape(-1), valid.reshape(-1), kept.reshape(-1), truncated.reshape(-1), vetoed.reshape(-1))
+    return importance_stats_where(flags, [torch.ones_like(flags.valid)])[0]
+
+
+def importance_stats_where(weights: ImportanceWeights, masks: list[Tensor]) -> list[ImportanceStats]:
+    """ImportanceStats of the tokens under each bool mask (weights' shape), read from the device in one transfer."""
+    rows = []
+    for mask in masks:
+        kept = weights.kept & mask
+        kept_weights = torch.where(kept, weights.weights, torch.zeros((), dtype=weights.weights.dtype, device=mask.device)).double()
+        flat = kept_weights.reshape(-1)
+        rows.append(torch.stack([
+            (weights.valid & mask).sum().double(),
+            kept.sum().double(),
+            flat.sum(),
+            (flat * flat).sum(),
+            (weights.vetoed & mask).sum().double(),
+            (weights.truncated & mask).sum().double(),
+            torch.cat([flat, flat.new_zeros(1)]).max(),  # weights are >= 0; 0.0 when nothing is kept
+        ]))
+    if not rows:
+        return []
+    (table,) = to_host([torch.stack(rows)])
+    return [_stats_of_row(row) for row in table.tolist()]
+
+
+def _stats_of_row(row: list[float]) -> ImportanceStats:
+    tokens, n_kept, total, squares, vetoed, truncated, max_weight = row
+    tokens, n_kept = int(tokens), int(n_kept)
     if tokens == 0:
         return ImportanceStats(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    kept_weights = weights[kept].double()
-    n_kept = kept_weights.numel()
-    total = kept_weights.sum().item() if n_kept else 0.0
-    squares = (kept_weights * kept_weights).sum().item() if n_kept else 0.0
     return ImportanceStats(
         tokens=tokens,
         kept_fraction=n_kept / tokens,
         masked_fraction=(tokens - n_kept) / tokens,
-        vetoed_fraction=int(vetoed.sum().item()) / tokens,
-        truncated_fraction=int(truncated.sum().item()) / tokens,
+        vetoed_fraction=int(vetoed) / tokens,
+        truncated_fraction=int(truncated) / tokens,
         mean_weight=total / n_kept if n_kept else 0.0,
-        max_weight=kept_weights.max().item() if n_kept else 0.0,
+        max_weight=max_weight if n_kept else 0.0,
         ess_fraction=(total * total) / (tokens * squares) if squares > 0.0 else 0.0,
     )
 

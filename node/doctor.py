@@ -5,7 +5,8 @@ checked here, and why) or FAIL, with what was found and, when it is not OK, what
 command exits non-zero when any check fails. The checks are the failures volunteers hit most
 (RL Swarm's issue tracker: p2pd that does not start, unreachable bootstrap peers, out-of-memory
 hours into a run, a full disk): torch and CUDA, RAM and VRAM against the model's training
-footprint, vLLM, the embedded model, p2pd, ports, bootstrap peers, the identity key file, disk
+footprint, each GPU's name, compute capability and bf16 support (`gpu_checks`, a pure function
+of `GpuProperties`), vLLM, the embedded model, p2pd, ports, bootstrap peers, the identity key file, disk
 space for checkpoints, and clock skew against peers (hivemind needs clocks within 3 s).
 
 The network checks start a real p2pd and DHT node on 127.0.0.1 (hivemind is imported here, and
@@ -126,15 +127,6 @@ def check_memory(config: NodeConfig, params: int | None) -> list[Check]:
                                 "programs, run fewer local nodes, or use a smaller model"))
         else:
             checks.append(Check("ram", "ok", f"{_gib(available)} available, a node needs ~{_gib(need)}"))
-    if not torch.cuda.is_available():
-        checks.append(Check("vram", "skip", "no CUDA device"))
-        return checks
-    for index in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(index)
-        need = training_bytes(params, config.model.engine_dtype) if params else 0
-        status: Status = "ok" if free >= need else "fail"
-        advice = "" if status == "ok" else ": stop other GPU processes (nvidia-smi) or use a smaller model"
-        checks.append(Check("vram", status, f"cuda:{index} {_gib(free)} free of {_gib(total)}, a node needs ~{_gib(need)}{advice}"))
     return checks
 
 
@@ -174,6 +166,91 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
     if advice:
         return Check("precision", "warn", "; ".join(advice))
     return Check("precision", "ok", chosen.describe())
+# ----- GPU ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuProperties:
+    """What the doctor reads about one CUDA device (`gpu_properties`), kept apart so the lines are a pure function."""
+
+    index: int
+    name: str
+    capability: tuple[int, int]
+    total_bytes: int
+    free_bytes: int
+    bf16: bool
+
+
+def gpu_properties() -> list[GpuProperties]:
+    """Every visible CUDA device's name, compute capability, VRAM (free and total) and bf16 support."""
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        free, total = torch.cuda.mem_get_info(index)
+        with torch.cuda.device(index):
+            bf16 = torch.cuda.is_bf16_supported()
+        found.append(GpuProperties(index, props.name, (props.major, props.minor), total, free, bf16))
+    return found
+
+
+def gpu_footprint(params: int, engine_dtype: str, *, engine: str, vllm_memory_utilization: float, total_bytes: int) -> int:
+    """VRAM a node on one GPU needs: the trainer's fp32 weights, gradients and AdamW state, plus the engine.
+
+    The native engine adds its weight copy; vLLM reserves its share of the GPU for weights and KV cache.
+    """
+    trainer = params * _ADAM_BYTES_PER_PARAM + _HEADROOM_BYTES
+    if engine == "vllm":
+        return trainer + int(vllm_memory_utilization * total_bytes)
+    return trainer + params * {"bfloat16": 2, "float32": 4, "float64": 8}[engine_dtype]
+
+
+def gpu_checks(gpus: list[GpuProperties], *, device: str, params: int | None, engine_dtype: str, engine: str = "native",
+               vllm_memory_utilization: float = 0.5, torch_version: str = "", cuda_version: str | None = None) -> list[Check]:
+    """The doctor's GPU lines for these devices and this config: one "gpu" and one "vram" line per device."""
+    wants_cuda = device.startswith("cuda")
+    if not gpus:
+        why = f"torch {torch_version} is a CPU-only build" if cuda_version is None else f"torch {torch_version} (CUDA {cuda_version}) sees none"
+        if wants_cuda:
+            return [Check("gpu", "fail", f"no CUDA device ({why}) but model.device is {device!r}: install the CUDA build of torch "
+                          "(README, GPU machine) and check `nvidia-smi`, or set model.device=cpu"),
+                    Check("vram", "skip", "no CUDA device")]
+        return [Check("gpu", "skip", f"no CUDA device ({why}); the node runs on the CPU"), Check("vram", "skip", "no CUDA device")]
+    wanted = int(device.split(":")[1]) if wants_cuda and ":" in device else (0 if wants_cuda else None)
+    checks = []
+    for gpu in gpus:
+        used = gpu.index == wanted
+        tag = f"cuda:{gpu.index} {gpu.name} (compute {gpu.capability[0]}.{gpu.capability[1]})"
+        if gpu.bf16:
+            checks.append(Check("gpu", "ok", f"{tag}, bf16 supported" + ("" if used else "; not the configured device")))
+        elif used and engine_dtype == "bfloat16":
+            checks.append(Check("gpu", "warn", f"{tag}, no native bf16: model.engine_dtype bfloat16 is emulated and slow here; "
+                                "set model.engine_dtype=float32"))
+        else:
+            checks.append(Check("gpu", "ok", f"{tag}, no native bf16 (float16/float32 only)"))
+        if params is None:
+            checks.append(Check("vram", "skip", f"cuda:{gpu.index} {_gib(gpu.free_bytes)} free of {_gib(gpu.total_bytes)}; model size unknown"))
+            continue
+        need = gpu_footprint(params, engine_dtype, engine=engine, vllm_memory_utilization=vllm_memory_utilization,
+                             total_bytes=gpu.total_bytes)
+        found = f"cuda:{gpu.index} {_gib(gpu.free_bytes)} free of {_gib(gpu.total_bytes)}, a node needs ~{_gib(need)}"
+        if not used or gpu.free_bytes >= need:
+            checks.append(Check("vram", "ok", found + ("" if used else " (not the configured device)")))
+        elif gpu.total_bytes >= need:
+            checks.append(Check("vram", "fail", f"{found}: other processes hold the rest; stop them (nvidia-smi)"
+                                + (" or lower model.vllm_gpu_memory_utilization" if engine == "vllm" else "")))
+        else:
+            checks.append(Check("vram", "fail", f"{found}: the model does not fit this GPU; use a smaller model"
+                                + (" or lower model.vllm_gpu_memory_utilization" if engine == "vllm" else "")))
+    return checks
+
+
+def check_gpu(config: NodeConfig, params: int | None) -> list[Check]:
+    """`gpu_checks` for this machine's CUDA devices and this config."""
+    return gpu_checks(gpu_properties(), device=config.model.device, params=params, engine_dtype=config.model.engine_dtype,
+                      engine=config.model.engine, vllm_memory_utilization=config.model.vllm_gpu_memory_utilization,
+                      torch_version=torch.__version__, cuda_version=torch.version.cuda)
 
 
 def check_vllm() -> Check:
@@ -384,7 +461,7 @@ def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.
 
     add(check_python(), check_torch(config))
     model, params = check_model(config)
-    add(model, *check_memory(config, params))
+    add(model, *check_memory(config, params), *check_gpu(config, params))
     if params is not None:
         add(check_precision(config))
     add(check_vllm())

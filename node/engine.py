@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from hivespec.kernels.host_transfer import to_host
 from hivespec.kernels.sampling import sample_tokens
 from hivespec.kernels.speculative import verify_drafts
 
@@ -436,7 +437,10 @@ class TorchEngine:
             temperature=params.temperature,
             top_p=params.top_p,
         )
-        accepted = verdict.accepted.tolist()
+        # Live cache slots per row after this step (for the compaction check), read with the step's tokens.
+        live = (state.attention_mask.sum(-1) + verdict.accepted + 1).max()
+        accepted_host, tokens_host, logprobs_host, live_host = to_host([verdict.accepted, verdict.tokens, verdict.logprobs, live])
+        accepted = accepted_host.tolist()
         # Keep, per row, its last token and accepted drafts in the cache; drop the rest.
         kept = max(accepted) + 1
         state.cache.crop(kept - (width + 1))
@@ -448,7 +452,7 @@ class TorchEngine:
         if width:
             rejections = sum(1 for n, a in zip(lengths, accepted, strict=True) if a < n)
             self.policy.observe(sum(lengths), sum(accepted), rejections)
-        token_rows, logprob_rows = verdict.tokens.tolist(), verdict.logprobs.tolist()
+        token_rows, logprob_rows = tokens_host.tolist(), logprobs_host.tolist()
         tokens, logprobs = [], []
         for i, row in enumerate(state.rows):
             row.forwards += 1
@@ -457,7 +461,7 @@ class TorchEngine:
             tokens.append(token_rows[i][: accepted[i] + 1])
             logprobs.append(logprob_rows[i][: accepted[i] + 1])
         cached = state.attention_mask.shape[-1]
-        if cached - int(state.attention_mask.sum(-1).max()) >= max(16, cached // 4):
+        if cached - int(live_host) >= max(16, cached // 4):
             self._compact(state)
             stats.compactions += 1
         return tokens, logprobs
@@ -514,7 +518,8 @@ class TorchEngine:
             temperature=params.temperature,
             top_p=params.top_p,
         )
-        return [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()]
+        tokens_host, logprobs_host = to_host([tokens, logprobs])  # the step's one device read
+        return [[t] for t in tokens_host.tolist()], [[lp] for lp in logprobs_host.tolist()]
 
     def _forward_next(self, state: _DecodeState, stats: SpeculationStats) -> None:
         """Feed each active row's last token, extending the cache and refreshing the logits."""

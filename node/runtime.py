@@ -49,7 +49,6 @@ from hivespec.node.tasks.source import TaskSource
 from hivespec.node.trace import TraceRecord, TraceWriter
 from hivespec.node.trainer import OWN, ImportanceSettings, StepStats, Trainer, TrainSample
 from hivespec.node.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
-from hivespec.protocol.delta import state_hash
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_rollout, encode_batch, rollout_content_hash
@@ -554,11 +553,7 @@ class Node:
             )
         restore_training(checkpoint, self.trainer.model, self.trainer.optimizer)
         self.trainer.version = int(meta["policy_version"])
-        engine = self.sync.engine
-        with torch.no_grad():  # the engine equals the trainer cast to its dtype after every sync
-            for name, tensor in engine.params.items():
-                tensor.copy_(self.sync.trainer_params[name].detach().to(tensor.dtype))
-        engine.restore(engine.snapshot_bits(), version=int(meta["sync_version"]), digest=state_hash(engine.state))
+        self.sync.reset(int(meta["sync_version"]))  # the engine equals the trainer cast to its dtype after every sync
         self.engine.weights_updated(None)
         self.next_round = checkpoint.next_round
         for name, state in meta.get("providers", {}).items():

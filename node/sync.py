@@ -9,18 +9,26 @@ hash of the result, so the leader's own engine and every follower go through one
 
 `EngineWeights` is that receiving side on its own (also used by `node/follower.py`): a set of
 engine tensors viewed as the codec's `State`, with the version and hash of what they hold.
+
+Devices: the engine tensors live on whatever device the model does. The codec and the hash are
+host code (numpy, sha256) and need every base bit, so `EngineWeights` keeps a host mirror of the
+engine's bits (on the CPU it is the engine's own storage, no copy). Diffing runs on the device;
+the sparse indices and values cross to the host in one batched transfer (`to_host`), a decoded
+delta is applied and hash-checked on the mirror first, and only a verified delta is written to
+the device, again in one transfer (`to_device`). A rejected delta never touches the device.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hivespec.kernels.delta import apply_delta, extract_delta
+from hivespec.kernels.delta import extract_delta, mismatch_count, write_delta
+from hivespec.kernels.host_transfer import to_device, to_host
 from hivespec.protocol.delta import (
     TensorBits,
     TensorDelta,
@@ -34,43 +42,70 @@ from hivespec.protocol.verdict import Reason, Verdict
 
 _BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float16: (torch.int16, np.uint16), torch.float32: (torch.int32, np.uint32)}
 _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_TORCH_OF_NAME = {name: dtype for dtype, name in _NAMES.items()}
+_STAGE_BYTES = 512 << 20  # trainer casts staged on the device at once while diffing
+
+
+def _check_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in _BITS:
+        raise ValueError(f"engine tensor {name} has dtype {tensor.dtype}; sparse deltas support {list(_NAMES.values())}")
+
+
+def host_bits(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorBits]:
+    """Codec views of the tensors' bits in host memory, read in one batched transfer from their device.
+
+    CPU tensors are viewed in place (writes to them show through); device tensors are copied.
+    """
+    for name, tensor in tensors.items():
+        _check_dtype(name, tensor)
+    host = to_host([t.detach().contiguous() for t in tensors.values()])
+    return {
+        name: TensorBits(_NAMES[t.dtype], h.view(_BITS[t.dtype][0]).numpy().view(_BITS[t.dtype][1]))  # host data
+        for (name, t), h in zip(tensors.items(), host, strict=True)
+    }
 
 
 def tensor_bits(tensor: torch.Tensor) -> TensorBits:
-    """A zero-copy codec view of a contiguous CPU tensor (writes to the tensor show through)."""
-    if tensor.dtype not in _BITS:
-        raise ValueError(f"tensor has dtype {tensor.dtype}; sparse deltas support {list(_NAMES.values())}")
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"tensor must be contiguous on the CPU for the delta codec, got {tensor.device}, contiguous={tensor.is_contiguous()}")
-    int_dtype, np_dtype = _BITS[tensor.dtype]
-    return TensorBits(_NAMES[tensor.dtype], tensor.detach().view(int_dtype).numpy().view(np_dtype))
+    """A codec view of one tensor's bits in host memory (zero-copy on the CPU, a copy from a device)."""
+    return host_bits({"tensor": tensor})["tensor"]
 
 
-def tensor_delta(name: str, base: torch.Tensor, new: torch.Tensor) -> TensorDelta | None:
-    """The codec's TensorDelta for new vs base (same shape and dtype), or None when no bit differs."""
-    indices, values = extract_delta(base, new)
-    if indices.numel() == 0:
-        return None
-    int_dtype, np_dtype = _BITS[base.dtype]
-    return TensorDelta(
-        name=name,
-        shape=tuple(base.shape),
-        dtype=_NAMES[base.dtype],
-        indices=indices.cpu().numpy(),
-        values=values.contiguous().view(int_dtype).cpu().numpy().view(np_dtype),
-    )
+class _PatchedState(Mapping[str, TensorBits]):
+    """`state` with a delta applied, materialised one tensor at a time (what `state_hash` walks)."""
+
+    def __init__(self, state: Mapping[str, TensorBits], tensors: Sequence[TensorDelta]) -> None:
+        self._state, self._changes = state, {t.name: t for t in tensors}
+
+    def __getitem__(self, name: str) -> TensorBits:
+        base = self._state[name]
+        change = self._changes.get(name)
+        if change is None:
+            return base
+        bits = base.bits.copy()
+        bits.reshape(-1)[change.indices] = change.values
+        return TensorBits(base.dtype, bits)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
 
 
 class EngineWeights:
-    """Engine tensors as a codec state, with the version and `state_hash` of what they hold.
+    """Engine tensors (any device) as a codec state, with the version and `state_hash` of what they hold.
 
-    Deltas are decoded against these exact weights (validated in full before any write), applied
-    in place, and the result is hashed: a mismatch rolls every write back and rejects the delta.
+    Deltas are decoded against these exact weights (validated in full before any write),
+    applied to the host mirror and hashed; a mismatch rolls the mirror back and rejects the
+    delta, a match writes the delta to the engine's tensors in one transfer.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], *, version: int = 0, limits: Limits = DEFAULT_LIMITS) -> None:
         self.params = dict(params)
-        self.state = {name: tensor_bits(t) for name, t in self.params.items()}
+        for name, tensor in self.params.items():
+            if not tensor.is_contiguous():
+                raise ValueError(f"engine tensor {name} is not contiguous; a delta writes flat positions into it")
+        self.state = host_bits(self.params)
         self.version = version
         self.limits = limits
         self.hash = state_hash(self.state)
@@ -83,7 +118,13 @@ class EngineWeights:
         """Overwrite every tensor with saved bit patterns of weights `version` hashing to `digest`."""
         for name, t in self.state.items():
             np.copyto(t.bits, bits[name])
+        self._push_all()
         self.version, self.hash = version, digest
+
+    def reload(self, *, version: int) -> None:
+        """Re-read the engine tensors after they were overwritten in place (a resume); rehash as `version`."""
+        self.state = host_bits(self.params)
+        self.version, self.hash = version, state_hash(self.state)
 
     def decode(self, chunks: Sequence[bytes], *, base: Mapping[str, TensorBits] | None = None, base_hash: bytes | None = None) -> tuple[Verdict, WeightDelta | None]:
         """Decode and validate chunks against our weights (or the given base); writes nothing."""
@@ -103,23 +144,20 @@ class EngineWeights:
         if delta.base_hash != self.hash:
             return Verdict.reject(Reason.BASE_MISMATCH, f"delta applies to {delta.base_hash.hex()[:16]}, weights are {self.hash.hex()[:16]}")
         undo = []
-        with torch.no_grad():
-            for t in delta.tensors:
-                target = self.params[t.name]
-                int_dtype, _ = _BITS[target.dtype]
-                indices = torch.from_numpy(t.indices)
-                values = torch.from_numpy(t.values.view(np.int16 if int_dtype == torch.int16 else np.int32)).view(target.dtype)
-                undo.append((target, indices, apply_delta(target, indices, values)))
+        for t in delta.tensors:
+            flat = self.state[t.name].bits.reshape(-1)
+            undo.append((flat, t.indices, flat[t.indices].copy()))
+            flat[t.indices] = t.values
         digest = state_hash(self.state)
         if digest != delta.result_hash:
-            with torch.no_grad():
-                for target, indices, previous in undo:
-                    apply_delta(target, indices, previous)
+            for flat, indices, previous in undo:
+                flat[indices] = previous
             return Verdict.reject(
                 Reason.RESULT_MISMATCH,
                 f"weights after the delta to version {delta.version} hash to {digest.hex()[:16]}, "
                 f"the delta promised {delta.result_hash.hex()[:16]}",
             )
+        self._push(delta.tensors)
         self.version, self.hash = delta.version, digest
         return Verdict.accept()
 
@@ -130,6 +168,61 @@ class EngineWeights:
             return verdict, None
         verdict = self.apply(delta)
         return (verdict, delta) if verdict.ok else (verdict, None)
+
+    def mirror_mismatches(self) -> int:
+        """Elements whose bits differ between the engine's tensors and the host mirror (0 unless broken).
+
+        Moves the whole mirror to the device: a check for tests and `bench/gpu_check.py`, not a hot path.
+        """
+        by_device: dict[torch.device, list[str]] = {}
+        for name, tensor in self.params.items():
+            by_device.setdefault(tensor.device, []).append(name)
+        counts = []
+        for device, names in by_device.items():
+            mirror = [torch.from_numpy(self.state[n].bits).view(self.params[n].dtype) for n in names]
+            moved = to_device(mirror, device)
+            counts.append(torch.stack([mismatch_count(self.params[n].detach(), m) for n, m in zip(names, moved, strict=True)]).sum())
+        return sum(int(count) for count in to_host_all(counts))
+
+    def _push(self, tensors: Sequence[TensorDelta]) -> None:
+        """Write verified changes (already in the mirror) into the engine tensors: one transfer per device."""
+        by_device: dict[torch.device, list[TensorDelta]] = {}
+        for t in tensors:
+            if t.indices.size:
+                by_device.setdefault(self.params[t.name].device, []).append(t)
+        for device, group in by_device.items():
+            host = []
+            for t in group:
+                target = self.params[t.name]
+                host += [torch.from_numpy(t.indices), torch.from_numpy(t.values.view(_BITS[target.dtype][1])).view(target.dtype)]
+            moved = to_device(host, device)
+            with torch.no_grad():
+                for i, t in enumerate(group):
+                    write_delta(self.params[t.name], moved[2 * i], moved[2 * i + 1])
+
+    def _push_all(self) -> None:
+        """Copy the whole mirror into the engine tensors (one transfer per device and bucket)."""
+        by_device: dict[torch.device, list[str]] = {}
+        for name, tensor in self.params.items():
+            by_device.setdefault(tensor.device, []).append(name)
+        with torch.no_grad():
+            for device, names in by_device.items():
+                mirror = [torch.from_numpy(self.state[n].bits).view(self.params[n].dtype) for n in names]
+                for name, moved in zip(names, to_device(mirror, device), strict=True):
+                    if moved.data_ptr() != self.params[name].data_ptr():
+                        self.params[name].copy_(moved.view_as(self.params[name]))
+
+
+def to_host_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`to_host` for tensors that may sit on different devices: one transfer per device."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        for i, host in zip(indices, to_host([tensors[i] for i in indices]), strict=True):
+            out[i] = host
+    return [t for t in out if t is not None]
 
 
 @dataclass(frozen=True)
@@ -149,7 +242,12 @@ class SyncStats:
 
 
 class WeightSync:
-    """Keeps an engine's weights equal to the trainer's, cast to the engine's dtype, bit for bit."""
+    """Keeps an engine's weights equal to the trainer's, cast to the engine's dtype, bit for bit.
+
+    Trainer and engine may sit on different devices (a CUDA trainer syncing into the vLLM
+    engine's CPU copy): the cast happens on the trainer's device and moves, batched, to the
+    engine's, where the diff runs.
+    """
 
     def __init__(self, trainer_model: torch.nn.Module, engine_params: Mapping[str, torch.Tensor], *, limits: Limits = DEFAULT_LIMITS) -> None:
         trainer_params = dict(trainer_model.named_parameters())
@@ -157,8 +255,7 @@ class WeightSync:
         if missing:
             raise ValueError(f"engine tensors {missing[:5]} have no trainer counterpart; are both the same architecture?")
         for name, tensor in engine_params.items():
-            if tensor.dtype not in _BITS:
-                raise ValueError(f"engine tensor {name} has dtype {tensor.dtype}; sparse sync supports {list(_NAMES.values())}")
+            _check_dtype(name, tensor)
         self.trainer_params = trainer_params
         self.engine = EngineWeights(engine_params, limits=limits)
         self.limits = limits
@@ -171,22 +268,65 @@ class WeightSync:
     def engine_params(self) -> dict[str, torch.Tensor]:
         return self.engine.params
 
-    def _target(self, name: str) -> torch.Tensor:
-        engine_tensor = self.engine.params[name]
-        # On the engine tensor's device: a CUDA trainer syncs into an engine's CPU copy (the vLLM engine's).
-        return self.trainer_params[name].detach().to(device=engine_tensor.device, dtype=engine_tensor.dtype).contiguous()
+    def _targets(self) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """(name, engine tensor, trainer cast on the engine's device) in groups of at most `_STAGE_BYTES`.
+
+        Staged in groups so a large model never holds a full second copy on its device.
+        """
+        group: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        items = list(self.engine.params.items())
+        for index, (name, engine_tensor) in enumerate(items):
+            group.append((name, engine_tensor))
+            size += engine_tensor.numel() * engine_tensor.element_size()
+            last = index == len(items) - 1
+            if not last and size < _STAGE_BYTES:
+                continue
+            yield self._cast(group)
+            group, size = [], 0
+
+    def _cast(self, group: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor, torch.Tensor] | None] = [None] * len(group)
+        by_route: dict[tuple[torch.device, torch.device], list[int]] = {}
+        for i, (name, engine_tensor) in enumerate(group):
+            by_route.setdefault((self.trainer_params[name].device, engine_tensor.device), []).append(i)
+        with torch.no_grad():
+            for (trainer_device, engine_device), indices in by_route.items():
+                casts = [self.trainer_params[group[i][0]].detach().to(group[i][1].dtype).contiguous() for i in indices]
+                # Cast where the trainer is; move (batched) only when the engine sits elsewhere (vLLM's CPU copy).
+                moved_casts = casts if trainer_device == engine_device else to_device(casts, engine_device)
+                for i, moved in zip(indices, moved_casts, strict=True):
+                    out[i] = (group[i][0], group[i][1], moved)
+        return [item for item in out if item is not None]
 
     def build_delta(self, version: int) -> WeightDelta:
-        """The delta taking the engine from its current weights to the trainer's cast."""
-        tensors, target_state = [], {}
+        """The delta taking the engine from its current weights to the trainer's cast.
+
+        The diff runs on the engine's device; the changed indices and values cross to the host
+        in one transfer per device, where the result hash is taken over the mirror as patched.
+        """
+        found: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
-            for name, engine_tensor in self.engine.params.items():
-                target = self._target(name)
-                target_state[name] = tensor_bits(target)
-                delta = tensor_delta(name, engine_tensor, target)
-                if delta is not None:
-                    tensors.append(delta)
-        return WeightDelta(self.engine.version, version, self.engine.hash, state_hash(target_state), tuple(tensors))
+            for group in self._targets():
+                for name, engine_tensor, target in group:
+                    indices, values = extract_delta(engine_tensor, target)
+                    found.append((name, indices, values.view(_BITS[values.dtype][0])))
+        flat = to_host_all([t for _, indices, values in found for t in (indices, values)])
+        tensors = []
+        for i, (name, _, _) in enumerate(found):
+            indices, values = flat[2 * i], flat[2 * i + 1]
+            if indices.numel() == 0:
+                continue
+            engine_tensor = self.engine.params[name]
+            tensors.append(TensorDelta(
+                name=name,
+                shape=tuple(engine_tensor.shape),
+                dtype=_NAMES[engine_tensor.dtype],
+                indices=indices.numpy(),  # host data
+                values=values.numpy().view(_BITS[engine_tensor.dtype][1]),  # host data
+            ))
+        result = state_hash(_PatchedState(self.engine.state, tensors))
+        return WeightDelta(self.engine.version, version, self.engine.hash, result, tuple(tensors))
 
     def encode(self, delta: WeightDelta) -> list[bytes]:
         """The wire chunks of a delta built by `build_delta` (against the engine's current weights)."""
@@ -219,7 +359,21 @@ class WeightSync:
         )
         return stats, chunks
 
-    def mismatched_elements(self) -> int:
-        """Number of engine elements whose bits differ from the trainer's cast (0 after a sync)."""
+    def reset(self, version: int) -> None:
+        """Overwrite the engine with the trainer's cast and call it `version` (after a resume restored the trainer)."""
         with torch.no_grad():
-            return sum(extract_delta(t, self._target(name))[0].numel() for name, t in self.engine.params.items())
+            for group in self._targets():
+                for _, engine_tensor, target in group:
+                    engine_tensor.copy_(target)
+        self.engine.reload(version=version)
+
+    def mismatched_elements(self) -> int:
+        """Number of engine elements whose bits differ from the trainer's cast (0 after a sync); one read at the end."""
+        counts = []
+        with torch.no_grad():
+            for group in self._targets():
+                counts += [mismatch_count(engine_tensor, target) for _, engine_tensor, target in group]
+        if not counts:
+            return 0
+        return sum(int(c) for c in to_host_all([torch.stack([c for c in counts if c.device == d]).sum()
+                                                  for d in dict.fromkeys(c.device for c in counts)]))

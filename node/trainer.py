@@ -28,9 +28,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from hivespec.kernels.host_transfer import to_host
 from hivespec.kernels.importance import (
     ImportanceStats,
     ImportanceWeights,
+    importance_stats_where,
     importance_weights,
 )
 from hivespec.kernels.logprobs import token_logprobs
@@ -208,9 +210,10 @@ class Trainer:
         hook = self.between_micro_batches
         old: list[Tensor] = []
         weights: list[ImportanceWeights] = []
-        loss_sum = kl_sum = 0.0
-        clipped = kept_tokens = 0
-        grad_norm = 0.0
+        # Totals stay on the device and are read once at the end of the step (one transfer).
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum = kl_sum = clipped = grad_norm = zero
+        kept_tokens = 0
         for epoch in range(self.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for index, batch in enumerate(batches):
@@ -230,11 +233,13 @@ class Trainer:
                     hook(index, len(batches))  # a second safe point: a forward and a backward take seconds each on a CPU
                 loss.backward()
                 if epoch == self.ppo_epochs - 1:
-                    loss_sum += float(loss.detach())
-                    clipped += batch_clipped
-                    kl_sum += batch_kl
+                    loss_sum = loss_sum + loss.detach().double()
+                    clipped = clipped + batch_clipped
+                    kl_sum = kl_sum + batch_kl
             if epoch == 0:
-                kept_tokens = sum(int(w.kept.sum()) for w, b in zip(weights, batches) if b.with_grad)
+                counts = [w.kept.sum() for w, b in zip(weights, batches) if b.with_grad]
+                # The gradient's divisor must be a host number: one read per step.
+                kept_tokens = int(to_host([torch.stack(counts).sum()])[0]) if counts else 0
             if kept_tokens == 0:
                 break
             # The loss is a sum over kept tokens; dividing the gradient once by K gives the token
@@ -242,9 +247,10 @@ class Trainer:
             for p in self._params:
                 if p.grad is not None:
                     p.grad.div_(kept_tokens)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm).double()
             self.optimizer_steps_in_call += 1
             self.optimizer.step()
+        loss_total, clipped_total, kl_total, grad_norm_value = to_host([torch.stack([loss_sum, clipped, kl_sum, grad_norm])])[0].tolist()
         self.version += 1
         self.model.eval()
         by_source, foreign = self._source_stats(weights, batches, sources)
@@ -256,15 +262,15 @@ class Trainer:
             trained_samples=len(trained),
             tokens=sum(len(s.completion_ids) for s in trained),
             kept_tokens=kept_tokens,
-            loss=loss_sum / kept_tokens if kept_tokens else 0.0,
-            grad_norm=grad_norm,
+            loss=loss_total / kept_tokens if kept_tokens else 0.0,
+            grad_norm=grad_norm_value,
             reward_mean=sum(s.reward for s in samples) / max(1, len(samples)),
             own=by_source.get(OWN),
             foreign=foreign,
             seconds=time.perf_counter() - started,
             sources=by_source,
-            clip_fraction=clipped / kept_tokens if kept_tokens else 0.0,
-            kl=kl_sum / kept_tokens if self.kl_coef > 0.0 and kept_tokens else None,
+            clip_fraction=clipped_total / kept_tokens if kept_tokens else 0.0,
+            kl=kl_total / kept_tokens if self.kl_coef > 0.0 and kept_tokens else None,
         )
 
     @torch.no_grad()
@@ -276,8 +282,10 @@ class Trainer:
         """
         sources = sorted({s.source for s in samples})
         out: dict[int, list[float]] = {}
-        for batch in self._plan(samples, sources):
-            values = self._logprobs(batch).tolist()
+        batches = list(self._plan(samples, sources))
+        flat = to_host([self._logprobs(batch) for batch in batches])  # one transfer for every micro batch
+        for batch, host in zip(batches, flat, strict=True):
+            values = host.tolist()  # host data: one to_host above
             start = 0
             for sample, _ in batch.samples:
                 stop = start + len(sample.completion_ids)
@@ -370,20 +378,20 @@ class Trainer:
             veto=settings.veto,
         )
 
-    def _loss(self, logp: Tensor, old: Tensor, weights: ImportanceWeights, batch: _MicroBatch) -> tuple[Tensor, int, float]:
-        """Sum over kept tokens of the clipped, weighted surrogate (+ KL); also clipped count and KL sum."""
+    def _loss(self, logp: Tensor, old: Tensor, weights: ImportanceWeights, batch: _MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """Sum over kept tokens of the clipped, weighted surrogate (+ KL); also clipped count and KL sum (0-d, on the device)."""
         ratio = torch.exp(logp - old)  # exactly 1 in the first epoch: logp - logp.detach() == 0
         advantage = batch.advantage
         surrogate = -advantage * ratio
         clipped_surrogate = -advantage * ratio.clamp(1.0 - self.clip_epsilon, 1.0 + self.clip_epsilon)
         per_token = weights.weights * torch.maximum(surrogate, clipped_surrogate)
         kept = weights.kept
-        clipped = int(((clipped_surrogate > surrogate) & kept).sum())
-        kl_sum = 0.0
+        clipped = ((clipped_surrogate > surrogate) & kept).sum().double()
+        kl_sum = torch.zeros((), dtype=torch.float64, device=logp.device)
         if self.kl_coef > 0.0:
             kl = self._kl(logp, batch.behaviour)
             per_token = per_token + self.kl_coef * kl
-            kl_sum = float(kl.detach()[kept].sum())
+            kl_sum = torch.where(kept, kl.detach(), torch.zeros((), dtype=kl.dtype, device=kl.device)).sum().double()
         return torch.where(kept, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device)).sum(), clipped, kl_sum
 
     def _kl(self, logp: Tensor, behaviour: Tensor) -> Tensor:
@@ -408,6 +416,8 @@ class Trainer:
             return {}, None
         merged = ImportanceWeights.cat(weights)
         source_ids = torch.cat([b.source_ids for b in batches])
-        by_source = {name: merged.stats(source_ids == i) for i, name in enumerate(sources)}
         foreign = source_ids != (sources.index(OWN) if OWN in sources else -1)
-        return {k: v for k, v in by_source.items() if v.tokens > 0}, merged.stats(foreign) if bool(foreign.any()) else None
+        # Every source's statistics and the foreign aggregate in one device read.
+        *per_source, foreign_stats = importance_stats_where(merged, [source_ids == i for i in range(len(sources))] + [foreign])
+        by_source = dict(zip(sources, per_source, strict=True))
+        return {k: v for k, v in by_source.items() if v.tokens > 0}, foreign_stats if foreign_stats.tokens > 0 else None
