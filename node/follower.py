@@ -283,7 +283,10 @@ def run_follower(
     home.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(home / "identity.key")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[config.model.engine_dtype]
-    model = load_model(config.model.name, dtype=torch.float32, device=config.model.device).to(dtype).eval()
+    model = load_model(
+        config.model.name, dtype=torch.float32, device=config.model.device,
+        revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
+    ).to(dtype).eval()
     engine = EngineWeights(TorchEngine(model).sync_parameters())
     gossip = Gossip(identity, swarm=config.swarm.swarm, host=config.swarm.host, port=config.swarm.port,
                     initial_peers=config.swarm.initial_peers, record_ttl=config.swarm.record_ttl)

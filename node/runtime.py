@@ -36,7 +36,7 @@ from hivespec.node.follower import PolicyPublisher
 from hivespec.node.gossip import Fetched, Gossip, GossipError
 from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
-from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
+from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint, stop_token_ids
 from hivespec.node.peers import PeerScores
 from hivespec.node.speculation import LengthAwarePolicy, build_speculation
 from hivespec.node.status import RunControl, StatusBoard
@@ -190,12 +190,11 @@ class Node:
         self.control = RunControl()  # pause/resume/stop between rounds (dashboard, /control)
         self.status = StatusBoard(self)
         self.status_server: StatusServer | None = None
-        stop = tokenizer.eos_token_id
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
             max_new_tokens=config.rollout.max_completion_length,
-            stop_token_ids=(stop,) if stop is not None else (),
+            stop_token_ids=stop_token_ids(tokenizer, getattr(getattr(trainer, "model", None), "generation_config", None)),
         )
 
     def run(self, on_report: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
@@ -715,8 +714,10 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
     peer_scores = PeerScores(home / "peers.json")
     log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
 
-    tokenizer = load_tokenizer(config.model.name)
-    trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device)
+    tasks = TaskSource.from_config(config.tasks)  # before the model: a bad task mix fails in seconds
+    source = {"revision": config.model.revision, "trust_remote_code": config.model.trust_remote_code}
+    tokenizer = load_tokenizer(config.model.name, **source)
+    trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device, **source)
     engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
@@ -747,7 +748,6 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1) -> Node:
         temperature=config.rollout.temperature,
         autocast_dtype=autocast,
     )
-    tasks = TaskSource.from_config(config.tasks)
     store = RolloutStore(home / "rollouts.sqlite")
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
     checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
