@@ -245,7 +245,7 @@ def chat_prompt_ids(tokenizer: Any, task: Task, system_prompt: str | None = SYST
     Rendering to text and encoding without extra special tokens is what ``apply_chat_template``
     does internally, and returns a plain list in every transformers version.
     """
-    if getattr(tokenizer, "chat_template", None) is None:
+    if getattr(tokenizer, "chat_template", "") is None:  # a Hugging Face tokenizer of a base model
         raise ValueError(
             f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'this model')!r} has no chat template; hivespec "
             "encodes every task through it: use an instruct/chat model (or a tokenizer folder with chat_template.jinja)"
