@@ -433,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     disjoint = heldout_disjoint({t.question for t in heldout}, trained)
     if not disjoint:
         raise RuntimeError("held-out questions appear in the training prompts: the split is broken")
-    kinds = collections.Counter(t.prompt_id.rsplit(":", 2)[0] if t.family == "rg" else t.family for t in heldout)
+    kinds = collections.Counter(":".join(t.prompt_id.split(":")[:2]) if t.family == "rg" else t.family for t in heldout)
     print(f"held-out: {len(heldout)} questions ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
           f"none among the {len(trained)} training questions", flush=True)
 
