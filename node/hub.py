@@ -86,7 +86,8 @@ def resolve_snapshot(
             folder = snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns, cache_dir=cache)
         except Exception as error:  # noqa: BLE001 - network, auth, missing repo: all end in the same message
             raise HubError(
-                f"{where} is not in the Hugging Face cache {cache} and downloading it failed: {type(error).__name__}: {error}. "
+                f"{where} is not in the Hugging Face cache {cache} and downloading it failed "
+                f"({type(error).__name__}: {' '.join(str(error).split())[:240]}). "
                 "Check the id and revision, the network, or HF_TOKEN for a gated repo"
             ) from None
     path = Path(str(folder))
