@@ -50,6 +50,9 @@ def test_a_model_loads_by_hub_id_from_the_cache(hub_cache: Path) -> None:
     assert model.config._commit_hash == COMMITS[1]  # main
     assert tokenizer.chat_template, "the chat template comes from the tokenizer"
     assert stop_token_ids(tokenizer, model.generation_config) == (tokenizer.eos_token_id, 1)
+    from hivespec.node.doctor import parameter_count
+
+    assert parameter_count(REPO) == sum(p.numel() for p in model.parameters())  # `hivespec doctor` reads the snapshot
 
 
 def test_the_fingerprint_covers_the_resolved_revision(hub_cache: Path) -> None:
