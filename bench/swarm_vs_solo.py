@@ -30,6 +30,9 @@ after the other, never together, and the parent holds no model while nodes run. 
 cores // N torch threads (--local-nodes N), the same in both conditions and in the speculation
 runs, which keeps solo numerics reproducible.
 
+`--config rg` runs the same design on the rg preset's reasoning-gym mix (the evaluator scores the
+held-out questions with the same receiver-side verifier the nodes use).
+
     python bench/swarm_vs_solo.py --quick   # 2 nodes x 2 rounds: 16 min on a loaded 2-core box (3.5 of it a one-time calibration)
     nice -n 5 python bench/swarm_vs_solo.py --nodes 3 --rounds 12 --workdir /tmp/svs | tee svs.log
     nice -n 5 python bench/swarm_vs_solo.py --only-spec --spec-dtype float32 --nodes 3
@@ -42,6 +45,8 @@ Writes <workdir>/progress.log (one line per node-round, as they happen), <workdi
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import itertools
 import json
 import os
@@ -82,7 +87,7 @@ class Settings:
 
 
 class BenchNode(SwarmNode):
-    """A `hivespec join` process on the demo preset that runs a fixed number of rounds, then serves until stopped."""
+    """A `hivespec join` process on the bench's preset (--config, default demo) that runs a fixed number of rounds, then serves until stopped."""
 
     preset: ClassVar[str] = "demo"
     join_flags: ClassVar[tuple[str, ...]] = ("--linger", "-1", "--no-resume")
@@ -373,6 +378,7 @@ def plot_curves(path: Path, curves: dict[str, tuple[list[float], tuple[int, int,
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 nodes x 2 rounds, 8 held-out questions, 2 speculation rounds")
+    parser.add_argument("--config", default="demo", help="the nodes' preset (demo; rg: reasoning-gym tasks); its task mix is trained and held out")
     parser.add_argument("--nodes", type=int, default=None, help="nodes per condition (default 4, quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per node (default 12, quick 2)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per node per round")
@@ -404,6 +410,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    BenchNode.preset = args.config
+    from hivespec.node.config import load_config
     from hivespec.node.model import configure_threads
     from hivespec.node.tasks import TaskSource
 
@@ -418,14 +426,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"swarm vs solo: {json.dumps(vars(args))}, data in {root}/", flush=True)
     prepare_model()
 
-    tasks = TaskSource(heldout_fraction=s.heldout_fraction)  # the demo preset's mix (arith:d1 + count:d1)
+    # The preset's mix (demo: arith:d1 + count:d1; rg: its reasoning-gym datasets), split like the nodes split it.
+    tasks = TaskSource.from_config(dataclasses.replace(load_config(args.config).tasks, heldout_fraction=s.heldout_fraction))
     heldout = tasks.heldout(seed=0, count=args.heldout)
     trained = training_questions(s, tasks)
     disjoint = heldout_disjoint({t.question for t in heldout}, trained)
     if not disjoint:
         raise RuntimeError("held-out questions appear in the training prompts: the split is broken")
-    print(f"held-out: {len(heldout)} questions ({sum(t.family == 'arith' for t in heldout)} arith, "
-          f"{sum(t.family == 'count' for t in heldout)} count), none among the {len(trained)} training questions", flush=True)
+    kinds = collections.Counter(":".join(t.prompt_id.split(":")[:2]) if t.family == "rg" else t.family for t in heldout)
+    print(f"held-out: {len(heldout)} questions ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
+          f"none among the {len(trained)} training questions", flush=True)
 
     def evaluator() -> Evaluator:  # built for each scoring pass and dropped after: no model held while nodes run
         return Evaluator(tasks, heldout, samples=args.heldout_samples, temperature=args.heldout_temperature,

@@ -47,7 +47,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> N
     parser.add_argument("--config", default=default_preset, help=f"YAML preset name or path (default: {default_preset})")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.learning_rate=1e-5 (repeatable)")
     parser.add_argument("--rounds", type=int, help="rounds to run (0 = forever)")
-    parser.add_argument("--model", help="model: smollm2-135m-instruct, tiny, or a local HF folder")
+    parser.add_argument("--model", help="model: smollm2-135m-instruct, tiny, a local HF folder or a Hugging Face id (model.revision pins it)")
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -556,7 +556,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

@@ -8,6 +8,7 @@ errors at every layer, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import os
 import types
@@ -42,7 +43,14 @@ def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = _help("'smollm2-135m-instruct' (embedded GGUF), 'tiny' (random init, tests) or a local HF folder", "smollm2-135m-instruct")
+    name: str = _help(
+        "'smollm2-135m-instruct' (embedded GGUF), 'tiny' (random init, tests), a local HF folder, or a Hugging Face model id "
+        "(e.g. Qwen/Qwen2.5-0.5B-Instruct: the HF cache first, else a download)", "smollm2-135m-instruct")
+    revision: str | None = _help(
+        "hub model ids: branch, tag or commit to load (null: the default branch, or what the cache holds); pin a commit "
+        "for a swarm: the resolved commit is part of the model fingerprint", None)
+    trust_remote_code: bool = _help(
+        "run Python code shipped in the model's repo (needed by some architectures); off: only transformers' own code runs", False)
     engine_dtype: Literal["auto", "bfloat16", "float32", "float64"] = _help(
         "dtype of the rollout engine's weight copy; 'auto': bfloat16 where this device runs it faster (measured once "
         "per machine on CPU, bf16 support on CUDA), else float32", "auto")
@@ -70,13 +78,34 @@ class ModelConfig:
 
 @dataclass
 class TaskMix:
-    family: str = _help("task family: 'arith', 'count' or 'jsonl'", "arith")
-    difficulty: int = _help("difficulty knob of the family", 1)
+    family: str = _help("task family: 'arith', 'count', 'jsonl' or 'rg' (reasoning-gym: pip install 'hivespec[rg]')", "arith")
+    difficulty: int = _help("difficulty knob of the family (arith 1..6, count 1..5; jsonl and rg: 1)", 1)
     weight: float = _help("relative sampling weight", 1.0)
+    name: str | None = _help(
+        "rg: the reasoning-gym dataset (e.g. leg_counting); jsonl: a .jsonl/.json/.parquet file or a Hugging Face "
+        "dataset id (default: tasks.jsonl_path)", None)
+    config: dict[str, Any] = _help("rg: the dataset's config (its fields, plus seed and size); peers must use the same",
+                                   default_factory=dict)
+    revision: str | None = _help("jsonl hub dataset: branch, tag or commit (null: the default branch or the cached one)", None)
+    subset: str | None = _help("jsonl hub dataset: the subset (config) folder, e.g. 'main' for openai/gsm8k", None)
+    split: str = _help("jsonl hub dataset: the split to read", "train")
+    question_column: str = _help("jsonl: column holding the question", "question")
+    answer_column: str = _help("jsonl: column holding the reference answer", "answer")
+    answer_check: Literal["number", "math"] = _help(
+        "jsonl: 'number' compares numbers; 'math' verifies with math-verify (GSM8K '#### N', MATH \\boxed{})", "number")
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
             raise ConfigError(f"tasks.mix weight must be > 0, got {self.weight} for {self.family}")
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"tasks.mix config must be a mapping of the dataset's fields, got {self.config!r}")
+        if self.config and self.family != "rg":
+            raise ConfigError(f"tasks.mix config is for rg entries (reasoning-gym dataset fields), got one for {self.family}")
+        if self.family == "rg" and not self.name:
+            raise ConfigError("tasks.mix: an rg entry needs name: <reasoning-gym dataset>, e.g. {family: rg, name: leg_counting}")
+        if self.family == "rg" and importlib.util.find_spec("reasoning_gym") is None:
+            raise ConfigError(f"tasks.mix names reasoning-gym dataset {self.name!r} but reasoning-gym is not installed; "
+                              "run: pip install 'hivespec[rg]'")
 
 
 @dataclass

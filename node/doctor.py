@@ -75,9 +75,10 @@ def check_torch(config: NodeConfig) -> Check:
     return Check("torch", "ok", f"torch {torch.__version__}, CPU only (no CUDA device; fine for the CPU demo and the tiny model)")
 
 
-def parameter_count(model_name: str) -> int:
-    """Parameters of the configured model, read from file headers (no weights are loaded)."""
-    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, embedded_gguf_path, load_model
+def parameter_count(model_name: str, revision: str | None = None) -> int:
+    """Parameters of the configured model, read from file headers (no weights are loaded); a hub id from its cached snapshot."""
+    from hivespec.node.hub import looks_like_repo_id
+    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, embedded_gguf_path, load_model, resolve_hub_model
 
     if model_name == TINY_MODEL:
         return sum(p.numel() for p in load_model(TINY_MODEL).parameters())
@@ -88,7 +89,8 @@ def parameter_count(model_name: str) -> int:
     from safetensors import safe_open
 
     total = 0
-    files = sorted(Path(model_name).expanduser().glob("*.safetensors"))
+    folder = resolve_hub_model(model_name, revision).folder if looks_like_repo_id(model_name) else Path(model_name).expanduser()
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_name}")
     for file in files:
@@ -101,8 +103,8 @@ def parameter_count(model_name: str) -> int:
 
 def check_model(config: NodeConfig) -> tuple[Check, int | None]:
     try:
-        params = parameter_count(config.model.name)
-    except (FileNotFoundError, OSError, ValueError) as exc:
+        params = parameter_count(config.model.name, config.model.revision)
+    except (FileNotFoundError, OSError, ValueError, RuntimeError) as exc:  # RuntimeError: HubError
         return Check("model", "fail", f"{config.model.name!r}: {exc}"), None
     return Check("model", "ok", f"{config.model.name}: {params / 1e6:.1f}M parameters"), params
 

@@ -283,7 +283,10 @@ def run_follower(
     home = node_home(config)
     home.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(home / "identity.key")
-    model = load_model(config.model.name, dtype=torch.float32, device=config.model.device)
+    model = load_model(
+        config.model.name, dtype=torch.float32, device=config.model.device,
+        revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
+    )
     dtype = follower_engine_dtype(config, model.config)
     model = model.to(dtype).eval()
     engine = EngineWeights(TorchEngine(model).sync_parameters())

@@ -2,9 +2,10 @@
 
 A peer's bytes pass, in order: envelope size, decode, signature and clock (protocol), announcing
 peer == author, replay (author, seq), batch schema with the vocabulary bound (protocol), model
-fingerprint, staleness, then per rollout: the task is one we can regenerate from its prompt id,
-the prompt tokens are exactly our chat prompt for it, and the claimed reward equals the reward
-our own verifier computes. In a private swarm the author must be on the allowlist. The outcome
+fingerprint, staleness, then per rollout: the task is one we can regenerate from its prompt id
+(a rollout whose spec is not, such as another reasoning-gym version or a dataset we do not hold,
+is skipped and counted by reason, never trusted), the prompt tokens are exactly our chat prompt
+for it, and the claimed reward equals the reward our own verifier computes. In a private swarm the author must be on the allowlist. The outcome
 follows gossipsub v1.1: ``accept``; ``ignore`` (honest but useless: stale, duplicate, replayed)
 with no penalty; ``reject`` (provably wrong) for the sender's score. `Admission.blame` names the
 peer to score: the signer for content it signed, the holder that served it when the signature
@@ -26,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from hivespec.node.store import RolloutStore, StoredRollout
+from hivespec.node.tasks.base import Task
 from hivespec.node.tasks.source import TaskSource
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
@@ -33,6 +35,9 @@ from hivespec.protocol.rollout import Rollout, decode_batch
 
 log = logging.getLogger(__name__)
 _PRUNE_EVERY = 256  # admissions between prunes of the replay log
+# Rollouts skipped because their prompt spec is not regenerable here are counted per rollout in
+# `IntakeCounters.reasons` as "spec:<reason>" (reasons: `TaskSource.resolve`).
+SPEC_REASON_PREFIX = "spec:"
 
 Outcome = Literal["accept", "ignore", "reject"]
 
@@ -47,7 +52,7 @@ class AdmissionReason(StrEnum):
     FUTURE = "future_round"  # claims a round we cannot have reached
     STALE_VERSION = "stale_version"  # policy more than staleness_versions behind ours
     FUTURE_VERSION = "future_version"  # policy more than staleness_versions ahead of ours
-    UNKNOWN_TASK = "unknown_task"  # prompt id we cannot regenerate
+    UNKNOWN_TASK = "unknown_task"  # no rollout's prompt id is one we can regenerate (ignored, not trusted)
     PROMPT_MISMATCH = "prompt_mismatch"  # prompt tokens differ from our chat prompt for the task
     REWARD_MISMATCH = "reward_mismatch"  # claimed reward differs from our verifier's
     DUPLICATE = "duplicate"  # every rollout already stored
@@ -154,11 +159,25 @@ class Intake:
                 return Admission("reject", AdmissionReason.FUTURE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
             if batch.policy_version < current_version - window:
                 return Admission("ignore", AdmissionReason.STALE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
+        usable: list[Rollout] = []
+        unregenerable: Counter = Counter()
         for rollout in batch.rollouts:
-            failure = self._check_rollout(rollout)
+            task, why = self.tasks.resolve(rollout.prompt_id)
+            if task is None:
+                # A spec we cannot rebuild (another family, dataset, version or config) is not
+                # evidence of a lie: skip the rollout, never trust its reward.
+                unregenerable[why] += 1
+                continue
+            failure = self._check_rollout(rollout, task)
             if failure is not None:
                 reason, detail = failure
                 return Admission("reject", reason, f"{rollout.prompt_id}#{rollout.sample_index}: {detail}", author)
+            usable.append(rollout)
+        for why, count in unregenerable.items():
+            self.counters.reasons[f"{SPEC_REASON_PREFIX}{why}"] += count
+        if not usable:
+            detail = ", ".join(f"{why} x{count}" for why, count in unregenerable.most_common())
+            return Admission("ignore", AdmissionReason.UNKNOWN_TASK, detail, author)
         # Replay is checked last so a rejected forgery cannot burn an honest (author, seq).
         if not self.store.remember_envelope(author, envelope.seq, envelope.timestamp):
             return Admission("ignore", AdmissionReason.REPLAY, f"seq {envelope.seq}", author)
@@ -171,19 +190,16 @@ class Intake:
             StoredRollout.from_rollout(
                 r, author=author, round=batch.round, policy_version=batch.policy_version, own=False, received_at=now
             )
-            for r in batch.rollouts
+            for r in usable
         ]
         known = self.store.existing([row.content_hash for row in rows])
-        fresh = [r for r, row in zip(batch.rollouts, rows) if row.content_hash not in known]
+        fresh = [r for r, row in zip(usable, rows) if row.content_hash not in known]
         self.store.add_rollouts(rows)
         if not fresh:
             return Admission("ignore", AdmissionReason.DUPLICATE, "", author)
         return Admission("accept", "ok", "", author, tuple(fresh), batch.policy_version)
 
-    def _check_rollout(self, rollout: Rollout) -> tuple[str, str] | None:
-        task = self.tasks.lookup(rollout.prompt_id)
-        if task is None:
-            return AdmissionReason.UNKNOWN_TASK, "prompt id not regenerable"
+    def _check_rollout(self, rollout: Rollout, task: Task) -> tuple[str, str] | None:
         expected = self._prompt_ids(task)
         if tuple(int(t) for t in rollout.prompt_ids) != expected:
             return AdmissionReason.PROMPT_MISMATCH, "prompt tokens differ from our chat prompt"

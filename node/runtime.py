@@ -36,7 +36,7 @@ from hivespec.node.follower import PolicyPublisher
 from hivespec.node.gossip import Fetched, Gossip, GossipError
 from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
-from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint
+from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint, stop_token_ids
 from hivespec.node.peers import PeerScores
 from hivespec.node.precision import PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
 from hivespec.node.speculation import CurveCalibration, LengthAwarePolicy, build_speculation
@@ -214,12 +214,11 @@ class Node:
         self.control = RunControl()  # pause/resume/stop between rounds (dashboard, /control)
         self.status = StatusBoard(self)
         self.status_server: StatusServer | None = None
-        stop = tokenizer.eos_token_id
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
             max_new_tokens=config.rollout.max_completion_length,
-            stop_token_ids=(stop,) if stop is not None else (),
+            stop_token_ids=stop_token_ids(tokenizer, getattr(getattr(trainer, "model", None), "generation_config", None)),
         )
 
     def run(self, on_report: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
@@ -889,9 +888,11 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     peer_scores = PeerScores(home / "peers.json")
     log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
 
+    tasks = TaskSource.from_config(config.tasks)  # before the model: a bad task mix fails in seconds
     phase("loading", f"model {config.model.name}")
-    tokenizer = load_tokenizer(config.model.name)
-    trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device)
+    source = {"revision": config.model.revision, "trust_remote_code": config.model.trust_remote_code}
+    tokenizer = load_tokenizer(config.model.name, **source)
+    trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device, **source)
     phase("loading", "choosing precision (bf16 or float32, measured once per machine)")
     config, precision = _resolve_precision(config, trainer_model, threads)
     engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
@@ -924,7 +925,6 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         temperature=config.rollout.temperature,
         autocast_dtype=autocast,
     )
-    tasks = TaskSource.from_config(config.tasks)
     store = RolloutStore(home / "rollouts.sqlite")
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
     checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None

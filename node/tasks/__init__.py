@@ -10,7 +10,7 @@ from hivespec.node.tasks.arithmetic import ArithmeticFamily
 from hivespec.node.tasks.base import Task, TaskFamily, extract_answer
 from hivespec.node.tasks.counting import CountingFamily
 from hivespec.node.tasks.jsonl import JsonlFamily, JsonlTaskError
-from hivespec.node.tasks.source import DEFAULT_MIX, SYSTEM_PROMPT, TaskSource, chat_prompt_ids
+from hivespec.node.tasks.source import DEFAULT_MIX, SYSTEM_PROMPT, MixEntry, TaskSource, chat_prompt_ids
 
 GSM_MINI_PATH = Path(__file__).resolve().parent / "data" / "gsm_mini.jsonl"
 
@@ -22,6 +22,7 @@ __all__ = [
     "CountingFamily",
     "JsonlFamily",
     "JsonlTaskError",
+    "MixEntry",
     "Task",
     "TaskFamily",
     "TaskSource",

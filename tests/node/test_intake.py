@@ -84,8 +84,6 @@ def test_replays_and_duplicates_are_ignored_not_penalised(world, tokenizer):
     [
         (lambda r, t: {"reward": 1.0 - r.reward}, "reject", "reward_mismatch"),
         (lambda r, t: {"prompt_ids": np.append(r.prompt_ids, np.uint32(5))}, "reject", "prompt_mismatch"),
-        (lambda r, t: {"prompt_id": "arith:d1:not-a-seed"}, "reject", "unknown_task"),
-        (lambda r, t: {"prompt_id": "nosuchfamily:d1:1"}, "reject", "unknown_task"),
         (lambda r, t: {"completion_ids": np.append(r.completion_ids[:-1], np.uint32(len(t) + 10)),
                        "behaviour_logprobs": r.behaviour_logprobs}, "reject", "out_of_range"),
     ],
@@ -166,3 +164,57 @@ def test_private_swarm_allowlist(world, tokenizer):
     rollouts = _rollouts(tasks, tokenizer)
     assert intake.admit(outsider.peer_id, _envelope(outsider, rollouts), current_round=3).reason == "not_on_allowlist"
     assert intake.admit(member.peer_id, _envelope(member, rollouts), current_round=3).outcome == "accept"
+
+
+@pytest.mark.parametrize(
+    ("prompt_id", "reason"),
+    [("arith:d1:not-a-seed", "malformed_spec"), ("nosuchfamily:d1:1", "unknown_family"), ("jsonl:0123abcd:4", "jsonl_other_source"),
+     ("rg:leg_counting:0.1.25:0123abcd:0:1", "rg_unknown_dataset")],
+)
+def test_specs_we_cannot_regenerate_are_ignored_and_counted(world, tokenizer, prompt_id, reason):
+    tasks, intake, store = world
+    peer = Identity.generate()
+    honest, = _rollouts(tasks, tokenizer, count=1)
+    foreign = dataclasses.replace(honest, prompt_id=prompt_id, sample_index=1)
+    alone = intake.admit(peer.peer_id, _envelope(peer, [foreign]), current_round=3)
+    assert (alone.outcome, alone.reason, alone.detail) == ("ignore", "unknown_task", f"{reason} x1")
+    assert store.counts()["foreign"] == 0, "an unregenerable rollout is never trusted"
+    mixed = intake.admit(peer.peer_id, _envelope(peer, [foreign, honest], seq=2), current_round=3)
+    assert (mixed.outcome, [r.prompt_id for r in mixed.rollouts]) == ("accept", [honest.prompt_id])
+    assert store.counts()["foreign"] == 1
+    assert intake.counters.reasons[f"spec:{reason}"] == 2
+
+
+def _rg_rollout(tasks, tokenizer, task, text, reward):
+    completion = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return Rollout(
+        prompt_id=task.prompt_id, sample_index=0, seed=11,
+        prompt_ids=np.asarray(tasks.chat_prompt_ids(tokenizer, task), dtype=np.uint32),
+        completion_ids=np.asarray(completion, dtype=np.uint32),
+        behaviour_logprobs=np.full(len(completion), -0.5, dtype=np.float32), reward=reward, finish_reason="stop",
+    )
+
+
+def test_reasoning_gym_rollouts_are_rescored_by_the_receiver(tokenizer):
+    pytest.importorskip("reasoning_gym", reason="the rg extra is installed by `make install`")
+    from hivespec.node.tasks import MixEntry
+
+    mix = [MixEntry("rg", name="leg_counting", config={"min_animals": 1, "max_animals": 2, "max_instances": 2})]
+    sender, receiver = TaskSource(mix), TaskSource(mix)
+    store = RolloutStore(":memory:")
+    intake = Intake(fingerprint=FINGERPRINT, vocab_size=len(tokenizer), tasks=receiver, tokenizer=tokenizer, store=store,
+                    staleness_rounds=2)
+    peer = Identity.generate()
+    task = next(t for t in sender.prompts(seed=4, round=0, count=20) if int(t.answer) > 2)
+    honest = _rg_rollout(sender, tokenizer, task, f"<answer>{task.answer}</answer>", 1.0)
+    assert intake.admit(peer.peer_id, _envelope(peer, [honest]), current_round=3).outcome == "accept"
+    # A forged answer: the peer claims success for a wrong answer (it cannot send the reference: we rebuild it).
+    forged = _rg_rollout(sender, tokenizer, task, f"<answer>{int(task.answer) - 1}</answer>", 1.0)
+    verdict = intake.admit(peer.peer_id, _envelope(peer, [forged], seq=2), current_round=3)
+    assert (verdict.outcome, verdict.reason) == ("reject", "reward_mismatch")
+    # Answer stuffing claiming reasoning-gym's partial credit: rejected, our verifier pays 0.
+    stuffed = " ".join(str(n) for n in range(int(task.answer) + 2))
+    partial = _rg_rollout(sender, tokenizer, task, f"<answer>{stuffed}</answer>", len(task.answer) / len(stuffed))
+    verdict = intake.admit(peer.peer_id, _envelope(peer, [partial], seq=3), current_round=3)
+    assert (verdict.outcome, verdict.reason) == ("reject", "reward_mismatch")
+    store.close()

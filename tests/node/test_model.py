@@ -77,8 +77,13 @@ def test_local_folder_round_trip(tmp_path: Path, tokenizer) -> None:
     assert model_fingerprint(loaded.config, load_tokenizer(str(tmp_path))) == model_fingerprint(model.config, tokenizer)
 
 
-def test_unknown_source_is_an_actionable_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="never downloads"):
+def test_unknown_source_is_an_actionable_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    from hivespec.node.hub import HubError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache; the suite runs offline
+    with pytest.raises(HubError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct' is not in the Hugging Face cache"):
         load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(ValueError, match="config.json"):
         load_model(str(tmp_path))
