@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 PREFIX = "hsn"
 WAN_NET = "203.0.113"  # TEST-NET-3 (RFC 5737): documentation only, never routed
@@ -154,11 +155,11 @@ class Host:
         return subprocess.Popen(self.command(argv), **kwargs)
 
     def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-        kwargs.setdefault("check", True)
+        check = kwargs.pop("check", True)
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
         kwargs.setdefault("timeout", 60)
-        return subprocess.run(self.command(argv), **kwargs)
+        return subprocess.run(self.command(argv), check=check, **kwargs)
 
 
 @dataclass
@@ -190,7 +191,7 @@ class Topology:
         _ip("-n", ns, "link", "set", "lo", "up")
         return ns
 
-    def build(self) -> Topology:
+    def build(self) -> Self:
         """Create the namespaces, links, addresses, routes, NAT rules and tbf; raises on any failure (after cleanup)."""
         if not 1 <= self.homes <= 9:
             raise ValueError(f"homes must be in 1..9, got {self.homes}")
@@ -232,14 +233,20 @@ class Topology:
             router_host = Host(router, f"{WAN_NET}.{i}")
             router_host.run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
             router_host.run([sys.executable, str(_HERE), "masquerade", lan])
-            if self.uplink_mbit is not None:
-                rate = f"{int(self.uplink_mbit * 1000)}kbit"
-                # burst ~ rate x 10 ms (>= one MTU-sized packet train); latency bounds the queue at 200 ms.
-                burst = max(16_000, int(self.uplink_mbit * 1e6 / 8 / 100))
-                _ip("-n", router, "qdisc", "add", "dev", "wan0", "root", "tbf", "rate", rate, "burst", str(burst),
-                    "latency", "200ms", tool="tc")
+            self.set_uplink(router_host, self.uplink_mbit)
             self.routers.append(router_host)
             self.home_hosts.append(Host(home, addr))
+
+    @staticmethod
+    def set_uplink(router: Host, mbit: float | None) -> None:
+        """Cap the home's upload at `mbit` Mbit/s (tbf on the router's WAN egress), or lift the cap (None)."""
+        _ip("-n", router.ns, "qdisc", "del", "dev", "wan0", "root", check=False, tool="tc")
+        if mbit is None:
+            return
+        # burst ~ rate x 10 ms, at least a few full-size packets; latency bounds the queue at 200 ms.
+        burst = max(16_000, int(mbit * 1e6 / 8 / 100))
+        _ip("-n", router.ns, "qdisc", "add", "dev", "wan0", "root", "tbf", "rate", f"{int(mbit * 1000)}kbit",
+            "burst", str(burst), "latency", "200ms", tool="tc")
 
     def wan_bytes_sent(self, router: Host) -> int:
         """Bytes a router sent towards the internet (its WAN veth's tx counter): the home's upload."""
@@ -256,7 +263,7 @@ class Topology:
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
 
-    def __enter__(self) -> Topology:
+    def __enter__(self) -> Self:
         return self.build()
 
     def __exit__(self, *exc: object) -> None:
