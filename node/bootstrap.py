@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 PEERS_ENV = "HIVESPEC_INITIAL_PEERS"
 SECRET_ENV = "HIVESPEC_SWARM_SECRET"
 CACHE_FILE = "peers.cache.json"
+P2P_KEY_FILE = "p2p.key"  # libp2p private key (hivemind writes it on first start): a stable peer id across restarts
 LOCK_FILE = "node.lock"
 MAX_CACHED_PEERS = 64
 _MADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/(tcp|udp)/\d{1,5}(/[^\s]*)?/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
