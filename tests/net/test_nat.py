@@ -2,8 +2,9 @@
 
 A public node and two home nodes, each home behind its own masquerading router (no port
 forwarding), run the `public` preset's swarm settings. Checked: the NATed nodes measure their
-reachability truthfully (relayed, not reachable), they exchange rollouts and deltas with every
-body checked, `hivespec doctor --initial-peer` from inside a home explains it, and a restarted
+reachability truthfully (relayed, not reachable; unreachable without a relay slot), they exchange
+rollouts and deltas with every body checked, `hivespec doctor --initial-peer` from inside a home
+explains it, and a restarted
 public node is rejoined within 30 s. Skipped, with the reason, where the kernel or sandbox
 forbids namespaces or NAT (not root, no netns, no nftables masquerade).
 """
@@ -53,7 +54,7 @@ def test_nated_nodes_report_relayed_and_exchange_checked_bodies(swarm):
     assert (delivered, bad) == (expected, 0)
 
 
-def test_doctor_inside_a_home_explains_relayed(swarm):
+def test_doctor_inside_a_home_explains_relayed_and_unreachable(swarm):
     topo, nodes = swarm
     public = nodes[0]
     maddr = f"/ip4/{net_topology.PUBLIC_ADDR}/tcp/31337/p2p/{public.info['p2p']}"
@@ -66,6 +67,12 @@ def test_doctor_inside_a_home_explains_relayed(swarm):
     assert reach["detail"].startswith("relayed: not dialable at 203.0.113.1"), reach
     assert "forward TCP swarm.port" in reach["detail"]
     assert checks["peers"]["status"] == "ok", checks["peers"]
+
+    # Without a relay slot the same laptop is reported unreachable, with the setting that fixes it.
+    result = topo.home_hosts[0].run([*doctor, "--set", "swarm.use_auto_relay=false"], check=False, timeout=180)
+    reach = {c["name"]: c for c in json.loads(result.stdout)}["reachability"]
+    assert reach["status"] == "warn" and reach["detail"].startswith("unreachable: "), reach
+    assert "swarm.use_auto_relay: true" in reach["detail"]
 
 
 def test_public_node_restart_is_rejoined_within_30s(swarm):
