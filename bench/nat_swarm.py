@@ -52,6 +52,9 @@ def child(argv: list[str]) -> None:
     parser.add_argument("--bootstrap", action="append", default=[])
     parser.add_argument("--p2p-key")
     args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
     from hivespec.node.config import load_config
     from hivespec.node.gossip import Gossip
@@ -262,6 +265,7 @@ def main() -> int:
                 public = nodes[0]
                 public.kill()
                 t_restart = time.monotonic()
+                print(f"public node killed at {time.strftime('%H:%M:%S')}", flush=True)
                 public.start()
                 rejoin_s = None
                 r = next_round

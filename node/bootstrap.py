@@ -48,6 +48,8 @@ CACHE_FILE = "peers.cache.json"
 P2P_KEY_FILE = "p2p.key"  # libp2p private key (hivemind writes it on first start): a stable peer id across restarts
 LOCK_FILE = "node.lock"
 MAX_CACHED_PEERS = 64
+LOST_CHECK_S = 2.0  # how often keep_joined checks that p2pd still holds a connection to the peer we joined through
+REMEASURE_S = 300.0  # a settled reachability is re-measured at the first re-bootstrap after this long
 _MADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/(tcp|udp)/\d{1,5}(/[^\s]*)?/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
@@ -213,6 +215,9 @@ class Joiner:
     reachability: str = "unknown"
     reachability_detail: str = ""
     last_attempt: float = 0.0
+    _measured_at: float = field(default=-1e9, repr=False)
+    _joined_peer: PeerID | None = field(default=None, repr=False)
+    _lost: bool = field(default=False, repr=False)  # the peer we joined through dropped: rejoin with backoff
 
     async def join_once(self) -> bool:
         """Try every candidate once (concurrently); True if at least one answered a DHT ping."""
@@ -225,18 +230,29 @@ class Joiner:
         answered = [r for r in results if r is not None]
         if not answered:
             return False
-        self.solo = False
-        self.joined_via = answered[0][0]
+        self.solo, self._lost = False, False
+        self.joined_via, self._joined_peer = answered[0][0], answered[0][1]
         try:
             await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), 3 * self.rpc_timeout)
         except TimeoutError:
             logger.debug("routing table refresh timed out after a successful bootstrap ping")
-        verdict = await self._reachability(answered[0][1])
+        if self.needs_measuring():
+            self._record(await self._reachability(answered[0][1]))
+        await self.remember_peers()
+        return True
+
+    def needs_measuring(self) -> bool:
+        """Whether reachability needs measuring now: unsettled, or settled more than REMEASURE_S ago."""
+        settled = self.reachability in ("reachable", "relayed")
+        return not settled or time.monotonic() - self._measured_at > REMEASURE_S
+
+    def _record(self, verdict: Reach) -> None:
+        if verdict.state == "unknown" and self.reachability != "unknown":
+            return  # a peer that could not answer says nothing about us
         if verdict.state != self.reachability:
             logger.info("reachability: %s (%s)", verdict.state, verdict.detail)
         self.reachability, self.reachability_detail = verdict.state, verdict.detail
-        await self.remember_peers()
-        return True
+        self._measured_at = time.monotonic()
 
     async def _try(self, source: str, maddr: str) -> tuple[str, PeerID] | None:
         try:
@@ -255,15 +271,10 @@ class Joiner:
                                         timeout=self.rpc_timeout)
 
     async def measure(self) -> None:
-        """Re-measure reachability against a peer in the routing table (nodes without bootstrap peers: the public ones)."""
+        """Measure reachability against a peer in the routing table (nodes without bootstrap peers: the public ones)."""
         peers = list(self.dht.protocol.routing_table.uid_to_peer_id.values())
-        if not peers:
-            return
-        verdict = await self._reachability(random.choice(peers))
-        if verdict.state != "unknown":
-            if verdict.state != self.reachability:
-                logger.info("reachability: %s (%s)", verdict.state, verdict.detail)
-            self.reachability, self.reachability_detail = verdict.state, verdict.detail
+        if peers and self.needs_measuring():
+            self._record(await self._reachability(random.choice(peers)))
 
     async def remember_peers(self) -> None:
         """Save the addresses of peers p2pd is connected to in the peer cache."""
@@ -294,12 +305,17 @@ class Joiner:
         """Background task: while solo retry with backoff; once joined re-bootstrap every `interval` s.
 
         Until a relay is confirmed (reachability not yet reachable/relayed), rejoin at least every 10 s.
+        When p2pd loses its connection to the peer we joined through (a restarted public node, our
+        relay), rejoin within LOST_CHECK_S and then with backoff, not after a whole `interval`.
         """
         delay = 1.0
         while True:
             settled = self.reachability in ("reachable", "relayed")
-            wait = delay if self.solo else (interval if settled else min(interval, 10.0))
-            await asyncio.sleep(wait * random.uniform(0.8, 1.2))
+            if self.solo or self._lost:
+                wait = delay
+            else:
+                wait = interval if settled else min(interval, 10.0)
+            await self._wait(wait * random.uniform(0.8, 1.2))
             was_solo = self.solo
             try:
                 ok = await self.join_once()
@@ -314,3 +330,18 @@ class Joiner:
                 self.solo = True
                 logger.warning("solo mode: every known peer is gone; retrying the bootstrap sources")
             delay = 1.0 if ok else min(delay * 2, interval)
+
+    async def _wait(self, seconds: float) -> None:
+        """Sleep `seconds`, waking early (and marking us lost) when the peer we joined through disconnects."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, LOST_CHECK_S))
+            if self.solo or self._joined_peer is None:
+                continue
+            try:
+                connected = {info.peer_id for info in await asyncio.wait_for(self.p2p.list_peers(), self.rpc_timeout)}
+            except Exception:  # noqa: BLE001, S112 - p2pd busy: look again at the next slice
+                continue
+            if self._joined_peer not in connected:
+                self._lost = True
+                return
