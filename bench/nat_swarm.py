@@ -55,6 +55,8 @@ def child(argv: list[str]) -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if os.environ.get("NAT_SWARM_DEBUG"):
+        logging.getLogger("hivespec.node.gossip").setLevel(logging.DEBUG)
 
     from hivespec.node.config import load_config
     from hivespec.node.gossip import Gossip
@@ -92,7 +94,9 @@ def child(argv: list[str]) -> None:
         interval = 0.02
         while time.time() < deadline and len(got) < 2 * cmd["others"]:
             for topic in TOPICS:
-                for fetched in gossip.fetch_round(r, timeout=min(5.0, max(0.1, deadline - time.time())), topic=topic):
+                # Bounded like Gossip.wait_for_round (request_timeout): a body slower than that is cut and re-fetched.
+                for fetched in gossip.fetch_round(r, timeout=min(gossip.request_timeout, max(0.1, deadline - time.time())),
+                                                  topic=topic):
                     verdict, envelope = open_envelope(fetched.body)
                     if not verdict.ok or envelope is None or envelope.peer_id != fetched.author_peer_id:
                         bad += 1
@@ -100,7 +104,9 @@ def child(argv: list[str]) -> None:
                     got[f"{topic}:{fetched.author_peer_id}"] = time.time() - t0
             time.sleep(interval)
             interval = min(interval * 2, 0.2)
-        print(json.dumps({"got": got, "bad": bad}), flush=True)
+        stats = gossip.stats()
+        print(json.dumps({"got": got, "bad": bad, "stats": {k: stats.get(k, 0) for k in (
+            "bytes_out", "bodies_served", "fetch_failures", "bodies_fetched", "bodies_fetched_from_relay")}}), flush=True)
     gossip.shutdown()
 
 
@@ -186,6 +192,8 @@ def run_round(nodes: list[Node], r: int, timeout: float, rollout_bytes: int, del
             delivered += len(times)
             if len(times) == len(nodes) - 1:
                 latencies.append(max(times))
+    if os.environ.get("NAT_SWARM_STATS"):
+        print("  stats: " + json.dumps({n.name: rep["stats"] for n, rep in zip(nodes, replies)}), flush=True)
     return delivered, 2 * len(nodes) * (len(nodes) - 1), latencies, sum(rep["bad"] for rep in replies)
 
 

@@ -43,7 +43,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from hivespec.node.bootstrap import Joiner, PeerCache
 from hivespec.node.dht_guard import AnnounceValidator, harden
-from hivespec.node.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
+from hivespec.node.nat import REACH_STREAM, RELAYED_BODY_LIMIT, ReachService, is_circuit, relay_candidates, start_p2pd
 from hivespec.node.peers import PeerScores
 from hivespec.node.transfer import (  # noqa: F401 - CHUNK_BYTES re-exported
     CHUNK_BYTES,
@@ -484,7 +484,10 @@ class Gossip:
         deadline = time.monotonic() + timeout
         key = topic_key(self.swarm, topic, slot)
         claims: dict[_Item, list[_Holder]] = {}
-        for holder, announce in await self._valid_records(key, timeout):
+        records = await self._valid_records(key, timeout)
+        direct = await self._directly_connected() if any(h.maddrs and any(is_circuit(m) for m in h.maddrs)
+                                                         for h, _ in records) else set()
+        for holder, announce in records:
             if self.peers is not None and self.peers.graylisted(holder.peer):
                 self._stats["graylisted_skipped"] += 1
                 continue
@@ -496,6 +499,11 @@ class Gossip:
                     self._stats["graylisted_skipped"] += 1  # a graylisted author's bodies, relayed by someone else
                     continue
                 holders = claims.setdefault(claim, [])
+                if item.size > RELAYED_BODY_LIMIT and self._relay_only(holder, direct):
+                    # p2pd's relay cuts a circuit after ~128 KiB: the body would be re-sent in vain on every
+                    # poll. Peers with a direct connection to that holder (the public node) fetch it and serve it.
+                    self._stats["relay_only_skipped"] += 1
+                    continue
                 if (claim, holder.peer) not in self._failed:
                     # The author's own record first: it is the one with the least reason to lie.
                     holders.insert(0 if holder.peer == item.author else len(holders), holder)
@@ -509,6 +517,19 @@ class Gossip:
             while len(self._authors_by_round) > 4 * self.keep_rounds + 16:
                 self._authors_by_round.popitem(last=False)
         return fetched
+
+    async def _directly_connected(self) -> set[str]:
+        """Base58 ids of peers p2pd holds a non-relayed connection to."""
+        try:
+            peers = await asyncio.wait_for(self._p2p.list_peers(), self.request_timeout)
+        except Exception:  # noqa: BLE001 - unknown: treat every circuit holder as relay-only this poll
+            return set()
+        return {info.peer_id.to_base58() for info in peers if any(not is_circuit(str(a)) for a in info.addrs)}
+
+    @staticmethod
+    def _relay_only(holder: _Holder, direct: set[str]) -> bool:
+        """A NATed holder (it announces relay circuits) we have no direct connection to."""
+        return any(is_circuit(m) for m in holder.maddrs) and holder.p2p_peer_id.to_base58() not in direct
 
     def _parse_record(self, key: str, key_id: bytes, subkey: object, value: object, expiration: float) -> tuple[_Holder, Announce] | None:
         """Validated (holder, announce) of one DHT entry, None if invalid (counted once); cached by content."""

@@ -10,7 +10,10 @@ delay) and for AutoNAT to call us private (a boot delay, often never with one pe
 and forces reachability private. p2pd does not list relay addresses in `identify`, so we build
 them (`circuit_maddrs`), as bytes: hivemind's multiaddr encodes ``/p2p/<id>`` as a CID, which
 go-multiaddr rejects. Hole punching (DCUtR) is on in p2pd with AutoNAT, but it needs observed
-addresses confirmed by several peers and is not relied on.
+addresses confirmed by several peers and is not relied on. The relay cuts each circuit after
+~128 KiB (RELAYED_BODY_LIMIT): DHT traffic, reachability checks and small bodies go through it,
+while rollout batches and deltas reach a NATed peer from a holder it can reach directly (the
+public node, which fetched them over the NATed author's own outbound connection).
 
 Reachability is measured, never assumed. hivemind's own dial-back ping reuses the connection we
 opened, so it says "reachable" behind any NAT. Here a peer opens a *new* TCP connection to the
@@ -39,6 +42,10 @@ from hivemind.utils.multiaddr import Multiaddr
 logger = logging.getLogger(__name__)
 
 REACH_STREAM = "hivespec.reach.v1"
+# The bundled p2pd's relay resets a circuit after ~128 KiB per direction (measured: streams end at
+# 96 KiB of payload, whatever -relayDataLimit says), so circuits carry control traffic and small
+# bodies only; larger bodies reach NATed peers through a directly connected holder (gossip).
+RELAYED_BODY_LIMIT = 64 * 1024
 _MAX_REQUEST = 4096
 _MAX_PORTS = 4
 _DIAL_TIMEOUT_S = 2.0
