@@ -10,6 +10,8 @@ from hivespec.protocol.status import StatusSnapshot
 from .view import DASH, active_peers, fmt_duration, phase_text, short_id
 
 LEVEL_STYLE = {"good": "bold green", "warn": "bold yellow", "bad": "bold red", "unknown": "dim"}
+# How peers reach this node, as peers measured it (node/nat.py): behind NAT it is relayed or unreachable.
+REACH_STYLE = {"reachable": "green", "relayed": "yellow", "unreachable": "bold red"}
 
 
 class StatusHeader(Static):
@@ -43,12 +45,12 @@ class StatusHeader(Static):
                 f"policy v{node.policy_version}",
                 f"up {fmt_duration(node.uptime_s)}",
                 f"swarm {node.swarm}",
-                f"reach {node.reachability or DASH}",
-                node.device or DASH,
             ]
             if node.role != "trainer":
                 parts.insert(0, node.role)
-            text.append(" | " + " | ".join(parts))
+            text.append(" | " + " | ".join(parts) + " | reach ")
+            text.append(node.reachability or DASH, style=REACH_STYLE.get(node.reachability or "", ""))
+            text.append(f" | {node.device or DASH}")
             text.append("\n")
         if lost is not None:
             text.append("LOST ", style="bold white on red")

@@ -10,8 +10,9 @@ our own id to fill the routing table, each under a timeout. At start it retries 
 exponential backoff until `bootstrap_timeout`; if nobody answered, the node runs **solo**
 (logged as a warning, visible in `Gossip.status()`) and keeps retrying in the background. Once
 joined it re-bootstraps every `rebootstrap_interval` seconds, which merges a DHT that started
-split (hivemind#624). Reachability is measured, not guessed: a DHT ping with ``validate=True``
-asks the peer to dial us back.
+split (hivemind#624). Reachability is measured, not guessed, after every (re)join: the peer that
+answered opens a fresh connection to us, or another peer reaches us through our relay
+(node/nat.py; hivemind's own dial-back reuses our connection and passes behind any NAT).
 
 `HomeLock` holds an exclusive lock on the node's home, so a second node with the same identity
 file refuses to start instead of fighting the first over its peer id.
@@ -34,9 +35,9 @@ from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import dht_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivespec.node.nat import Reach, check_reachability, listen_ports, to_transport
 from hivespec.protocol.private import PrivateSwarm, parse_allowlist, parse_secret
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,11 @@ logger = logging.getLogger(__name__)
 PEERS_ENV = "HIVESPEC_INITIAL_PEERS"
 SECRET_ENV = "HIVESPEC_SWARM_SECRET"
 CACHE_FILE = "peers.cache.json"
+P2P_KEY_FILE = "p2p.key"  # libp2p private key (hivemind writes it on first start): a stable peer id across restarts
 LOCK_FILE = "node.lock"
 MAX_CACHED_PEERS = 64
+LOST_CHECK_S = 2.0  # how often keep_joined checks that p2pd still holds a connection to the peer we joined through
+REMEASURE_S = 300.0  # a settled reachability is re-measured at the first re-bootstrap after this long
 _MADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/(tcp|udp)/\d{1,5}(/[^\s]*)?/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
@@ -189,16 +193,10 @@ def load_private_swarm(
     return PrivateSwarm.create(swarm, parse_secret(secret_text), parse_allowlist(Path(allowlist_file).expanduser().read_text()))
 
 
-def _without_peer_id(maddr: Multiaddr) -> Multiaddr:
-    # p2pd's connect takes the peer id separately and transport addresses only.
-    if "p2p" in [proto.name for proto in maddr.protocols()]:
-        return maddr.decapsulate(Multiaddr(f"/p2p/{maddr.value_for_protocol('p2p')}"))
-    return maddr
-
-
 async def dial(p2p: P2P, peer: PeerID, maddrs: Sequence[str], timeout: float) -> None:
-    """Make p2pd connect to `peer` at `maddrs` (P2P has no public connect(); hivemind uses _client the same way)."""
-    addrs = [_without_peer_id(Multiaddr(m)) for m in maddrs]
+    """Make p2pd connect to `peer` at `maddrs`, relay circuits included (P2P has no public connect(); hivemind uses _client so too)."""
+    # p2pd's connect takes the peer id separately and transport addresses only.
+    addrs = [to_transport(m) for m in maddrs]
     await asyncio.wait_for(p2p._client.connect(peer, addrs), timeout)
 
 
@@ -211,10 +209,15 @@ class Joiner:
     candidates: list[tuple[str, str]]
     cache: PeerCache | None = None
     rpc_timeout: float = 3.0
+    relays: list[str] = field(default_factory=list)  # bootstrap maddrs we hold relay slots on (node/nat.py)
     solo: bool = True
     joined_via: str = ""  # "<source> <maddr>" of the last peer that answered
     reachability: str = "unknown"
+    reachability_detail: str = ""
     last_attempt: float = 0.0
+    _measured_at: float = field(default=-1e9, repr=False)
+    _joined_peer: PeerID | None = field(default=None, repr=False)
+    _lost: bool = field(default=False, repr=False)  # the peer we joined through dropped: rejoin with backoff
 
     async def join_once(self) -> bool:
         """Try every candidate once (concurrently); True if at least one answered a DHT ping."""
@@ -227,15 +230,29 @@ class Joiner:
         answered = [r for r in results if r is not None]
         if not answered:
             return False
-        self.solo = False
-        self.joined_via = answered[0][0]
+        self.solo, self._lost = False, False
+        self.joined_via, self._joined_peer = answered[0][0], answered[0][1]
         try:
             await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), 3 * self.rpc_timeout)
         except TimeoutError:
             logger.debug("routing table refresh timed out after a successful bootstrap ping")
-        self.reachability = await self._reachability(answered[0][1])
+        if self.needs_measuring():
+            self._record(await self._reachability(answered[0][1]))
         await self.remember_peers()
         return True
+
+    def needs_measuring(self) -> bool:
+        """Whether reachability needs measuring now: unsettled, or settled more than REMEASURE_S ago."""
+        settled = self.reachability in ("reachable", "relayed")
+        return not settled or time.monotonic() - self._measured_at > REMEASURE_S
+
+    def _record(self, verdict: Reach) -> None:
+        if verdict.state == "unknown" and self.reachability != "unknown":
+            return  # a peer that could not answer says nothing about us
+        if verdict.state != self.reachability:
+            logger.info("reachability: %s (%s)", verdict.state, verdict.detail)
+        self.reachability, self.reachability_detail = verdict.state, verdict.detail
+        self._measured_at = time.monotonic()
 
     async def _try(self, source: str, maddr: str) -> tuple[str, PeerID] | None:
         try:
@@ -247,18 +264,17 @@ class Joiner:
             return None
         return (f"{source} {maddr}", peer) if node_id is not None else None
 
-    async def _reachability(self, peer: PeerID) -> str:
-        """'public' / 'private' by whether `peer` could dial us back; 'relayed' if we only have relay addresses."""
-        maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
-        if maddrs and all("p2p-circuit" in m for m in maddrs):
-            return "relayed"
-        try:
-            request = dht_pb2.PingRequest(peer=self.dht.protocol.node_info, validate=True)
-            response = await self.dht.protocol.get_stub(peer).rpc_ping(request, timeout=self.rpc_timeout)
-        except Exception as exc:  # noqa: BLE001
-            logger.debug("reachability check failed: %s: %s", type(exc).__name__, exc)
-            return "unknown"
-        return "reachable" if response.available else "unreachable"
+    async def _reachability(self, peer: PeerID) -> Reach:
+        """Ask `peer` to dial us back; if it cannot, to have a third peer reach us through our relays."""
+        ports = listen_ports([str(m) for m in await self.p2p.get_visible_maddrs()])
+        return await check_reachability(self.p2p, peer, ports=ports, circuits=[f"{r}/p2p-circuit" for r in self.relays],
+                                        timeout=self.rpc_timeout)
+
+    async def measure(self) -> None:
+        """Measure reachability against a peer in the routing table (nodes without bootstrap peers: the public ones)."""
+        peers = list(self.dht.protocol.routing_table.uid_to_peer_id.values())
+        if peers and self.needs_measuring():
+            self._record(await self._reachability(random.choice(peers)))
 
     async def remember_peers(self) -> None:
         """Save the addresses of peers p2pd is connected to in the peer cache."""
@@ -286,13 +302,25 @@ class Joiner:
             delay = min(delay * 2, 30.0)
 
     async def keep_joined(self, interval: float) -> None:
-        """Background task: while solo retry with backoff; once joined re-bootstrap every `interval` s."""
+        """Background task: while solo retry with backoff; once joined re-bootstrap every `interval` s.
+
+        Until a relay is confirmed (reachability not yet reachable/relayed), rejoin at least every 10 s.
+        When p2pd loses its connection to the peer we joined through (a restarted public node, our
+        relay), rejoin within LOST_CHECK_S and then with backoff, not after a whole `interval`.
+        """
         delay = 1.0
         while True:
-            await asyncio.sleep((delay if self.solo else interval) * random.uniform(0.8, 1.2))
+            settled = self.reachability in ("reachable", "relayed")
+            if self.solo or self._lost:
+                wait = delay
+            else:
+                wait = interval if settled else min(interval, 10.0)
+            await self._wait(wait * random.uniform(0.8, 1.2))
             was_solo = self.solo
             try:
                 ok = await self.join_once()
+                if not self.candidates:
+                    await self.measure()
             except Exception as exc:  # noqa: BLE001 - a failed attempt must not end the task
                 logger.debug("re-bootstrap failed: %s: %s", type(exc).__name__, exc)
                 ok = False
@@ -302,3 +330,18 @@ class Joiner:
                 self.solo = True
                 logger.warning("solo mode: every known peer is gone; retrying the bootstrap sources")
             delay = 1.0 if ok else min(delay * 2, interval)
+
+    async def _wait(self, seconds: float) -> None:
+        """Sleep `seconds`, waking early (and marking us lost) when the peer we joined through disconnects."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, LOST_CHECK_S))
+            if self.solo or self._joined_peer is None:
+                continue
+            try:
+                connected = {info.peer_id for info in await asyncio.wait_for(self.p2p.list_peers(), self.rpc_timeout)}
+            except Exception:  # noqa: BLE001, S112 - p2pd busy: look again at the next slice
+                continue
+            if self._joined_peer not in connected:
+                self._lost = True
+                return

@@ -213,7 +213,9 @@ class SwarmConfig:
     require_peers: bool = _help("refuse to start when no bootstrap peer answers, instead of running solo", False)
     announce_maddrs: list[str] = _help("public multiaddrs to announce (port forwarding, a public IP behind 1:1 NAT)", default_factory=list)
     use_relay: bool = _help("libp2p circuit relay: reach peers behind NAT through relays", True)
-    use_auto_relay: bool = _help("behind NAT yourself: find relays and become reachable through them", False)
+    use_auto_relay: bool = _help(
+        "behind NAT yourself: reserve relay slots on the bootstrap peers and announce <relay>/p2p-circuit addresses "
+        "(the public preset's default; a node with a public IP or forwarded port sets false)", False)
     nat_port_map: bool = _help("ask the router for a port mapping (UPnP / NAT-PMP)", False)
     record_ttl: float = _help("seconds an index record lives in the DHT (validators refuse longer)", 600.0)
     expected_peers: int = _help("peers whose rollouts a round waits for (0 = do not wait)", 0)

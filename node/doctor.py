@@ -7,7 +7,8 @@ command exits non-zero when any check fails. The checks are the failures volunte
 hours into a run, a full disk): torch and CUDA, RAM and VRAM against the model's training
 footprint, each GPU's name, compute capability and bf16 support (`gpu_checks`, a pure function
 of `GpuProperties`), vLLM, the embedded model, p2pd, ports, bootstrap peers, the identity key file, disk
-space for checkpoints, and clock skew against peers (hivemind needs clocks within 3 s).
+space for checkpoints, clock skew against peers (hivemind needs clocks within 3 s), and
+reachability: whether peers can dial this machine, only through a relay, or not at all (NAT).
 
 The network checks start a real p2pd and DHT node on 127.0.0.1 (hivemind is imported here, and
 only when those checks run); nothing is announced or stored in the swarm.
@@ -444,6 +445,69 @@ async def _network_checks(config: NodeConfig, timeout: float) -> list[Check]:
         await p2p.shutdown()
 
 
+_REACH_ADVICE = {
+    "reachable": ("ok", "peers can open connections to you directly"),
+    "relayed": ("warn", ("works: peers reach you through the relay, which carries your uploads. For direct connections "
+                        "forward TCP swarm.port on your router to this machine and set swarm.announce_maddrs to "
+                        "/ip4/<your public IP>/tcp/<port>")),
+    "unreachable": ("warn", ("you can fetch from peers but none can fetch from you (your rollouts will not spread): set "
+                            "swarm.use_auto_relay: true (the public preset does) so the bootstrap peers relay for you, "
+                            "or forward a port and set swarm.announce_maddrs")),
+    "unknown": ("skip", "no initial peer answered the reachability check (it may run an older hivespec)"),
+}
+
+
+async def _reachability_check(config: NodeConfig, timeout: float) -> Check:
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from hivespec.node.bootstrap import dial
+    from hivespec.node.nat import REACH_STREAM, ReachService, check_reachability, listen_ports, relay_candidates, start_p2pd
+
+    swarm = config.swarm
+    relays = relay_candidates(swarm.initial_peers) if swarm.use_auto_relay else []
+    # Listen where the node would (swarm.host) on a free port: the answer is about this network, not port 31337.
+    p2p = await start_p2pd(host_maddrs=[f"/ip4/{swarm.host}/tcp/0"], announce_maddrs=swarm.announce_maddrs,
+                           use_relay=swarm.use_relay, nat_port_map=swarm.nat_port_map, relays=relays, identity_path=None,
+                           startup_timeout=timeout)
+    try:
+        await p2p.add_binary_stream_handler(REACH_STREAM, ReachService(p2p).handle)
+        ports = listen_ports([str(m) for m in await p2p.get_visible_maddrs()])
+        circuits = [f"{r}/p2p-circuit" for r in relays]
+        verdict = None
+        for maddr in swarm.initial_peers:
+            peer = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+            try:
+                await dial(p2p, peer, [maddr], timeout)
+            except Exception:  # noqa: BLE001, S112 - the peers line already says which did not answer
+                continue
+            for attempt in range(3):  # the relay slot is reserved just after we connect: give it a moment
+                verdict = await check_reachability(p2p, peer, ports=ports, circuits=circuits, timeout=timeout / 2)
+                if verdict.state != "unreachable" or not circuits:
+                    break
+                await asyncio.sleep(2.0 * (attempt + 1))
+            if verdict.state != "unknown":
+                break
+    finally:
+        await p2p.shutdown()
+    if verdict is None:
+        return Check("reachability", "skip", "no initial peer could be dialled (see the peers line)")
+    status, advice = _REACH_ADVICE[verdict.state]
+    relay_note = f"; relays: {', '.join(relays)}" if relays else "; swarm.use_auto_relay is off"
+    return Check("reachability", status, f"{verdict.state}: {verdict.detail}{relay_note}. {advice}")  # type: ignore[arg-type]
+
+
+def reachability_check(config: NodeConfig, *, timeout: float = 10.0) -> Check:
+    """How peers can reach this node, measured by the initial peers (node/nat.py), with what to do about it."""
+    if not config.swarm.initial_peers:
+        return Check("reachability", "skip", "no initial peers to measure it against (a first or public node: run the "
+                     "doctor on another machine with --initial-peer pointing here)")
+    try:
+        return asyncio.run(_reachability_check(config, timeout))
+    except Exception as exc:  # noqa: BLE001 - the finding is that the check could not run
+        return Check("reachability", "fail", f"could not measure ({type(exc).__name__}: {exc}); see the p2pd and peers lines")
+
+
 def network_checks(config: NodeConfig, *, timeout: float = 10.0) -> list[Check]:
     """p2pd start-up, bootstrap reachability and clock skew (a real p2pd on 127.0.0.1)."""
     return asyncio.run(_network_checks(config, timeout))
@@ -470,7 +534,9 @@ def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.
     add(*check_ports(config))
     if network:
         add(*network_checks(config, timeout=timeout))
+        add(reachability_check(config, timeout=timeout))
     else:
-        add(Check("p2pd", "skip", "--offline"), Check("peers", "skip", "--offline"), Check("clock", "skip", "--offline"))
+        add(Check("p2pd", "skip", "--offline"), Check("peers", "skip", "--offline"), Check("clock", "skip", "--offline"),
+            Check("reachability", "skip", "--offline"))
     add(check_identity(home), check_disk(config, home, params), check_checkpoints(config, home))
     return checks

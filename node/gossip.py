@@ -43,6 +43,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from hivespec.node.bootstrap import Joiner, PeerCache
 from hivespec.node.dht_guard import AnnounceValidator, harden
+from hivespec.node.nat import REACH_STREAM, RELAYED_BODY_LIMIT, ReachService, is_circuit, relay_candidates, start_p2pd
 from hivespec.node.peers import PeerScores
 from hivespec.node.transfer import (  # noqa: F401 - CHUNK_BYTES re-exported
     CHUNK_BYTES,
@@ -128,6 +129,7 @@ class Gossip:
         use_relay: bool = True,
         use_auto_relay: bool = False,
         nat_port_map: bool = False,
+        p2p_identity_path: str | None = None,
         request_timeout: float = 10.0,
         record_ttl: float = 600.0,
         start_timeout: float = 30.0,
@@ -155,6 +157,9 @@ class Gossip:
         self.require_peers = require_peers
         self.announce_maddrs = list(announce_maddrs)
         self.use_relay, self.use_auto_relay, self.nat_port_map = use_relay, use_auto_relay, nat_port_map
+        self.p2p_identity_path = p2p_identity_path
+        # Behind NAT: reserve relay slots on the configured bootstrap peers (not cached ones, which may be NATed too).
+        self.relays = relay_candidates([m for source, m in self.bootstrap if source != "cache"]) if use_auto_relay else []
         self.request_timeout = request_timeout
         self.record_ttl = record_ttl
         self.start_timeout = start_timeout
@@ -225,15 +230,17 @@ class Gossip:
         self._fetch_slots = asyncio.Semaphore(_MAX_PARALLEL_FETCHES)
         self._serve_slots = asyncio.Semaphore(_MAX_PARALLEL_SERVES)
         # No initial peers for p2pd itself: an unreachable one would fail its start; Joiner dials them.
-        self._p2p = await P2P.create(
+        self._p2p = await start_p2pd(
             host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
-            announce_maddrs=self.announce_maddrs or None,
+            announce_maddrs=self.announce_maddrs,
             nat_port_map=self.nat_port_map,
             use_relay=self.use_relay,
-            use_auto_relay=self.use_auto_relay,
+            relays=self.relays,
+            identity_path=self.p2p_identity_path,
             startup_timeout=self.start_timeout,
         )
         await self._p2p.add_binary_stream_handler(STREAM_NAME, self._serve_body)
+        await self._p2p.add_binary_stream_handler(REACH_STREAM, ReachService(self._p2p).handle)
         self._dht = await DHTNode.create(
             p2p=self._p2p,
             record_validator=self.validator,
@@ -241,9 +248,11 @@ class Gossip:
             wait_timeout=min(3.0, self.request_timeout / 3),
         )
         await harden(self._dht, self._stats)
-        self._maddrs = [str(m) for m in await self._p2p.get_visible_maddrs()]
+        # Relay circuits after our own addresses: a peer tries them all and keeps the first that connects.
+        self._maddrs = [str(m) for m in await self._p2p.get_visible_maddrs()] + [f"{r}/p2p-circuit" for r in self.relays]
         self._joiner = Joiner(
-            self._p2p, self._dht, self.bootstrap, self.peer_cache, rpc_timeout=min(3.0, self.request_timeout / 3)
+            self._p2p, self._dht, self.bootstrap, self.peer_cache, rpc_timeout=min(3.0, self.request_timeout / 3),
+            relays=self.relays,
         )
         if self.bootstrap and not await self._joiner.start(self.bootstrap_timeout):
             if self.require_peers:
@@ -263,13 +272,18 @@ class Gossip:
         return list(self._maddrs)
 
     def status(self) -> dict[str, Any]:
-        """Swarm-facing state for the status snapshot: solo, reachability, known_peers, joined_via, private, ..."""
+        """Swarm-facing state for the status snapshot: solo, reachability (+ reachability_detail), known_peers, joined_via, ...
+
+        reachability is measured by peers (node/nat.py): reachable / relayed / unreachable / unknown.
+        """
         dht, joiner = self._dht, self._joiner
         known = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
         return {
             "solo": known == 0,
             "known_peers": known,
             "reachability": joiner.reachability if joiner is not None and known else "unknown",
+            "reachability_detail": joiner.reachability_detail if joiner is not None and known else "",
+            "relays": list(self.relays),
             "joined_via": joiner.joined_via if joiner is not None else "",
             "last_bootstrap": joiner.last_attempt if joiner is not None else 0.0,
             "maddrs": list(self._maddrs),
@@ -470,7 +484,10 @@ class Gossip:
         deadline = time.monotonic() + timeout
         key = topic_key(self.swarm, topic, slot)
         claims: dict[_Item, list[_Holder]] = {}
-        for holder, announce in await self._valid_records(key, timeout):
+        records = await self._valid_records(key, timeout)
+        direct = await self._directly_connected() if any(h.maddrs and any(is_circuit(m) for m in h.maddrs)
+                                                         for h, _ in records) else set()
+        for holder, announce in records:
             if self.peers is not None and self.peers.graylisted(holder.peer):
                 self._stats["graylisted_skipped"] += 1
                 continue
@@ -482,6 +499,11 @@ class Gossip:
                     self._stats["graylisted_skipped"] += 1  # a graylisted author's bodies, relayed by someone else
                     continue
                 holders = claims.setdefault(claim, [])
+                if item.size > RELAYED_BODY_LIMIT and self._relay_only(holder, direct):
+                    # p2pd's relay cuts a circuit after ~128 KiB: the body would be re-sent in vain on every
+                    # poll. Peers with a direct connection to that holder (the public node) fetch it and serve it.
+                    self._stats["relay_only_skipped"] += 1
+                    continue
                 if (claim, holder.peer) not in self._failed:
                     # The author's own record first: it is the one with the least reason to lie.
                     holders.insert(0 if holder.peer == item.author else len(holders), holder)
@@ -495,6 +517,19 @@ class Gossip:
             while len(self._authors_by_round) > 4 * self.keep_rounds + 16:
                 self._authors_by_round.popitem(last=False)
         return fetched
+
+    async def _directly_connected(self) -> set[str]:
+        """Base58 ids of peers p2pd holds a non-relayed connection to."""
+        try:
+            peers = await asyncio.wait_for(self._p2p.list_peers(), self.request_timeout)
+        except Exception:  # noqa: BLE001 - unknown: treat every circuit holder as relay-only this poll
+            return set()
+        return {info.peer_id.to_base58() for info in peers if any(not is_circuit(str(a)) for a in info.addrs)}
+
+    @staticmethod
+    def _relay_only(holder: _Holder, direct: set[str]) -> bool:
+        """A NATed holder (it announces relay circuits) we have no direct connection to."""
+        return any(is_circuit(m) for m in holder.maddrs) and holder.p2p_peer_id.to_base58() not in direct
 
     def _parse_record(self, key: str, key_id: bytes, subkey: object, value: object, expiration: float) -> tuple[_Holder, Announce] | None:
         """Validated (holder, announce) of one DHT entry, None if invalid (counted once); cached by content."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hivespec.node.bootstrap import CACHE_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
+from hivespec.node.bootstrap import CACHE_FILE, P2P_KEY_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
 from hivespec.node.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -963,6 +963,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
             use_relay=swarm.use_relay,
             use_auto_relay=swarm.use_auto_relay,
             nat_port_map=swarm.nat_port_map,
+            # A stable libp2p peer id: peers' bootstrap addresses and caches stay valid across restarts.
+            p2p_identity_path=str(home / P2P_KEY_FILE),
             record_ttl=swarm.record_ttl,
             peers=peer_scores,
             private=private,

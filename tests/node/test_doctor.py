@@ -75,6 +75,8 @@ def test_network_checks_find_a_live_peer_and_its_clock_and_fail_on_a_dead_one(tm
     assert checks["p2pd"].status == "ok"
     assert checks["peers"].status == "ok", checks["peers"].detail
     assert checks["clock"].status == "ok" and "within" in checks["clock"].detail
+    # On loopback the peer can open a fresh connection back to us (tests/net/ covers NAT).
+    assert checks["reachability"].status == "ok" and checks["reachability"].detail.startswith("reachable: "), checks["reachability"]
 
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -93,7 +95,8 @@ def test_cli_prints_one_line_per_check_and_exits_non_zero_on_a_failure(tmp_path)
     ok = subprocess.run(command, check=False, capture_output=True, text=True, timeout=150)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     names = [line.split()[1] for line in ok.stdout.splitlines() if line.split()[0] in ("OK", "WARN", "SKIP", "FAIL")]
-    for name in ("python", "torch", "model", "ram", "vram", "vllm", "p2pd", "peers", "clock", "identity", "disk", "checkpoint"):
+    for name in ("python", "torch", "model", "ram", "vram", "vllm", "p2pd", "peers", "clock", "reachability", "identity", "disk",
+                 "checkpoint"):
         assert name in names, ok.stdout
     assert "all checks passed" in ok.stdout
     key = tmp_path / "identity.key"
