@@ -29,10 +29,6 @@ def test_the_demo_runs_from_empty_caches_and_talks_throughout(tmp_path):
         env[name] = str(tmp_path / name.lower())
     command = [
         sys.executable, "-P", "-m", "hivespec.node.cli", "demo", "--rounds", str(ROUNDS), "--dir", str(tmp_path / "demo"),
-        # Until the precision choice is automatic (issue 14, item 1): no bf16 autocast in the trainer (20x slower on a
-        # CPU without native bf16). The engine stays bf16: a float32 engine's every weight changes each step, and
-        # three nodes' dense float32 deltas ran a 24 GiB machine out of memory in the sync.
-        "--set", "model.engine_dtype=bfloat16", "--set", "model.autocast=false",
     ]
     started = time.monotonic()
     demo = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True)
