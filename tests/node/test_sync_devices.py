@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.kernels.host_transfer import HostTransferError, HostTransferGuard
+from hivespec.node.engine import unique_parameters
 from hivespec.node.sync import EngineWeights, WeightSync
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.verdict import Reason
@@ -27,15 +28,6 @@ def _tiny(device="cpu") -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     return LlamaForCausalLM(config).to(device)
-
-
-def _engine_params(model):
-    seen, params = set(), {}
-    for name, p in model.named_parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            params[name] = p.data
-    return params
 
 
 def _step(trainer, optimizer, ids):
@@ -58,7 +50,7 @@ def _run_syncs(device: str, strict: bool, engine_dtype=torch.bfloat16):
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
     ids = torch.randint(0, 128, (2, 16), device=device)
     with HostTransferGuard(strict=strict) as guard:
-        sync = WeightSync(trainer, _engine_params(engine))
+        sync = WeightSync(trainer, unique_parameters(engine))
     assert guard.transfers == 1  # the engine's bits, read once into the host mirror
     for version in range(1, 4):
         _step(trainer, optimizer, ids)  # transformers' own forward is not ours to guard
@@ -67,7 +59,7 @@ def _run_syncs(device: str, strict: bool, engine_dtype=torch.bfloat16):
             assert guard.transfers == 2, "one transfer down (the delta), one up (the verified write)"
             assert sync.mismatched_elements() == 0 and sync.engine.mirror_mismatches() == 0
             assert sync.engine.hash == state_hash(sync.engine.state)
-    assert _cast_equal(_engine_params(engine), trainer, engine_dtype)
+    assert _cast_equal(unique_parameters(engine), trainer, engine_dtype)
     return sync
 
 
@@ -78,7 +70,7 @@ def test_sync_runs_as_on_a_gpu_one_transfer_each_way_per_step(engine_dtype):
 
 def test_the_old_numpy_view_of_engine_tensors_is_caught_on_cpu():
     # What node/sync.py did before (tensor.numpy() on the engine's tensors): fine on a CPU, fails on CUDA.
-    params = _engine_params(_tiny().to(torch.bfloat16))
+    params = unique_parameters(_tiny().to(torch.bfloat16))
     with HostTransferGuard(), pytest.raises(HostTransferError, match="numpy"):
         next(iter(params.values())).view(torch.int16).numpy()
 
@@ -87,7 +79,7 @@ def test_a_rejected_delta_never_reaches_the_device():
     trainer = _tiny()
     engine = copy.deepcopy(trainer).to(torch.bfloat16)
     with HostTransferGuard() as guard:
-        sync = WeightSync(trainer, _engine_params(engine))
+        sync = WeightSync(trainer, unique_parameters(engine))
         with torch.no_grad():
             for p in trainer.parameters():
                 p.add_(0.01)
@@ -105,25 +97,25 @@ def test_a_rejected_delta_never_reaches_the_device():
 def test_a_follower_applies_and_restores_through_the_device_path():
     leader_model = _tiny()
     follower_model = copy.deepcopy(leader_model).to(torch.bfloat16)
-    leader = WeightSync(leader_model, _engine_params(copy.deepcopy(leader_model).to(torch.bfloat16)))
+    leader = WeightSync(leader_model, unique_parameters(copy.deepcopy(leader_model).to(torch.bfloat16)))
     with torch.no_grad():
         for p in leader_model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     _, chunks = leader.sync(1)
     with HostTransferGuard():
-        follower = EngineWeights(_engine_params(follower_model))
+        follower = EngineWeights(unique_parameters(follower_model))
         base_bits, base_hash = follower.snapshot_bits(), follower.hash
         verdict, _ = follower.apply_chunks(chunks)
         assert verdict.ok and follower.hash == leader.engine.hash and follower.mirror_mismatches() == 0
         follower.restore(base_bits, version=0, digest=base_hash)
         assert follower.mirror_mismatches() == 0 and state_hash(follower.state) == base_hash
-    assert _cast_equal(_engine_params(follower_model), _tiny(), torch.bfloat16)
+    assert _cast_equal(unique_parameters(follower_model), _tiny(), torch.bfloat16)
 
 
 def test_a_resume_reset_rereads_the_engine_in_one_transfer():
     trainer = _tiny()
     engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    sync = WeightSync(trainer, _engine_params(engine))
+    sync = WeightSync(trainer, unique_parameters(engine))
     with torch.no_grad():
         for p in trainer.parameters():
             p.mul_(1.5)
@@ -136,7 +128,7 @@ def test_a_resume_reset_rereads_the_engine_in_one_transfer():
 def test_shapes_and_dtypes_of_the_cast_path_hold_on_the_meta_device():
     # No data on `meta`: what runs there is the shape/dtype plumbing of the trainer -> engine cast.
     trainer = _tiny().to("meta")
-    engine_params = {n: torch.empty(t.shape, dtype=torch.bfloat16, device="meta") for n, t in _engine_params(trainer).items()}
+    engine_params = {n: torch.empty(t.shape, dtype=torch.bfloat16, device="meta") for n, t in unique_parameters(trainer).items()}
     sync = object.__new__(WeightSync)
     sync.trainer_params = dict(trainer.named_parameters())
     sync.engine = type("Engine", (), {"params": engine_params})()
