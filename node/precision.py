@@ -9,7 +9,11 @@ A fixed default is therefore wrong somewhere. With ``model.engine_dtype: auto`` 
 - CPU: a sub-second measurement of both dtypes on this model's matmul shapes at the thread count
   the node uses: for the engine one decode step at its real batch size (weights streamed from
   memory, as a decode step does), for the trainer a forward+backward of one layer's linears
-  under autocast. bf16 is chosen only where it measures at least ``BF16_MARGIN`` faster. The
+  under autocast. A near tie goes to the cheaper choice for each role: the trainer autocasts
+  only where bf16 measures at least 10% faster (``MARGIN``), while the engine stays bf16 unless
+  float32 measures at least 10% faster, since a bf16 engine holds half the memory and its
+  per-step delta is sparse where a float32 engine's is dense (every weight moves under AdamW),
+  which costs a node gigabytes of RAM in the sync and ten times the bytes to its followers. The
   result is cached per machine (CPU model, flags, torch version, threads, shapes) under the
   model cache dir, so later starts decide in milliseconds; delete ``precision.json`` there to
   re-measure. CPU flags (avx512_bf16, amx_bf16) and torch's CPU capability go into the reason
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 Role = Literal["engine", "trainer"]
-BF16_MARGIN = 0.9  # bf16 must take at most this share of float32's time to be chosen
+MARGIN = 0.9  # the costlier choice must take at most this share of the other's time to be chosen
 CACHE_FILE = "precision.json"
 _CACHE_FORMAT = 1
 _STREAM_BYTES = 48 << 20  # decode weights measured per step: past a CPU's last-level cache (the LM head adds more)
@@ -352,8 +356,16 @@ def _ms(seconds: float) -> str:
 
 
 def _pick(seconds: dict[str, float]) -> bool:
-    """True when bf16 is worth it: at most BF16_MARGIN of float32's time."""
-    return seconds["bfloat16"] <= BF16_MARGIN * seconds["float32"]
+    """True when bf16 autocast is worth it for the trainer: at most MARGIN of float32's time."""
+    return seconds["bfloat16"] <= MARGIN * seconds["float32"]
+
+
+def _pick_engine(seconds: dict[str, float]) -> bool:
+    """True when the engine should stay bf16: unless float32 takes at most MARGIN of bf16's time.
+
+    A tie goes to bf16: half the engine's memory, and a sparse per-step delta instead of a dense one.
+    """
+    return not seconds["float32"] <= MARGIN * seconds["bfloat16"]
 
 
 def _cuda_bf16(device: torch.device) -> tuple[bool, str]:
@@ -396,7 +408,7 @@ def decide_engine(
         seconds = {name: steps * seconds[name] + sync[name] for name in seconds}
         reason += (f"; weight sync after a step: float32 {_ms(sync['float32'])}, bfloat16 {_ms(sync['bfloat16'])}; "
                    f"a round of {steps} steps + sync: float32 {_ms(seconds['float32'])}, bfloat16 {_ms(seconds['bfloat16'])}")
-    bf16 = _pick(seconds)
+    bf16 = _pick_engine(seconds)
     reason += f"; {_evidence(cpu_facts())}"
     return PrecisionChoice("engine", torch.bfloat16 if bf16 else torch.float32, "cached" if cached else "measured", reason)
 
