@@ -101,12 +101,14 @@ def cmd_join(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         if node.stop_report:
             print(f"hivespec: {node.name}: {node.stop_report}", file=sys.stderr, flush=True)
+        lingering = not node.control.stopping
+        if lingering:  # its last phase event comes before "done", the demo's cue that this node finished
+            phases("done", "serving its last batch to peers until stopped" if args.linger < 0 else "")
         if events:
-            if node.control.stopping:
+            if not lingering:
                 events.write({"event": "stopped", "name": node.name, "detail": node.stop_report or "stopped after a round"})
             events.write({"event": "done", "name": node.name})
-        if not node.control.stopping:
-            phases("done", "serving its last batch to peers until stopped" if args.linger < 0 else "")
+        if lingering:
             _linger(args.linger)
     finally:
         node.close()

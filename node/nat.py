@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,9 @@ async def start_p2pd(
     startup_timeout: float,
 ) -> P2P:
     """p2pd via hivemind's P2P.create; with `relays` it reserves slots on them at once (see the module doc)."""
+    if identity_path is not None and not os.path.isfile(identity_path):
+        # Made here rather than by P2P.create, which announces it on stderr in the middle of our one-line messages.
+        P2P.generate_identity(identity_path)
     kwargs: dict[str, Any] = {
         "host_maddrs": list(host_maddrs),
         "announce_maddrs": list(announce_maddrs) if announce_maddrs else None,
