@@ -38,7 +38,7 @@ from hivespec.node.identity import load_or_create_identity
 from hivespec.node.intake import Admission, Intake
 from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint, stop_token_ids
 from hivespec.node.peers import PeerScores
-from hivespec.node.precision import PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
+from hivespec.node.precision import DTYPES, PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
 from hivespec.node.speculation import CurveCalibration, LengthAwarePolicy, build_speculation
 from hivespec.node.status import RoundStopped, RunControl, StatusBoard
 from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
@@ -55,7 +55,6 @@ from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_rollout, enc
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 PROGRESS_EVERY_S = 5.0  # at most one progress report per phase this often (the demo prints every 10 s)
 
 # What a node is doing, for people: `Node.on_phase(phase, detail)` hears these (see `Node.phase`).
@@ -892,10 +891,10 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     phase("loading", f"model {config.model.name}")
     source = {"revision": config.model.revision, "trust_remote_code": config.model.trust_remote_code}
     tokenizer = load_tokenizer(config.model.name, **source)
-    trainer_model = load_model(config.model.name, dtype=_DTYPES[config.model.train_dtype], device=config.model.device, **source)
+    trainer_model = load_model(config.model.name, dtype=DTYPES[config.model.train_dtype], device=config.model.device, **source)
     phase("loading", "choosing precision (bf16 or float32, measured once per machine)")
     config, precision = _resolve_precision(config, trainer_model, threads)
-    engine_model = copy.deepcopy(trainer_model).to(_DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
+    engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
     engine: TorchEngine | VllmEngine
