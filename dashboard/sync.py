@@ -34,8 +34,11 @@ class SyncPanel(Vertical):
         sync = snapshot.sync
         facts = Text(no_wrap=True, overflow="ellipsis")
         facts.append("weight delta  ", style="bold")
-        share = f" ({fmt_percent(sync.delta_bytes / sync.dense_bytes, 1)} of dense)" if sync.delta_bytes and sync.dense_bytes else ""
-        facts.append(f"{fmt_bytes(sync.delta_bytes)} vs {fmt_bytes(sync.dense_bytes)} dense{share}")
+        if sync.delta_bytes:
+            share = f" ({fmt_percent(sync.delta_bytes / sync.dense_bytes, 1)} of dense)" if sync.dense_bytes else ""
+            facts.append(f"{fmt_bytes(sync.delta_bytes)} vs {fmt_bytes(sync.dense_bytes)} dense{share}")
+        else:  # a node without followers writes its engine directly: nothing is coded
+            facts.append(f"written directly (no followers), {fmt_bytes(sync.dense_bytes)} dense")
         facts.append(f" | density {fmt_percent(sync.density, 2)}")
         if sync.codec:
             facts.append(f" | codec {sync.codec}")

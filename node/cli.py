@@ -458,7 +458,9 @@ REPORT_HEADER = (
 
 def format_report_line(r: dict) -> str:
     """One fixed-width row per node per round (see REPORT_HEADER)."""
-    delta = f"{_fmt_bytes(r['delta_bytes'])}/{_fmt_bytes(r['dense_bytes'])}"
+    # A node without followers codes no delta: it shows the share of its engine's weights that changed.
+    delta = (f"{_fmt_bytes(r['delta_bytes'])}/{_fmt_bytes(r['dense_bytes'])}" if r["delta_bytes"]
+             else f"{r['delta_density']:.1%} changed")
     return (
         f"{r['round']:>3} {r['node'][:16]:<16} {r['made']:>4} {r['received']:>4} {r['accepted']:>4} {r['rejected']:>3} "
         f"{r['reward_mean']:>6.2f} {_fmt(r['foreign_reward_mean']):>6} {_fmt(r['own_weight_mean'], '.3f'):>5} "

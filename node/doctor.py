@@ -155,7 +155,7 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
         "batch": decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
         "rows": train_rows(config.train.micro_batch_size, rollout.max_completion_length), "cache": cache,
         "new_tokens": rollout.max_completion_length, "sequences": rollout.prompts_per_round * rollout.num_generations,
-        "learning_rate": config.train.learning_rate, "weights": weights,
+        "learning_rate": config.train.learning_rate, "weights": weights, "publish": config.sync.publish,
     }
     chosen = resolve_precision(architecture, engine_dtype=model.engine_dtype, autocast=model.autocast, **settings)
     best = resolve_precision(architecture, engine_dtype="auto", autocast="auto", **settings)

@@ -11,9 +11,13 @@ A fixed default is therefore wrong somewhere. With ``model.engine_dtype: auto`` 
   memory, as a decode step does), for the trainer a forward+backward of one layer's linears
   under autocast. A near tie goes to the cheaper choice for each role: the trainer autocasts
   only where bf16 measures at least 10% faster (``MARGIN``), while the engine stays bf16 unless
-  float32 measures at least 10% faster, since a bf16 engine holds half the memory and its
-  per-step delta is sparse where a float32 engine's is dense (every weight moves under AdamW),
-  which costs a node gigabytes of RAM in the sync and ten times the bytes to its followers. The
+  float32 measures at least 10% faster, since a bf16 engine holds half the memory. With the
+  round's shape known, the engine's choice weighs a whole round: its decode steps plus one
+  trainer -> engine weight sync. For a leader (``sync.publish``) that sync entropy-codes the
+  delta for its followers, and a float32 engine's delta is dense (every weight moves under
+  AdamW): over a minute and gigabytes of RAM per step for a 135M model on a CPU, which keeps a
+  leader bf16. A node without followers writes the changes directly (`WeightSync.sync(...,
+  encode=False)`), about a second for either dtype, so there the decode speed decides. The
   result is cached per machine (CPU model, flags, torch version, threads, shapes) under the
   model cache dir, so later starts decide in milliseconds; delete ``precision.json`` there to
   re-measure. CPU flags (avx512_bf16, amx_bf16) and torch's CPU capability go into the reason
@@ -256,14 +260,15 @@ def weight_sample(model: torch.nn.Module, elements: int = 1 << 18) -> torch.Tens
     return torch.cat([p[::stride] for p in params])[:elements].cpu()
 
 
-def measure_sync(params: int, learning_rate: float, weights: torch.Tensor | None = None) -> dict[str, float]:
+def measure_sync(params: int, learning_rate: float, weights: torch.Tensor | None = None, *, encode: bool = True) -> dict[str, float]:
     """Estimated seconds of one trainer -> engine weight sync after an optimizer step: float32 vs bfloat16 engine.
 
-    Runs the real `WeightSync` (build, encode, decode, apply, hash) on a sample of the model's
-    ``weights`` (`weight_sample`; default 2**18 draws of N(0, 0.02)) after an Adam-sized step
+    Runs the real `WeightSync` (``encode``: build, encode, decode, apply, hash, as a leader does;
+    else the direct write of a node without followers) on a sample of the model's ``weights``
+    (`weight_sample`; default 2**18 draws of N(0, 0.02)) after an Adam-sized step
     (``learning_rate`` on every element) and scales to ``params``. A float32 engine sees every
-    element change, a bf16 one only those whose rounding moved: the delta codec's cost can
-    outweigh bf16's slower decode on a CPU without native bf16.
+    element change, a bf16 one only those whose rounding moved: for a leader the delta codec's
+    cost can outweigh bf16's slower decode on a CPU without native bf16.
     """
     from hivespec.node.sync import WeightSync
 
@@ -284,7 +289,7 @@ def measure_sync(params: int, learning_rate: float, weights: torch.Tensor | None
         with torch.no_grad():
             trainer.weight.add_(step)
         mark = time.perf_counter()
-        sync.sync(1)
+        sync.sync(1, encode=encode)
         seconds[_DTYPE_NAMES[dtype]] = (time.perf_counter() - mark) * params / elements
     return seconds
 
@@ -380,13 +385,14 @@ def _cuda_bf16(device: torch.device) -> tuple[bool, str]:
 
 def decide_engine(
     requested: str, shape: ModelShape, *, device: str, batch: int, threads: int, cache: Path | None,
-    steps: int = 0, learning_rate: float | None = None, weights: torch.Tensor | None = None,
+    steps: int = 0, learning_rate: float | None = None, weights: torch.Tensor | None = None, publish: bool = False,
 ) -> PrecisionChoice:
     """The engine's weight dtype: ``requested`` unless it is "auto" (see the module docstring).
 
     With ``steps`` (decode steps per round) and ``learning_rate`` (float32 master weights) a CPU
-    compares whole rounds: decode steps plus one weight sync, whose delta is dense for a float32
-    engine and sparse for a bf16 one. Without them it compares one decode step.
+    compares whole rounds: decode steps plus one weight sync, as a leader does it (``publish``:
+    entropy-coded, dense for a float32 engine) or as a node without followers does (direct
+    writes). Without them it compares one decode step.
     """
     if requested != "auto":
         return PrecisionChoice("engine", DTYPES[requested], "explicit", "model.engine_dtype in the config")
@@ -402,11 +408,12 @@ def decide_engine(
     if steps and learning_rate:
         params = shape.layers * shape.layer_params() + shape.vocab * shape.hidden
         sync, sync_cached = cached_measurement(
-            "sync", shape, learning_rate, threads, cache, lambda: measure_sync(params, learning_rate, weights)
+            "sync" if publish else "sync-local", shape, learning_rate, threads, cache,
+            lambda: measure_sync(params, learning_rate, weights, encode=publish),
         )
         cached = cached and sync_cached
         seconds = {name: steps * seconds[name] + sync[name] for name in seconds}
-        reason += (f"; weight sync after a step: float32 {_ms(sync['float32'])}, bfloat16 {_ms(sync['bfloat16'])}; "
+        reason += (f"; weight sync after a step{' (coded for followers)' if publish else ''}: float32 {_ms(sync['float32'])}, bfloat16 {_ms(sync['bfloat16'])}; "
                    f"a round of {steps} steps + sync: float32 {_ms(seconds['float32'])}, bfloat16 {_ms(seconds['bfloat16'])}")
     bf16 = _pick_engine(seconds)
     reason += f"; {_evidence(cpu_facts())}"
@@ -462,6 +469,7 @@ def resolve_precision(
     sequences: int = 0,
     learning_rate: float | None = None,
     weights: torch.Tensor | None = None,
+    publish: bool = False,
 ) -> PrecisionPlan:
     """Decide both roles for a model (its transformers config) on ``device``; see the module docstring.
 
@@ -469,15 +477,15 @@ def resolve_precision(
     micro batch (`train_rows`), ``threads`` torch's intra-op threads (default: the current
     setting). With ``new_tokens`` (max completion length), ``sequences`` (per round) and
     ``learning_rate`` the engine's choice weighs a round's decoding plus its weight sync, measured
-    on ``weights`` (`weight_sample` of the model; default: synthetic).
-    ``cache=None`` measures without reading or writing the cache.
+    on ``weights`` (`weight_sample` of the model; default: synthetic), coded for followers if
+    ``publish`` (a leader). ``cache=None`` measures without reading or writing the cache.
     """
     shape = ModelShape.of(model_config)
     threads = threads if threads is not None else torch.get_num_threads()
     where = default_cache_path() if cache == "default" else cache
     steps = new_tokens * max(1, math.ceil(sequences / batch)) if new_tokens else 0
     engine = decide_engine(engine_dtype, shape, device=device, batch=batch, threads=threads, cache=where, steps=steps,
-                           learning_rate=learning_rate if train_dtype == "float32" else None, weights=weights)
+                           learning_rate=learning_rate if train_dtype == "float32" else None, weights=weights, publish=publish)
     trainer = decide_trainer(autocast, train_dtype, shape, device=device, rows=rows, threads=threads, cache=where)
     return PrecisionPlan(engine, trainer)
 

@@ -384,7 +384,8 @@ class Node:
         mark = time.perf_counter()
         self._beat("sync")
         self.phase("syncing", f"round {round_index}")
-        sync_stats, delta_chunks = self.sync.sync(step.version)
+        # Only a leader's followers read the coded delta; without them the engine is written directly.
+        sync_stats, delta_chunks = self.sync.sync(step.version, encode=self.publisher is not None)
         self.engine.weights_updated(sync_stats.tensors)
         delta_published = self._publish_delta(step.version, delta_chunks)
         timings["sync"] = time.perf_counter() - mark
@@ -853,6 +854,7 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
         sequences=rollout.prompts_per_round * rollout.num_generations,
         learning_rate=config.train.learning_rate,
         weights=weight_sample(trainer_model),
+        publish=config.sync.publish,
     )
     log.info("precision: %s", plan.describe())
     resolved = replace(model, engine_dtype=plan.engine_dtype_name, autocast=plan.trainer.dtype is not None)

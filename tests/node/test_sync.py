@@ -36,8 +36,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
+@pytest.mark.parametrize("encode", [True, False], ids=["leader", "no-followers"])
 @pytest.mark.parametrize("engine_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_engine_equals_trainer_cast_after_every_step(engine_dtype):
+def test_engine_equals_trainer_cast_after_every_step(engine_dtype, encode):
     trainer = _tiny()
     engine = copy.deepcopy(trainer).to(engine_dtype)
     sync = WeightSync(trainer, _engine_params(engine))
@@ -48,15 +49,40 @@ def test_engine_equals_trainer_cast_after_every_step(engine_dtype):
         optimizer.zero_grad()
         trainer(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-        stats, chunks = sync.sync(version)
+        stats, chunks = sync.sync(version, encode=encode)
         assert sync.mismatched_elements() == 0
         assert sync.engine.hash == state_hash(sync.engine.state) and sync.version == version
         for name, tensor in _engine_params(engine).items():
             assert _bits_equal(tensor, trainer.get_parameter(name).detach().to(engine_dtype)), name
         assert stats.delta_bytes == sum(map(len, chunks)) and stats.chunks == len(chunks)
+        assert bool(chunks) == encode
         assert 0 < stats.changed <= stats.elements
         dense = stats.dense_bytes
     assert dense == sum(p.numel() * p.element_size() for p in _engine_params(engine).values())
+
+
+@pytest.mark.parametrize("engine_dtype", [torch.bfloat16, torch.float32])
+def test_writing_locally_ends_where_the_wire_path_does(engine_dtype):
+    """A node without followers skips the codec; its engine holds the same bits, hash and version."""
+    trainer = _tiny()
+    engines = [copy.deepcopy(trainer).to(engine_dtype) for _ in range(2)]
+    wire, local = (WeightSync(trainer, _engine_params(engine)) for engine in engines)
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16))
+    for version in range(1, 4):
+        optimizer.zero_grad()
+        trainer(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        with torch.no_grad():  # one tensor barely moves: written position by position, not whole
+            trainer.model.norm.weight.copy_(engines[1].model.norm.weight.float())
+            trainer.model.norm.weight[::7] += 0.5
+        wire_stats, _ = wire.sync(version)
+        local_stats, _ = local.sync(version, encode=False)
+        assert local.engine.hash == wire.engine.hash == state_hash(local.engine.state)
+        assert local_stats.changed == wire_stats.changed and set(local_stats.tensors) == set(wire_stats.tensors)
+        assert local.version == version and local_stats.delta_bytes == 0 and local_stats.chunks == 0
+    for (name, a), b in zip(_engine_params(engines[0]).items(), _engine_params(engines[1]).values(), strict=True):
+        assert _bits_equal(a, b), name
 
 
 def test_small_updates_give_a_sparse_bf16_delta():
