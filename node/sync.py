@@ -12,8 +12,8 @@ encode=False)`): the changed elements are written straight from the trainer's ca
 position, or, for a tensor where listing positions would cost more than the tensor itself (a
 float32 engine after an Adam step: every element moves), as a whole-tensor copy. The same
 invariant holds (engine bits == trainer cast, checked each round by `mismatched_elements`), at a
-fraction of the cost: 1.3 s instead of 105 s for a float32 SmolLM2-135M, 2.0 s instead of 7.3 s
-for bfloat16 (bench/sync_modes.py, 1 thread, AVX2-only EPYC).
+fraction of the cost: 1.6 s instead of 107 s for a float32 SmolLM2-135M engine, 1.9 s instead of
+5.2 s for a bfloat16 one (bench/sync_modes.py, 1 thread, AVX2-only AMD EPYC).
 
 `EngineWeights` is that receiving side on its own (also used by `node/follower.py`): a set of
 engine tensors viewed as the codec's `State`, with the version and hash of what they hold.
