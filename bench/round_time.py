@@ -11,17 +11,17 @@ Three parts, one run, on the embedded SmolLM2-135M-Instruct:
    - engine_vs_hf_generate: the native engine's tokens/s against ``model.generate`` at the same
      batch (the demo's decode batch), dtype and length (every row decodes max_new_tokens: no
      stop tokens; sampling at temperature 1, no top-k/top-p). Target >= 1.0.
-2. The demo preset's round (generate, gossip with 2 peers, train, sync) as a real 3-node swarm
+2. The demo preset's round (generate, gossip with 2 peers, train, sync) as a real 3-node swarm (2 in --quick)
    of `hivespec join` processes on 127.0.0.1 (bench/swarm_harness.py), once per precision:
    ``auto`` (the default), ``bf16`` (engine bfloat16 + bf16 autocast: the old default) and
    ``fp32`` (engine float32, no autocast), one after the other, never together. Per-phase
-   seconds are the mean over the 3 nodes; rounds after the first are the steady state (the
+   seconds are the mean over the nodes; rounds after the first are the steady state (the
    first also waits for the slowest node to start). Speculation is off unless --speculation
    (it is lossless and benched in bench/spec_rollout.py; its one-time calibration would
    otherwise be part of the first start).
 3. What ``auto`` chose on this machine, with its measured reason (node-0's ready event).
 
-    python bench/round_time.py --quick   # 1 prompt x 4 completions x 16 tokens, 1 round per setting: < 3 min
+    python bench/round_time.py --quick   # 2 nodes, 1 prompt x 4 completions x 16 tokens, 1 round per setting: < 3 min
     python bench/round_time.py           # the demo preset as shipped, 2 rounds per setting
 
 Ends with ``RESULT {"round_s_auto", "round_s_bf16", "round_s_fp32", "trainer_vs_bare", "engine_vs_hf_generate", ...}``.
@@ -49,7 +49,6 @@ PRECISIONS = {  # name: (model.engine_dtype, model.autocast)
     "fp32": ("float32", "false"),
 }
 PHASES = ("rollout", "gossip", "train", "sync", "round")
-NODES = 3
 
 
 class DemoNode(SwarmNode):
@@ -172,6 +171,7 @@ def kernel_comparison(args: argparse.Namespace, batch: int, threads: int) -> dic
         model.config, engine_dtype="auto", autocast="auto", train_dtype="float32", device="cpu",
         batch=decode_batch(1, batch, batch), rows=train_rows(8, args.max_new_tokens), threads=threads,
         new_tokens=args.max_new_tokens, sequences=batch, learning_rate=args.learning_rate, weights=weight_sample(model),
+        model=model,
     )
     print(f"precision auto at {threads} thread(s): {plan.describe()}", flush=True)
     prompts = _prompts(max(1, batch // 4))
@@ -200,7 +200,7 @@ def node_sets(args: argparse.Namespace, precision: str, index: int) -> list[str]
     engine_dtype, autocast = PRECISIONS[precision]
     sets = [
         f"model.engine_dtype={engine_dtype}", f"model.autocast={autocast}", f"rounds={args.rounds}", f"seed={1000 + index}",
-        f"swarm.swarm=round-time-{precision}", f"swarm.expected_peers={NODES - 1}", "status.enabled=false",
+        f"swarm.swarm=round-time-{precision}", f"swarm.expected_peers={args.nodes - 1}", "status.enabled=false",
         f"speculation.enabled={'true' if args.speculation else 'false'}",
     ]
     if args.quick:
@@ -210,9 +210,10 @@ def node_sets(args: argparse.Namespace, precision: str, index: int) -> list[str]
 
 
 def run_swarm(args: argparse.Namespace, precision: str, root: Path) -> dict:
-    """Start 3 nodes with one precision setting, wait for their rounds, return per-phase means and auto's reason."""
+    """Start the nodes with one precision setting, wait for their rounds, return per-phase means and auto's reason."""
     folder = root / precision
-    nodes = [DemoNode(f"node-{i}", folder / f"node-{i}", node_sets(args, precision, i), local_nodes=NODES) for i in range(NODES)]
+    nodes = [DemoNode(f"node-{i}", folder / f"node-{i}", node_sets(args, precision, i), local_nodes=args.nodes)
+             for i in range(args.nodes)]
     started = time.monotonic()
     nodes[0].start([])
     first = wait_ready(nodes[0], timeout=args.timeout)
@@ -259,7 +260,9 @@ def run_swarm(args: argparse.Namespace, precision: str, root: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 prompt x 4 completions x 16 tokens, 1 round per setting (< 3 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 nodes, 1 prompt x 4 completions x 16 tokens, 1 round per setting (< 3 min)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes per swarm (default 3, the demo's; --quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per setting (default 2; --quick 1)")
     parser.add_argument("--precisions", default="auto,bf16,fp32", help="settings to run, comma-separated")
     parser.add_argument("--speculation", action="store_true", help="keep speculative rollouts on (off by default)")
@@ -267,6 +270,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="folder for the nodes' homes and logs (default: a temp dir, removed)")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 2)
+    # --quick: 2 nodes, one core each (3 on 2 cores queue for the CPU, which makes every phase longer).
+    args.nodes = args.nodes or (2 if args.quick else 3)
     # --quick shrinks the round's work; the full run is the demo preset as shipped (4 x 4 x 48).
     args.prompts, args.generations, args.max_new_tokens = (1, 4, 16) if args.quick else (4, 4, 48)
     args.train_samples = 8 if args.quick else 16
@@ -274,7 +279,7 @@ def main() -> int:
 
     args.learning_rate = load_config("demo", environ={}).train.learning_rate
     args.repeats = 1 if args.quick else 2
-    threads = max(1, (os.cpu_count() or 1) // NODES)  # what each demo node gets
+    threads = max(1, (os.cpu_count() or 1) // args.nodes)  # what each demo node gets
     batch = args.prompts * args.generations
 
     import torch
@@ -292,14 +297,14 @@ def main() -> int:
     swarms = {}
     try:
         for precision in args.precisions.split(","):
-            print(f"swarm {precision}: 3 nodes, {args.rounds} round(s)", flush=True)
+            print(f"swarm {precision}: {args.nodes} nodes, {args.rounds} round(s)", flush=True)
             swarms[precision] = run_swarm(args, precision, root)
             print(f"swarm {precision}: {json.dumps(swarms[precision])}", flush=True)
     finally:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\nper-phase seconds (mean of {NODES} nodes, {'rounds >= 1' if args.rounds > 1 else 'round 0'}):")
+    print(f"\nper-phase seconds (mean of {args.nodes} nodes, {'rounds >= 1' if args.rounds > 1 else 'round 0'}):")
     print(f"{'precision':<10}" + "".join(f"{p:>10}" for p in PHASES))
     for precision, result in swarms.items():
         print(f"{precision:<10}" + "".join(f"{result['phases'][p]:>10.1f}" for p in PHASES))
@@ -314,7 +319,7 @@ def main() -> int:
         "phases": {p: r["phases"] for p, r in swarms.items()},
         "auto_chose": swarms.get("auto", {}).get("chosen", kernels["precision"]),
         "cpu": facts["cpu"], "capability": facts["capability"], "native_bf16_flags": facts["native_bf16_flags"],
-        "torch": torch.__version__, "threads_per_node": threads, "quick": args.quick,
+        "torch": torch.__version__, "nodes": args.nodes, "threads_per_node": threads, "quick": args.quick,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     print("RESULT " + json.dumps(result), flush=True)

@@ -149,13 +149,13 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
     except (OSError, ValueError) as exc:
         return Check("precision", "skip", f"the model does not load ({exc}); see the model line")
     architecture, weights = loaded.config, weight_sample(loaded)
-    del loaded
     settings = {
         "train_dtype": model.train_dtype, "device": model.device, "threads": threads,
         "batch": decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
         "rows": train_rows(config.train.micro_batch_size, rollout.max_completion_length), "cache": cache,
         "new_tokens": rollout.max_completion_length, "sequences": rollout.prompts_per_round * rollout.num_generations,
         "learning_rate": config.train.learning_rate, "weights": weights, "publish": config.sync.publish,
+        "model": loaded,  # the engine's decode step is timed on the real model, as a node does
     }
     chosen = resolve_precision(architecture, engine_dtype=model.engine_dtype, autocast=model.autocast, **settings)
     best = resolve_precision(architecture, engine_dtype="auto", autocast="auto", **settings)

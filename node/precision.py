@@ -52,10 +52,11 @@ log = logging.getLogger(__name__)
 Role = Literal["engine", "trainer"]
 MARGIN = 0.9  # the costlier choice must take at most this share of the other's time to be chosen
 CACHE_FILE = "precision.json"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the engine's decode step timed on the real model
 _STREAM_BYTES = 48 << 20  # decode weights measured per step: past a CPU's last-level cache (the LM head adds more)
 _TRAIN_ROWS_MAX = 64  # training rows measured: a real matmul shape, yet cheap where bf16 is 20x slower
 _MEASURE_BUDGET_S = 0.4  # per role: repeats stop once both dtypes are timed and this is spent
+_DECODE_CONTEXT = 16  # tokens in the KV cache when a real decode step is timed
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX, aarch64 FEAT_BF16
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64", torch.float16: "float16"}
@@ -196,10 +197,38 @@ def _best_of(float32: Callable[[], None], bfloat16: Callable[[], None], budget_s
 
 
 @torch.inference_mode()
-def measure_decode(shape: ModelShape, batch: int, *, budget_s: float = _MEASURE_BUDGET_S) -> dict[str, float]:
-    """Estimated seconds of one decode step at ``batch`` rows, float32 vs bfloat16 weights (CPU).
+def measure_model_decode(model: torch.nn.Module, batch: int, *, budget_s: float = _MEASURE_BUDGET_S) -> dict[str, float]:
+    """Seconds of one real decode step of ``model`` at ``batch`` rows: float32 weights vs a bfloat16 copy (CPU).
 
-    Runs every linear of as many distinct layers as fill ``_STREAM_BYTES`` (so weights come from
+    The whole forward a rollout step runs (norms, rotary, attention over a short KV cache, the
+    LM head), not just its matmuls: on a CPU without native bf16 those element-wise ops convert
+    too, and at small batches they decide (on an AVX2 EPYC at batch 4 the matmuls alone tied
+    while the bf16 engine generated 2.6x slower). Costs a bf16 copy of the weights while it runs
+    and a few seconds at batch 16 where bf16 is slow; the result is cached.
+    """
+    import copy
+
+    runs: dict[str, Callable[[], None]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        weights_dtype = next(model.parameters()).dtype
+        copy_of = model if weights_dtype == dtype else copy.deepcopy(model).to(dtype)
+        ids = torch.ones((batch, _DECODE_CONTEXT), dtype=torch.long)
+        cache = copy_of(input_ids=ids, use_cache=True).past_key_values
+        token = torch.ones((batch, 1), dtype=torch.long)
+
+        def step(copy_of: torch.nn.Module = copy_of, cache: Any = cache, token: torch.Tensor = token) -> None:
+            copy_of(input_ids=token, past_key_values=cache, use_cache=True)  # the cache grows by one token per call
+
+        runs[_DTYPE_NAMES[dtype]] = step
+    return _best_of(runs["float32"], runs["bfloat16"], budget_s)
+
+
+@torch.inference_mode()
+def measure_decode(shape: ModelShape, batch: int, *, budget_s: float = _MEASURE_BUDGET_S) -> dict[str, float]:
+    """Estimated seconds of one decode step at ``batch`` rows, float32 vs bfloat16 weights (CPU), without the model.
+
+    For callers that only have the model's config (a follower's guess); a node measures its real
+    model (`measure_model_decode`). Runs every linear of as many distinct layers as fill ``_STREAM_BYTES`` (so weights come from
     memory, not cache, as in a real decode step) plus the LM head, then scales the layers to the
     model's depth. Attention over the KV cache and the norms are left out: at decode they are a
     small share, and both dtypes pay them alike.
@@ -386,13 +415,15 @@ def _cuda_bf16(device: torch.device) -> tuple[bool, str]:
 def decide_engine(
     requested: str, shape: ModelShape, *, device: str, batch: int, threads: int, cache: Path | None,
     steps: int = 0, learning_rate: float | None = None, weights: torch.Tensor | None = None, publish: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> PrecisionChoice:
     """The engine's weight dtype: ``requested`` unless it is "auto" (see the module docstring).
 
     With ``steps`` (decode steps per round) and ``learning_rate`` (float32 master weights) a CPU
     compares whole rounds: decode steps plus one weight sync, as a leader does it (``publish``:
     entropy-coded, dense for a float32 engine) or as a node without followers does (direct
-    writes). Without them it compares one decode step.
+    writes). Without them it compares one decode step: of ``model`` where given (`measure_model_decode`),
+    else an estimate from the shapes' matmuls (`measure_decode`).
     """
     if requested != "auto":
         return PrecisionChoice("engine", DTYPES[requested], "explicit", "model.engine_dtype in the config")
@@ -402,8 +433,12 @@ def decide_engine(
         return PrecisionChoice("engine", torch.bfloat16 if supported else torch.float32, "device", why)
     if kind.type != "cpu":
         return PrecisionChoice("engine", torch.float32, "fallback", f"no measurement for device type {kind.type!r}; float32 runs everywhere")
-    seconds, cached = cached_measurement("engine", shape, batch, threads, cache, lambda: measure_decode(shape, batch))
-    reason = (f"decode step at batch {batch}, {threads} thread{'s' if threads != 1 else ''}: float32 {_ms(seconds['float32'])}, "
+    if model is not None:
+        seconds, cached = cached_measurement("engine", shape, batch, threads, cache, lambda: measure_model_decode(model, batch))
+    else:
+        seconds, cached = cached_measurement("engine-linears", shape, batch, threads, cache, lambda: measure_decode(shape, batch))
+    step = "decode step" if model is not None else "decode step's matmuls"
+    reason = (f"{step} at batch {batch}, {threads} thread{'s' if threads != 1 else ''}: float32 {_ms(seconds['float32'])}, "
               f"bfloat16 {_ms(seconds['bfloat16'])}")
     if steps and learning_rate:
         params = shape.layers * shape.layer_params() + shape.vocab * shape.hidden
@@ -470,6 +505,7 @@ def resolve_precision(
     learning_rate: float | None = None,
     weights: torch.Tensor | None = None,
     publish: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> PrecisionPlan:
     """Decide both roles for a model (its transformers config) on ``device``; see the module docstring.
 
@@ -478,14 +514,16 @@ def resolve_precision(
     setting). With ``new_tokens`` (max completion length), ``sequences`` (per round) and
     ``learning_rate`` the engine's choice weighs a round's decoding plus its weight sync, measured
     on ``weights`` (`weight_sample` of the model; default: synthetic), coded for followers if
-    ``publish`` (a leader). ``cache=None`` measures without reading or writing the cache.
+    ``publish`` (a leader). With ``model`` (the loaded trainer model) the engine's decode step is
+    timed on it; without, estimated from the config's shapes. ``cache=None`` measures without reading or writing the cache.
     """
     shape = ModelShape.of(model_config)
     threads = threads if threads is not None else torch.get_num_threads()
     where = default_cache_path() if cache == "default" else cache
     steps = new_tokens * max(1, math.ceil(sequences / batch)) if new_tokens else 0
     engine = decide_engine(engine_dtype, shape, device=device, batch=batch, threads=threads, cache=where, steps=steps,
-                           learning_rate=learning_rate if train_dtype == "float32" else None, weights=weights, publish=publish)
+                           learning_rate=learning_rate if train_dtype == "float32" else None, weights=weights, publish=publish,
+                           model=model)
     trainer = decide_trainer(autocast, train_dtype, shape, device=device, rows=rows, threads=threads, cache=where)
     return PrecisionPlan(engine, trainer)
 

@@ -855,6 +855,7 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
         learning_rate=config.train.learning_rate,
         weights=weight_sample(trainer_model),
         publish=config.sync.publish,
+        model=trainer_model,
     )
     log.info("precision: %s", plan.describe())
     resolved = replace(model, engine_dtype=plan.engine_dtype_name, autocast=plan.trainer.dtype is not None)

@@ -48,6 +48,7 @@ def _seed_cache(path: Path, tiny, *, engine: tuple[float, float], trainer: tuple
     shape, facts = ModelShape.of(tiny), cpu_facts()
     data = {
         measurement_key("engine", shape, batch, THREADS, facts): {"float32": engine[0], "bfloat16": engine[1]},
+        measurement_key("engine-linears", shape, batch, THREADS, facts): {"float32": engine[0], "bfloat16": engine[1]},
         measurement_key("trainer", shape, rows, THREADS, facts): {"float32": trainer[0], "bfloat16": trainer[1]},
         measurement_key("sync", shape, learning_rate, THREADS, facts): {"float32": sync[0], "bfloat16": sync[1]},
         measurement_key("sync-local", shape, learning_rate, THREADS, facts): {"float32": local_sync[0], "bfloat16": local_sync[1]},
@@ -152,6 +153,21 @@ def test_measurements_are_positive_and_scale_with_work(tiny):
     train = measure_training(shape, 64, budget_s=0.05)
     assert all(v > 0 for v in (*decode.values(), *train.values()))
     assert measure_training(shape, 6400, budget_s=0.05)["float32"] > train["float32"]  # scaled to the rows asked
+
+
+def test_a_node_times_its_real_models_decode_step(tiny, tmp_path):
+    """With the model at hand the engine's step is the model's own forward over a KV cache, in both dtypes."""
+    from hivespec.node.model import load_model
+    from hivespec.node.precision import measure_model_decode
+
+    model = load_model("tiny")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    decode = measure_model_decode(model, 4, budget_s=0.05)
+    assert set(decode) == {"float32", "bfloat16"} and all(v > 0 for v in decode.values())
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())  # untouched
+    plan = _resolve(tiny, tmp_path / "p.json", model=model)
+    assert plan.engine.source == "measured" and plan.engine.reason.startswith("decode step at batch 16")
+    assert "matmuls" in _resolve(tiny, tmp_path / "p.json").engine.reason  # config only: an estimate, its own cache key
 
 
 def test_sizes_the_node_measures_at():
