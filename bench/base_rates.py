@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hivespec.node.model import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer, stop_token_ids
+from hivespec.node.model.loader import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer, stop_token_ids
 from hivespec.node.tasks import GSM_MINI_PATH, SYSTEM_PROMPT, MixEntry, Task, TaskSource
 
 ALL_CELLS = [f"arith:{d}" for d in range(1, 7)] + [f"count:{d}" for d in range(1, 6)] + ["jsonl:1"]
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the measurement and print the table and the RESULT line."""
     args = _parse_args(argv)
     threads = configure_threads(args.threads)
-    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
+    from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
 
     dtype = getattr(torch, args.dtype)
     tokenizer = load_tokenizer(args.model)

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hivespec.node.config import SpeculationConfig
-    from hivespec.node.engine import TorchEngine
-    from hivespec.node.model import load_model
-    from hivespec.node.speculation import build_speculation
+    from hivespec.node.model.engine import TorchEngine
+    from hivespec.node.model.loader import load_model
+    from hivespec.node.speculation.policy import build_speculation
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from swarm_harness import SwarmNode, live_maddrs, prepare_model, start_swarm
 
-from hivespec.node.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
+from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
 NODE_SETTINGS = [
     "swarm.expected_peers=4",

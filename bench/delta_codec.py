@@ -49,16 +49,16 @@ import numpy as np
 import torch
 import zstandard
 
-from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
-from hivespec.node.model import (
+from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
+from hivespec.node.model.loader import (
     EMBEDDED_MODEL,
     configure_threads,
     load_model,
     load_tokenizer,
 )
-from hivespec.node.sync import WeightSync
 from hivespec.node.tasks import TaskSource
-from hivespec.node.trainer import Trainer, TrainSample
+from hivespec.node.training.trainer import Trainer, TrainSample
+from hivespec.node.weights.sync import WeightSync
 from hivespec.protocol.delta import (
     State,
     WeightDelta,

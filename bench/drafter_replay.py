@@ -1,6 +1,6 @@
 """Replay recorded rollout traces through the drafter alone: how many tokens would each verification emit?
 
-SuffixDecoding's simulator for `hivespec.node.drafter.SuffixDrafter` (the drafter the engine
+SuffixDecoding's simulator for `hivespec.node.speculation.drafter.SuffixDrafter` (the drafter the engine
 uses, built with the config's defaults unless flags say otherwise). Each recording node's own
 rollouts are decoded again against their recorded tokens, fed in trace order as the node fed
 its drafter (a round's own rollouts draft against the drafter as it was before the round, then
@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hivespec.node.config import SpeculationConfig
-from hivespec.node.drafter import SuffixDrafter
-from hivespec.node.trace import ReplayResult, TraceRecord, read_trace, replay
+from hivespec.node.speculation.drafter import SuffixDrafter
+from hivespec.node.speculation.trace import ReplayResult, TraceRecord, read_trace, replay
 
 DATA = Path(__file__).resolve().parent / "data"
 FEEDINGS = ("own", "own+foreign", "sequential")

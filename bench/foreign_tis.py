@@ -34,15 +34,15 @@ from collections.abc import Sequence
 import torch
 
 from hivespec.kernels.importance import importance_weights
-from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
-from hivespec.node.model import (
+from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
+from hivespec.node.model.loader import (
     EMBEDDED_MODEL,
     configure_threads,
     load_model,
     load_tokenizer,
 )
 from hivespec.node.tasks.source import TaskSource
-from hivespec.node.trainer import OWN, ImportanceSettings, Trainer, TrainSample
+from hivespec.node.training.trainer import OWN, ImportanceSettings, Trainer, TrainSample
 
 PLAIN = ImportanceSettings(enabled=False)
 DEFAULT = ImportanceSettings()

@@ -53,7 +53,7 @@ def tcp_bytes_sent(pids: set[int]) -> dict[tuple[str, str], int]:
 
 
 def child(index: int, bootstrap: str) -> None:
-    from hivespec.node.gossip import Gossip
+    from hivespec.node.swarm.gossip import Gossip
     from hivespec.protocol.envelope import Kind, seal
     from hivespec.protocol.identity import Identity
 

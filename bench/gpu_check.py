@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))  # the bench folder only (swarm_harness); the repo
 
 from swarm_harness import SwarmNode, prepare_model, start_swarm
 
-from hivespec.node.model import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer
+from hivespec.node.model.loader import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _engine_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the device computes in it (CUDA with bf16, the policy of node/model.py), else float32."""
+    """bf16 where the device computes in it (CUDA with bf16, the policy of node/model/loader.py), else float32."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
@@ -131,7 +131,7 @@ def _prompts(tokenizer, count: int) -> list[list[int]]:
 
 def engine_part(device: torch.device, model_name: str, max_new_tokens: int) -> dict:
     """Native engine vs `model.generate`, tokens/s at batch 1 and 16, same prompts and length (no stop token)."""
-    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
+    from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
 
     tokenizer = load_tokenizer(model_name)
     model = load_model(model_name, dtype=_engine_dtype(device), device=str(device)).requires_grad_(False)
@@ -194,8 +194,8 @@ def _run_bench(command: list[str]) -> dict:
 
 
 def _train_samples(tokenizer, model, device: torch.device, count: int, max_new_tokens: int):
-    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
-    from hivespec.node.trainer import TrainSample
+    from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
+    from hivespec.node.training.trainer import TrainSample
 
     engine = TorchEngine(model.eval(), max_batch_size=count)
     prompts = _prompts(tokenizer, count // 4)
@@ -206,7 +206,7 @@ def _train_samples(tokenizer, model, device: torch.device, count: int, max_new_t
 
 def trainer_part(device: torch.device, model_name: str, quick: bool) -> dict:
     """Seconds per GRPO step (16 samples in groups of 4, micro batch 8), after one warm-up step."""
-    from hivespec.node.trainer import Trainer
+    from hivespec.node.training.trainer import Trainer
 
     tokenizer = load_tokenizer(model_name)
     model = load_model(model_name, dtype=torch.float32, device=str(device))
@@ -230,8 +230,8 @@ def delta_part(device: torch.device, model_name: str) -> dict:
     import copy
 
     from hivespec.kernels.delta import extract_delta, write_delta
-    from hivespec.node.engine import unique_parameters
-    from hivespec.node.sync import WeightSync
+    from hivespec.node.model.engine import unique_parameters
+    from hivespec.node.weights.sync import WeightSync
 
     trainer = load_model(model_name, dtype=torch.float32, device=str(device))
     engine_model = copy.deepcopy(trainer).to(_engine_dtype(device)).requires_grad_(False)

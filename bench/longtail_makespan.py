@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hivespec.node.model import (
+from hivespec.node.model.loader import (
     EMBEDDED_MODEL,
     configure_threads,
     load_model,
@@ -128,14 +128,14 @@ def _percentile(values: Sequence[int], q: float) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     threads = configure_threads(args.threads)
-    from hivespec.node.drafter import SuffixDrafter
-    from hivespec.node.engine import (
+    from hivespec.node.model.engine import (
         GenerationRequest,
         SamplingParams,
         SpeculationStats,
         TorchEngine,
     )
-    from hivespec.node.speculation import (
+    from hivespec.node.speculation.drafter import SuffixDrafter
+    from hivespec.node.speculation.policy import (
         LengthAwarePolicy,
         UniformPolicy,
         device_verify_cost,

@@ -9,7 +9,7 @@ Each received body is checked as usual: gossip checks size and sha256, and the c
 envelope and checks that it is signed by the announced author.
 
 Phases:
-1. reachability per node, as the nodes measured it (node/nat.py), once settled;
+1. reachability per node, as the nodes measured it (node/swarm/nat.py), once settled;
 2. R rounds on unlimited links: delivery (items every other node got / items expected) and, per
    item, the time until the last node has it (p50/p95 over items and rounds);
 3. the same with a 10 Mbit/s tbf uplink on each home router: bytes each home uploads per round
@@ -56,10 +56,10 @@ def child(argv: list[str]) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     if os.environ.get("NAT_SWARM_DEBUG"):
-        logging.getLogger("hivespec.node.gossip").setLevel(logging.DEBUG)
+        logging.getLogger("hivespec.node.swarm.gossip").setLevel(logging.DEBUG)
 
     from hivespec.node.config import load_config
-    from hivespec.node.gossip import Gossip
+    from hivespec.node.swarm.gossip import Gossip
     from hivespec.protocol.envelope import Kind, open_envelope, seal
     from hivespec.protocol.identity import Identity
 

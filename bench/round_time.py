@@ -61,7 +61,7 @@ class DemoNode(SwarmNode):
 
 def _prompts(count: int) -> list[list[int]]:
     from hivespec.node.config import load_config
-    from hivespec.node.model import load_tokenizer
+    from hivespec.node.model.loader import load_tokenizer
     from hivespec.node.tasks.source import TaskSource
 
     tokenizer = load_tokenizer()
@@ -73,7 +73,7 @@ def engine_vs_generate(model, dtype, prompts: list[list[int]], batch: int, new_t
     """Best tokens/s of TorchEngine.generate and of model.generate on the same left-padded batch, dtype and length."""
     import torch
 
-    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
+    from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
 
     engine_model = model.to(dtype).eval().requires_grad_(False)
     engine = TorchEngine(engine_model, max_batch_size=batch)
@@ -111,7 +111,7 @@ def trainer_vs_bare(model, autocast, samples, micro_batch: int, repeats: int) ->
     """Best seconds of Trainer.step and of a bare transformers step (forward with labels, backward, AdamW) on the same tokens."""
     import torch
 
-    from hivespec.node.trainer import Trainer
+    from hivespec.node.training.trainer import Trainer
 
     trainer = Trainer(model, learning_rate=1e-7, micro_batch_size=micro_batch, autocast_dtype=autocast)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
@@ -160,10 +160,10 @@ def trainer_vs_bare(model, autocast, samples, micro_batch: int, repeats: int) ->
 
 def kernel_comparison(args: argparse.Namespace, batch: int, threads: int) -> dict:
     """Part 1, at the precision auto picks here; the parent frees the model before the swarms start."""
-    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
-    from hivespec.node.model import configure_threads, load_model
-    from hivespec.node.precision import decode_batch, resolve_precision, train_rows, weight_sample
-    from hivespec.node.trainer import TrainSample
+    from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
+    from hivespec.node.model.loader import configure_threads, load_model
+    from hivespec.node.model.precision import decode_batch, resolve_precision, train_rows, weight_sample
+    from hivespec.node.training.trainer import TrainSample
 
     configure_threads(threads)
     model = load_model()
@@ -284,7 +284,7 @@ def main() -> int:
 
     import torch
 
-    from hivespec.node.precision import cpu_facts
+    from hivespec.node.model.precision import cpu_facts
 
     facts = cpu_facts()
     print(f"machine: {facts['cpu']}, torch {torch.__version__} capability {facts['capability']}, "

@@ -16,7 +16,7 @@ to show what the swarm's rollouts add to acceptance.
     python bench/spec_rollout.py --quick --model tiny       # smoke run, random weights
     python bench/spec_rollout.py --quick --policy uniform --trace t.jsonl   # always draft; save the trace
 
-It also replays the same rollouts through the drafter alone (node/trace.py) and prints the
+It also replays the same rollouts through the drafter alone (node/speculation/trace.py) and prints the
 tokens per forward a uniform budget would give: with `--policy uniform` the engine must match it.
 And it prints a reference ceiling for drafters that cannot see the sampling noise: how often the
 sampled token is the target's own argmax, and the tokens per forward a perfect greedy draft
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hivespec.node.model import (
+from hivespec.node.model.loader import (
     EMBEDDED_MODEL,
     configure_threads,
     load_model,
@@ -82,8 +82,8 @@ def greedy_oracle(model, records, budget: int, max_new_tokens: int) -> tuple[flo
     each completion in one teacher-forced forward and replays it (`replay_rollout`, the
     engine's step rule) with a drafter that proposes those argmax tokens.
     """
-    from hivespec.node.drafter import Draft
-    from hivespec.node.trace import ReplayResult, replay_rollout
+    from hivespec.node.speculation.drafter import Draft
+    from hivespec.node.speculation.trace import ReplayResult, replay_rollout
 
     class Argmax:
         def __init__(self, tokens: list[int]) -> None:
@@ -107,19 +107,19 @@ def greedy_oracle(model, records, budget: int, max_new_tokens: int) -> tuple[flo
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     threads = configure_threads(args.threads)
-    from hivespec.node.drafter import SuffixDrafter
-    from hivespec.node.engine import (
+    from hivespec.node.model.engine import (
         GenerationRequest,
         SamplingParams,
         SpeculationStats,
         TorchEngine,
     )
-    from hivespec.node.speculation import (
+    from hivespec.node.speculation.drafter import SuffixDrafter
+    from hivespec.node.speculation.policy import (
         LengthAwarePolicy,
         UniformPolicy,
         device_verify_cost,
     )
-    from hivespec.node.trace import TraceRecord, TraceWriter, replay
+    from hivespec.node.speculation.trace import TraceRecord, TraceWriter, replay
 
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device).requires_grad_(False)

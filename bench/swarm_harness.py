@@ -171,6 +171,6 @@ def live_maddrs(nodes: list[SwarmNode], exclude: SwarmNode | None = None) -> lis
 
 def prepare_model() -> None:
     """Convert the embedded GGUF once (the tiny model uses its tokenizer) before N nodes start."""
-    from hivespec.node.model import ensure_embedded_cache
+    from hivespec.node.model.loader import ensure_embedded_cache
 
     ensure_embedded_cache()

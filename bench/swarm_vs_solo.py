@@ -231,8 +231,8 @@ class Evaluator:
     def __init__(self, tasks, heldout: list, *, samples: int, temperature: float, max_new_tokens: int, engine_dtype: str) -> None:
         import torch
 
-        from hivespec.node.engine import GenerationRequest, SamplingParams
-        from hivespec.node.model import EMBEDDED_MODEL, load_model, load_tokenizer
+        from hivespec.node.model.engine import GenerationRequest, SamplingParams
+        from hivespec.node.model.loader import EMBEDDED_MODEL, load_model, load_tokenizer
 
         self.torch = torch
         self.tasks = tasks
@@ -255,12 +255,12 @@ class Evaluator:
         """Held-out accuracy of the newest checkpoint in `checkpoint_dir` (None: the untrained model)."""
         import copy
 
-        from hivespec.node.checkpoint import (
+        from hivespec.node.model.engine import TorchEngine
+        from hivespec.node.training.checkpoint import (
             MODEL_FILE,
             CheckpointManager,
             restore_model,
         )
-        from hivespec.node.engine import TorchEngine
 
         if checkpoint_dir is None:
             self.model.load_state_dict(self.base_state)
@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     BenchNode.preset = args.config
     from hivespec.node.config import load_config
-    from hivespec.node.model import configure_threads
+    from hivespec.node.model.loader import configure_threads
     from hivespec.node.tasks import TaskSource
 
     configure_threads()  # the parent scores checkpoints while no node runs: all cores

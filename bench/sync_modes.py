@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from hivespec.node.model import configure_threads, load_model
-from hivespec.node.sync import WeightSync
+from hivespec.node.model.loader import configure_threads, load_model
+from hivespec.node.weights.sync import WeightSync
 
 
 def _cpu() -> str:

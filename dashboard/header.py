@@ -10,7 +10,7 @@ from hivespec.protocol.status import StatusSnapshot
 from .view import DASH, active_peers, fmt_duration, phase_text, short_id
 
 LEVEL_STYLE = {"good": "bold green", "warn": "bold yellow", "bad": "bold red", "unknown": "dim"}
-# How peers reach this node, as peers measured it (node/nat.py): behind NAT it is relayed or unreachable.
+# How peers reach this node, as peers measured it (node/swarm/nat.py): behind NAT it is relayed or unreachable.
 REACH_STYLE = {"reachable": "green", "relayed": "yellow", "unreachable": "bold red"}
 
 

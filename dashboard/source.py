@@ -16,7 +16,7 @@ from typing import Protocol
 
 from hivespec.protocol.status import MAX_STATUS_BYTES, StatusSnapshot, decode_status
 
-CONTROL_HEADER = "X-Hivespec-Control"  # must match node/status.py (the dashboard may not import it)
+CONTROL_HEADER = "X-Hivespec-Control"  # must match node/status/board.py (the dashboard may not import it)
 DEFAULT_TIMEOUT_S = 2.0
 
 

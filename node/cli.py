@@ -51,10 +51,10 @@ def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> N
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from hivespec.node.bootstrap import IdentityInUse
-    from hivespec.node.gossip import GossipError
     from hivespec.node.inputs import check_swarm_inputs
     from hivespec.node.runtime import build_node
+    from hivespec.node.swarm.bootstrap import IdentityInUse
+    from hivespec.node.swarm.gossip import GossipError
 
     config = _config(args)
     check_swarm_inputs(config)
@@ -242,9 +242,9 @@ def _linger(seconds: float) -> None:
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
-    from hivespec.node.follower import run_follower
-    from hivespec.node.gossip import GossipError
     from hivespec.node.inputs import check_leader, check_swarm_inputs
+    from hivespec.node.swarm.gossip import GossipError
+    from hivespec.node.weights.follower import run_follower
 
     config = _config(args)
     check_leader(args.leader)
@@ -282,7 +282,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _node_url(args: argparse.Namespace) -> str:
     """--node, else the URL a local node wrote to <home>/status.json, else the default port."""
     from hivespec.node.config import DEFAULT_STATUS_PORT, default_home
-    from hivespec.node.status_server import read_status_url
+    from hivespec.node.status.server import read_status_url
 
     if getattr(args, "node", None):
         return args.node if isinstance(args.node, str) else args.node[0]
@@ -339,7 +339,10 @@ def cmd_dash(args: argparse.Namespace) -> int:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     """A DHT-only peer (no model, no training) that others bootstrap from; prints its multiaddrs."""
-    from hivespec.node.bootstrap import (
+    from hivespec.node.config import node_home
+    from hivespec.node.identity_file import load_or_create_identity
+    from hivespec.node.inputs import check_swarm_inputs
+    from hivespec.node.swarm.bootstrap import (
         CACHE_FILE,
         HomeLock,
         IdentityInUse,
@@ -347,10 +350,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         bootstrap_candidates,
         load_private_swarm,
     )
-    from hivespec.node.config import node_home
-    from hivespec.node.gossip import Gossip, GossipError
-    from hivespec.node.identity import load_or_create_identity
-    from hivespec.node.inputs import check_swarm_inputs
+    from hivespec.node.swarm.gossip import Gossip, GossipError
 
     config = _config(args)
     check_swarm_inputs(config)
@@ -395,7 +395,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 def cmd_identity_show(args: argparse.Namespace) -> int:
     from hivespec.node.config import node_home
-    from hivespec.node.identity import load_or_create_identity
+    from hivespec.node.identity_file import load_or_create_identity
 
     config = load_config(None, overrides={"home": args.home} if args.home else None)
     path = node_home(config) / "identity.key"

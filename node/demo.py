@@ -218,7 +218,7 @@ def _prepare_model(name: str) -> None:
     ``tiny`` needs it too (it uses the embedded tokenizer); a local HF folder needs nothing.
     The conversion runs in a thread so the parent can say it is still at work every 10 s.
     """
-    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, embedded_cache_path, ensure_embedded_cache
+    from hivespec.node.model.loader import EMBEDDED_MODEL, TINY_MODEL, embedded_cache_path, ensure_embedded_cache
 
     if name not in (EMBEDDED_MODEL, TINY_MODEL):
         return

@@ -33,8 +33,8 @@ from typing import Literal
 import psutil
 import torch
 
-from hivespec.node.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 from hivespec.node.config import NodeConfig, node_home
+from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
 Status = Literal["ok", "warn", "skip", "fail"]
 MAX_CLOCK_SKEW_S = 3.0  # hivemind's DHT rejects records beyond this discrepancy
@@ -79,7 +79,7 @@ def check_torch(config: NodeConfig) -> Check:
 def parameter_count(model_name: str, revision: str | None = None) -> int:
     """Parameters of the configured model, read from file headers (no weights are loaded); a hub id from its cached snapshot."""
     from hivespec.node.hub import looks_like_repo_id
-    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, embedded_gguf_path, load_model, resolve_hub_model
+    from hivespec.node.model.loader import EMBEDDED_MODEL, TINY_MODEL, embedded_gguf_path, load_model, resolve_hub_model
 
     if model_name == TINY_MODEL:
         return sum(p.numel() for p in load_model(TINY_MODEL).parameters())
@@ -134,12 +134,12 @@ def check_memory(config: NodeConfig, params: int | None) -> list[Check]:
 
 
 def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default") -> Check:
-    """What model.engine_dtype and model.autocast become on this device (node/precision.py), measured as a node would.
+    """What model.engine_dtype and model.autocast become on this device (node/model/precision.py), measured as a node would.
 
     WARN where an explicit setting is one this device runs slower than the alternative.
     """
-    from hivespec.node.model import load_model
-    from hivespec.node.precision import decode_batch, resolve_precision, train_rows, weight_sample
+    from hivespec.node.model.loader import load_model
+    from hivespec.node.model.precision import decode_batch, resolve_precision, train_rows, weight_sample
 
     model, rollout = config.model, config.rollout
     threads = model.threads or max(1, os.cpu_count() or 1)
@@ -271,7 +271,7 @@ def check_vllm() -> Check:
 
 
 def check_identity(home: Path) -> Check:
-    from hivespec.node.identity import load_or_create_identity
+    from hivespec.node.identity_file import load_or_create_identity
 
     path = home / "identity.key"
     if not path.exists():
@@ -397,7 +397,7 @@ async def _network_checks(config: NodeConfig, timeout: float) -> list[Check]:
             try:
                 socket.create_connection(target, timeout=timeout).close()
                 # p2pd must know the address before the DHT can ping the peer id; P2P has no public
-                # connect(), and node/gossip.py dials through _client the same way.
+                # connect(), and node/swarm/gossip.py dials through _client the same way.
                 address = Multiaddr(maddr)
                 peer_id = PeerID.from_base58(address.value_for_protocol("p2p"))
                 transport = address.decapsulate(Multiaddr(f"/p2p/{peer_id.to_base58()}"))
@@ -461,8 +461,8 @@ async def _reachability_check(config: NodeConfig, timeout: float) -> Check:
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    from hivespec.node.bootstrap import dial
-    from hivespec.node.nat import REACH_STREAM, ReachService, check_reachability, listen_ports, relay_candidates, start_p2pd
+    from hivespec.node.swarm.bootstrap import dial
+    from hivespec.node.swarm.nat import REACH_STREAM, ReachService, check_reachability, listen_ports, relay_candidates, start_p2pd
 
     swarm = config.swarm
     relays = relay_candidates(swarm.initial_peers) if swarm.use_auto_relay else []
@@ -498,7 +498,7 @@ async def _reachability_check(config: NodeConfig, timeout: float) -> Check:
 
 
 def reachability_check(config: NodeConfig, *, timeout: float = 10.0) -> Check:
-    """How peers can reach this node, measured by the initial peers (node/nat.py), with what to do about it."""
+    """How peers can reach this node, measured by the initial peers (node/swarm/nat.py), with what to do about it."""
     if not config.swarm.initial_peers:
         return Check("reachability", "skip", "no initial peers to measure it against (a first or public node: run the "
                      "doctor on another machine with --initial-peer pointing here)")

@@ -12,8 +12,8 @@ import os
 import re
 from pathlib import Path
 
-from hivespec.node.bootstrap import PEERS_ENV, is_bootstrap_maddr, load_private_swarm, read_peers_file
 from hivespec.node.config import InputError, NodeConfig
+from hivespec.node.swarm.bootstrap import PEERS_ENV, is_bootstrap_maddr, load_private_swarm, read_peers_file
 from hivespec.protocol.identity import PEER_ID_PREFIX
 
 __all__ = ["MADDR_FORM", "InputError", "check_leader", "check_swarm_inputs"]

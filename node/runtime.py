@@ -21,8 +21,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hivespec.node.bootstrap import CACHE_FILE, P2P_KEY_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
-from hivespec.node.checkpoint import (
+from hivespec.node.config import NodeConfig, node_home
+from hivespec.node.identity_file import load_or_create_identity
+from hivespec.node.model.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
+from hivespec.node.model.loader import configure_threads, load_model, load_tokenizer, model_fingerprint, stop_token_ids
+from hivespec.node.model.precision import DTYPES, PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
+from hivespec.node.model.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
+from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation
+from hivespec.node.speculation.trace import TraceRecord, TraceWriter
+from hivespec.node.status.board import RoundStopped, RunControl, StatusBoard
+from hivespec.node.status.server import StatusServer, remove_status_file, write_status_file
+from hivespec.node.supervise import GossipSupervisor, Watchdog, generate_splitting_on_oom, train_step_with_oom_retry
+from hivespec.node.swarm.bootstrap import CACHE_FILE, P2P_KEY_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
+from hivespec.node.swarm.gossip import Fetched, Gossip, GossipError
+from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointManager,
@@ -30,25 +44,11 @@ from hivespec.node.checkpoint import (
     restore_training,
     training_snapshot,
 )
-from hivespec.node.config import NodeConfig, node_home
-from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
-from hivespec.node.follower import PolicyPublisher
-from hivespec.node.gossip import Fetched, Gossip, GossipError
-from hivespec.node.identity import load_or_create_identity
-from hivespec.node.intake import Admission, Intake
-from hivespec.node.model import configure_threads, load_model, load_tokenizer, model_fingerprint, stop_token_ids
-from hivespec.node.peers import PeerScores
-from hivespec.node.precision import DTYPES, PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
-from hivespec.node.speculation import CurveCalibration, LengthAwarePolicy, build_speculation
-from hivespec.node.status import RoundStopped, RunControl, StatusBoard
-from hivespec.node.status_server import StatusServer, remove_status_file, write_status_file
-from hivespec.node.store import RolloutStore, StoredRollout
-from hivespec.node.supervise import GossipSupervisor, Watchdog, generate_splitting_on_oom, train_step_with_oom_retry
-from hivespec.node.sync import WeightSync
-from hivespec.node.tasks.source import TaskSource
-from hivespec.node.trace import TraceRecord, TraceWriter
-from hivespec.node.trainer import OWN, ImportanceSettings, StepStats, Trainer, TrainSample
-from hivespec.node.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
+from hivespec.node.training.intake import Admission, Intake
+from hivespec.node.training.store import RolloutStore, StoredRollout
+from hivespec.node.training.trainer import OWN, ImportanceSettings, StepStats, Trainer, TrainSample
+from hivespec.node.weights.follower import PolicyPublisher
+from hivespec.node.weights.sync import WeightSync
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_rollout, encode_batch, rollout_content_hash
@@ -108,7 +108,7 @@ class RoundReport:
     delta_published: bool = False  # the delta went out to followers (sync.publish)
     swarm_known_peers: int = 0  # peers in the DHT routing table
     graylisted_peers: int = 0  # peers whose score is below the graylist threshold (their records are skipped)
-    peer_scores: dict[str, float] = field(default_factory=dict)  # gossipsub-style score per peer id (node/peers.py)
+    peer_scores: dict[str, float] = field(default_factory=dict)  # gossipsub-style score per peer id (node/swarm/peers.py)
     # Speculative rollouts this round (zeros / None when speculation is off or never drafted):
     spec_drafted: int = 0  # draft tokens verified by the target
     spec_accepted: int = 0  # of which accepted (each accepted token saves one target forward)
@@ -536,7 +536,7 @@ class Node:
             },
             "drafter": "rebuilt from the rollout journal up to journal_rowid",
             # Scores are about peers' behaviour, not training state: never rolled back, only flushed here.
-            "peers": "kept in peers.json (node/peers.py)",
+            "peers": "kept in peers.json (node/swarm/peers.py)",
         }
         if self.peer_scores is not None:
             self.peer_scores.save()
@@ -583,7 +583,7 @@ class Node:
         return pending
 
     def _publish_delta(self, version: int, chunks: list[bytes]) -> bool:
-        """A leader offers the delta its engine just applied to followers (see node/follower.py)."""
+        """A leader offers the delta its engine just applied to followers (see node/weights/follower.py)."""
         if self.publisher is None:
             return False
         self.publisher.gossip = self.gossip  # the supervisor may have rebuilt gossip since
@@ -836,7 +836,7 @@ def _to_train_sample(rollout: Rollout, source: str) -> TrainSample:
 
 
 def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threads: int) -> tuple[NodeConfig, PrecisionPlan]:
-    """Decide model.engine_dtype and model.autocast where they are "auto" (node/precision.py).
+    """Decide model.engine_dtype and model.autocast where they are "auto" (node/model/precision.py).
 
     Returns the config with both made concrete, so every part built after sees the dtype it runs.
     """

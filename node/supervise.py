@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from hivespec.node.gossip import Gossip
-    from hivespec.node.trainer import StepStats, Trainer, TrainSample
+    from hivespec.node.swarm.gossip import Gossip
+    from hivespec.node.training.trainer import StepStats, Trainer, TrainSample
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Node identity: an Ed25519 key, the peer id and readable name derived from its public key.
 
-No file I/O here; `hivespec.node.identity` owns the key file.
+No file I/O here; `hivespec.node.identity_file` owns the key file.
 
 - `peer_id_of(pk)`  = "hs" + first 16 hex digits of sha256(pk): 18 chars, 64 bits, stable.
 - `readable_name(pk)` = "<adjective>-<animal>-<4 hex>" from the same hash, for logs and the

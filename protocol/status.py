@@ -46,7 +46,7 @@ class NodeInfo:
     model: str = ""
     device: str = ""
     role: str = "trainer"  # "trainer" trains and publishes deltas; "follower" applies them
-    reachability: str | None = None  # "reachable", "relayed" or "unreachable" (node/nat.py); None: not measured
+    reachability: str | None = None  # "reachable", "relayed" or "unreachable" (node/swarm/nat.py); None: not measured
     policy_version: int = 0
     round: int = -1  # last finished round, -1 before the first
     rounds_target: int = 0  # rounds the node was asked to run, 0 = forever

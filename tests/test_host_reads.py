@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HOT_PATHS = [
-    "node/sync.py", "node/follower.py", "node/engine.py", "node/trainer.py",
+    "node/weights/sync.py", "node/weights/follower.py", "node/model/engine.py", "node/training/trainer.py",
     "kernels/delta.py", "kernels/speculative.py", "kernels/sampling.py", "kernels/importance.py", "kernels/logprobs.py",
 ]
 READS = {"item", "tolist", "numpy", "cpu"}

@@ -21,7 +21,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
 
-from hivespec.node.dht_guard import (
+from hivespec.node.swarm.dht_guard import (
     AnnounceValidator,
     check_dictionary_value,
     check_find_request,

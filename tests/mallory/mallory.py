@@ -25,10 +25,10 @@ import numpy as np
 from hivemind.p2p import PeerID
 
 from hivespec.node.config import load_config
-from hivespec.node.gossip import Gossip
-from hivespec.node.model import load_model, load_tokenizer, model_fingerprint
+from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint
+from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.swarm.transfer import STREAM_NAME
 from hivespec.node.tasks.source import TaskSource
-from hivespec.node.transfer import STREAM_NAME
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.codec import pack
 from hivespec.protocol.envelope import Kind, open_envelope, seal, signed_message

@@ -18,8 +18,8 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from hivespec.node.gossip import Gossip
-from hivespec.node.transfer import download
+from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.swarm.transfer import download
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import rollout_round_key

@@ -14,7 +14,7 @@ from hivemind.proto import dht_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hivespec.node.gossip import Gossip
+from hivespec.node.swarm.gossip import Gossip
 from hivespec.protocol.identity import Identity
 
 FUZZ = settings(max_examples=300, deadline=1000, suppress_health_check=[HealthCheck.too_slow], database=None)

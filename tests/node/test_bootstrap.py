@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hivespec.node.bootstrap import (
+from hivespec.node.swarm.bootstrap import (
     PEERS_ENV,
     HomeLock,
     IdentityInUse,
@@ -17,7 +17,7 @@ from hivespec.node.bootstrap import (
     load_private_swarm,
     read_peers_file,
 )
-from hivespec.node.gossip import Gossip
+from hivespec.node.swarm.gossip import Gossip
 from hivespec.protocol.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hivespec.node.checkpoint import (
+from hivespec.node.training.checkpoint import (
     MANIFEST,
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -132,7 +132,7 @@ def test_a_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_p
     damage(newest / filename, random.Random(corruption))
     with pytest.raises(CorruptCheckpoint):
         manager.verify(newest)
-    with caplog.at_level(logging.WARNING, logger="hivespec.node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hivespec.node.training.checkpoint"):
         checkpoint = manager.load_latest()
     assert checkpoint.path.name == "ckpt-000001" and checkpoint.next_round == 1
     assert "ckpt-000002 is unusable" in caplog.text and "falling back to the previous one" in caplog.text
@@ -158,7 +158,7 @@ def test_nothing_usable_means_none_and_an_error_line(tmp_path, caplog):
     manager = CheckpointManager(tmp_path)
     path = _save(manager, model, optimizer, 1)
     (path / MODEL_FILE).write_bytes(b"")
-    with caplog.at_level(logging.ERROR, logger="hivespec.node.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="hivespec.node.training.checkpoint"):
         assert manager.load_latest() is None
     assert "none of the 1 checkpoint(s)" in caplog.text
 
@@ -175,7 +175,7 @@ def test_a_restore_into_another_architecture_is_refused(tmp_path):
 _CHILD = textwrap.dedent(
     """
     import resource, signal, sys, torch
-    from hivespec.node.checkpoint import CheckpointManager, CheckpointError, training_snapshot
+    from hivespec.node.training.checkpoint import CheckpointManager, CheckpointError, training_snapshot
     model = torch.nn.Linear(256, 256)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 256)).sum().backward()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hivespec.node.checkpoint import restore_rng, rng_tensors
+from hivespec.node.training.checkpoint import restore_rng, rng_tensors
 
 CUDA_REASON = "needs a CUDA device: run `python bench/gpu_check.py` on a GPU machine (its gpu_tests part runs this file)"
 

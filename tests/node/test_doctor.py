@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hivespec.node.checkpoint import MODEL_FILE
 from hivespec.node.config import load_config
 from hivespec.node.doctor import check_checkpoints, check_disk, check_identity, check_ports, run_checks
-from hivespec.node.gossip import Gossip
-from hivespec.node.identity import load_or_create_identity
+from hivespec.node.identity_file import load_or_create_identity
+from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.training.checkpoint import MODEL_FILE
 from hivespec.protocol.identity import Identity
 
 
@@ -50,7 +50,7 @@ def test_disk_line_compares_free_space_with_what_checkpoints_need(tmp_path):
 def test_checkpoint_line_reports_a_torn_newest_checkpoint(tmp_path):
     import torch
 
-    from hivespec.node.checkpoint import CheckpointManager, training_snapshot
+    from hivespec.node.training.checkpoint import CheckpointManager, training_snapshot
 
     model = torch.nn.Linear(4, 4)
     manager = CheckpointManager(tmp_path / "checkpoints")

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hivespec.node.drafter import SuffixDrafter, SuffixIndex
+from hivespec.node.speculation.drafter import SuffixDrafter, SuffixIndex
 
 
 def _occurrences(sequences, pattern):

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.kernels.sampling import nucleus_mask
-from hivespec.node.engine import GenerationRequest, RolloutEngine, SamplingParams, TorchEngine
+from hivespec.node.model.engine import GenerationRequest, RolloutEngine, SamplingParams, TorchEngine
 
 torch.set_num_threads(1)
 

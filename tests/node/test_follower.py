@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hivespec.node.follower import DELTA_TOPIC, Follower, PolicyPublisher
-from hivespec.node.gossip import Gossip
-from hivespec.node.sync import EngineWeights, WeightSync
+from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.weights.follower import DELTA_TOPIC, Follower, PolicyPublisher
+from hivespec.node.weights.sync import EngineWeights, WeightSync
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.identity import Identity
 

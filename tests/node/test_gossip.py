@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from hivespec.node.gossip import CHUNK_BYTES, Gossip, GossipError
-from hivespec.node.peers import PeerScores
 from hivespec.node.runtime import Node
-from hivespec.node.transfer import BadBody, download
+from hivespec.node.swarm.gossip import CHUNK_BYTES, Gossip, GossipError
+from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.swarm.transfer import BadBody, download
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity

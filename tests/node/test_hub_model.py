@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hivespec.node.hub import HubError, looks_like_repo_id
-from hivespec.node.model import (
+from hivespec.node.model.loader import (
     TINY_MODEL,
     load_model,
     load_tokenizer,

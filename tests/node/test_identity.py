@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from hivespec.node.identity import (
+from hivespec.node.identity_file import (
     KEY_FILE_MAGIC,
     default_identity_path,
     load_or_create_identity,

@@ -5,10 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hivespec.node.intake import Intake
-from hivespec.node.model import load_tokenizer
-from hivespec.node.store import RolloutStore
+from hivespec.node.model.loader import load_tokenizer
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.intake import Intake
+from hivespec.node.training.store import RolloutStore
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivespec.node import model as model_module
-from hivespec.node.model import (
+from hivespec.node.model import loader as model_module
+from hivespec.node.model.loader import (
     EMBEDDED_MODEL,
     TINY_MODEL,
     cache_dir,
@@ -176,7 +176,7 @@ def test_configure_threads() -> None:
 @pytest.mark.slow
 def test_fingerprint_is_stable_across_processes(tokenizer) -> None:
     code = (
-        "from hivespec.node.model import load_model, load_tokenizer, model_fingerprint\n"
+        "from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint\n"
         "print(model_fingerprint(load_model('tiny').config, load_tokenizer('tiny')))"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "77"}
@@ -227,7 +227,7 @@ def test_racing_processes_convert_once(tmp_path: Path) -> None:
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
-        "from hivespec.node.model import load_model\n"
+        "from hivespec.node.model.loader import load_model\n"
         "print('params', sum(p.numel() for p in load_model('smollm2-135m-instruct').parameters()))"
     )
     env = {**os.environ, "HIVESPEC_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}

@@ -1,8 +1,8 @@
-"""node/nat.py's address handling (pure), and its p2pd flags as p2pd receives them."""
+"""node/swarm/nat.py's address handling (pure), and its p2pd flags as p2pd receives them."""
 
 from hivemind.p2p import PeerID
 
-from hivespec.node.nat import _RelayedP2P, circuit_maddr, listen_ports, relay_candidates, to_transport
+from hivespec.node.swarm.nat import _RelayedP2P, circuit_maddr, listen_ports, relay_candidates, to_transport
 
 RELAY = "/ip4/203.0.113.10/tcp/31337/p2p/QmS7nAbcy4J9msTgYy1y2mKLnsRFwE4CPb5crSZjVZCCqo"
 TARGET = "12D3KooWFzTYQLCFbyKSq27JYw868N2b12KbkavryJTsQM5eYC4w"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hivespec.node.peers import PeerScores, ScoreParams
+from hivespec.node.swarm.peers import PeerScores, ScoreParams
 
 
 class Clock:

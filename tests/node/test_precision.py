@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hivespec.node.config import ConfigError, load_config
-from hivespec.node.model import load_tokenizer, tiny_config
-from hivespec.node.precision import (
+from hivespec.node.model.loader import load_tokenizer, tiny_config
+from hivespec.node.model.precision import (
     MARGIN,
     ModelShape,
     cpu_facts,
@@ -131,8 +131,8 @@ def test_a_leaders_dense_float32_delta_can_outweigh_slower_bf16_decoding(tiny, t
 
 
 def test_sync_measurement_runs_the_real_weight_sync(tiny):
-    from hivespec.node.model import load_model
-    from hivespec.node.precision import measure_sync, weight_sample
+    from hivespec.node.model.loader import load_model
+    from hivespec.node.model.precision import measure_sync, weight_sample
 
     weights = weight_sample(load_model("tiny"), elements=1 << 14)
     seconds = measure_sync(10**6, 1e-3, weights)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hivespec.node.gossip import Gossip
+from hivespec.node.swarm.gossip import Gossip
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.private import (

@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hivespec.node.checkpoint import MODEL_FILE, OPTIMIZER_FILE, CheckpointManager
 from hivespec.node.config import load_config
-from hivespec.node.model import load_model, load_tokenizer
+from hivespec.node.model.loader import load_model, load_tokenizer
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.checkpoint import MODEL_FILE, OPTIMIZER_FILE, CheckpointManager
 
 ROUNDS = 6
 

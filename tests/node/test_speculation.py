@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hivespec.node.config import SpeculationConfig
-from hivespec.node.drafter import Draft, SuffixDrafter
-from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
-from hivespec.node.model import load_model
-from hivespec.node.speculation import (
+from hivespec.node.model.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
+from hivespec.node.model.loader import load_model
+from hivespec.node.speculation.drafter import Draft, SuffixDrafter
+from hivespec.node.speculation.policy import (
     CurveCalibration,
     LengthAwarePolicy,
     VerifyCostCurve,
@@ -21,7 +21,7 @@ from hivespec.node.speculation import (
     rebuild_drafter,
     wider_pays,
 )
-from hivespec.node.store import RolloutStore, StoredRollout
+from hivespec.node.training.store import RolloutStore, StoredRollout
 from hivespec.protocol.rollout import Rollout
 
 torch.set_num_threads(1)
@@ -215,7 +215,7 @@ def test_a_short_draft_runs_as_the_cheaper_padded_forward_and_stays_lossless():
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(5)
     prompts = [tuple(torch.randint(0, vocab, (6,), generator=generator).tolist()) for _ in range(2)]
-    from hivespec.node.engine import GenerationRequest, SamplingParams, SpeculationStats
+    from hivespec.node.model.engine import GenerationRequest, SamplingParams, SpeculationStats
 
     params = SamplingParams(temperature=0.0, max_new_tokens=30)
     requests = [GenerationRequest(p, seed=1, sample_index=i) for i, p in enumerate(prompts)]

@@ -12,15 +12,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hivespec.node.drafter import SuffixDrafter
-from hivespec.node.engine import (
+from hivespec.node.model.engine import (
     GenerationRequest,
     SamplingParams,
     SpeculationStats,
     TorchEngine,
 )
-from hivespec.node.model import load_model
-from hivespec.node.speculation import UniformPolicy
+from hivespec.node.model.loader import load_model
+from hivespec.node.speculation.drafter import SuffixDrafter
+from hivespec.node.speculation.policy import UniformPolicy
 
 torch.set_num_threads(1)
 
@@ -145,7 +145,7 @@ def test_embedded_model_fp32_speculative_matches_plain():
     The drafter is fed another seed's completions of the same prompts (as after an RL epoch);
     every sequence is expected to come out identical (the bench measures the fraction at scale).
     """
-    from hivespec.node.model import load_tokenizer
+    from hivespec.node.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer()
     model = load_model(dtype=torch.float32)

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivespec.node.checkpoint import CheckpointManager
-from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
-from hivespec.node.model import load_model
-from hivespec.node.status import RoundStopped, RunControl
-from hivespec.node.store import RolloutStore
-from hivespec.node.trainer import OWN, Trainer, TrainSample
+from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
+from hivespec.node.model.loader import load_model
+from hivespec.node.status.board import RoundStopped, RunControl
+from hivespec.node.training.checkpoint import CheckpointManager
+from hivespec.node.training.store import RolloutStore
+from hivespec.node.training.trainer import OWN, Trainer, TrainSample
 
 STOP_WITHIN_S = 10.0
 

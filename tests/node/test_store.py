@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hivespec.node.store import SCHEMA_VERSION, RolloutStore, StoredRollout, StoreSchemaError
+from hivespec.node.training.store import SCHEMA_VERSION, RolloutStore, StoredRollout, StoreSchemaError
 
 
 def make_rollout(i: int, *, round: int = 0, own: bool = False, prompt_id: str = "p0", t: float = 0.0) -> StoredRollout:

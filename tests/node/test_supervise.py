@@ -11,8 +11,8 @@ import textwrap
 import psutil
 import pytest
 
-from hivespec.node.gossip import Gossip
 from hivespec.node.supervise import Backoff, GossipSupervisor, Watchdog, is_out_of_memory
+from hivespec.node.swarm.gossip import Gossip
 from hivespec.protocol.identity import Identity
 
 
@@ -146,10 +146,10 @@ def test_is_out_of_memory_recognises_cpu_cuda_and_python_errors():
 _OOM_CHILD = textwrap.dedent(
     """
     import json, resource, sys, torch
-    from hivespec.node.engine import GenerationRequest, SamplingParams, TorchEngine
-    from hivespec.node.model import load_model, load_tokenizer
+    from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
+    from hivespec.node.model.loader import load_model, load_tokenizer
     from hivespec.node.supervise import generate_splitting_on_oom, train_step_with_oom_retry
-    from hivespec.node.trainer import Trainer, TrainSample
+    from hivespec.node.training.trainer import Trainer, TrainSample
 
     tokenizer = load_tokenizer("tiny")
     engine = TorchEngine(load_model("tiny"), max_batch_size=64)

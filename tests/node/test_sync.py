@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hivespec.node.sync import WeightSync
+from hivespec.node.weights.sync import WeightSync
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.limits import DEFAULT_LIMITS
 from hivespec.protocol.verdict import Reason

@@ -15,8 +15,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.kernels.host_transfer import HostTransferError, HostTransferGuard
-from hivespec.node.engine import unique_parameters
-from hivespec.node.sync import EngineWeights, WeightSync
+from hivespec.node.model.engine import unique_parameters
+from hivespec.node.weights.sync import EngineWeights, WeightSync
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.verdict import Reason
 
@@ -73,7 +73,7 @@ def test_sync_runs_as_on_a_gpu_one_transfer_each_way_per_step(engine_dtype, enco
 
 
 def test_the_old_numpy_view_of_engine_tensors_is_caught_on_cpu():
-    # What node/sync.py did before (tensor.numpy() on the engine's tensors): fine on a CPU, fails on CUDA.
+    # What node/weights/sync.py did before (tensor.numpy() on the engine's tensors): fine on a CPU, fails on CUDA.
     params = unique_parameters(_tiny().to(torch.bfloat16))
     with HostTransferGuard(), pytest.raises(HostTransferError, match="numpy"):
         next(iter(params.values())).view(torch.int16).numpy()

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from hivespec.node.config import load_config
-from hivespec.node.drafter import SuffixDrafter
-from hivespec.node.engine import (
+from hivespec.node.model.engine import (
     GenerationRequest,
     SamplingParams,
     SpeculationStats,
     TorchEngine,
 )
-from hivespec.node.model import TINY_MODEL, load_model
-from hivespec.node.speculation import UniformPolicy
-from hivespec.node.trace import TraceRecord, TraceWriter, read_trace, replay
+from hivespec.node.model.loader import TINY_MODEL, load_model
+from hivespec.node.speculation.drafter import SuffixDrafter
+from hivespec.node.speculation.policy import UniformPolicy
+from hivespec.node.speculation.trace import TraceRecord, TraceWriter, read_trace, replay
 
 
 def _record(node="n", own=True, round=0, prompt=(1, 2, 3), completion=(4, 5, 6), key="p", author="a", index=0):
@@ -70,7 +70,7 @@ def test_truncated_last_line_is_skipped_and_bad_lines_are_named(tmp_path: Path) 
 def test_a_full_disk_warns_once_and_stops_tracing(caplog: pytest.LogCaptureFixture) -> None:
     writer = TraceWriter("/dev/full")  # every write fails with ENOSPC
     writer.record([_record()])
-    with caplog.at_level(logging.WARNING, logger="hivespec.node.trace"):
+    with caplog.at_level(logging.WARNING, logger="hivespec.node.speculation.trace"):
         writer.flush()
         writer.record([_record(round=1)])
         writer.flush()

@@ -7,8 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.kernels.importance import importance_weights
-from hivespec.node.model import load_model
-from hivespec.node.trainer import (
+from hivespec.node.model.loader import load_model
+from hivespec.node.training.trainer import (
     OWN,
     ImportanceSettings,
     Trainer,

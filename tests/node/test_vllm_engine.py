@@ -23,14 +23,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.kernels.sampling import _row_keys, nucleus_mask, sample_tokens
 from hivespec.node.config import ConfigError, SpeculationConfig, load_config
-from hivespec.node.engine import (
+from hivespec.node.model.engine import (
     GenerationRequest,
     SamplingParams,
     TorchEngine,
     unique_parameters,
 )
-from hivespec.node.sync import WeightSync
-from hivespec.node.vllm_engine import (
+from hivespec.node.model.vllm_engine import (
     _GAMMA64,
     _MASK64,
     ACCEPTED_TOKENS_METRIC,
@@ -50,6 +49,7 @@ from hivespec.node.vllm_engine import (
     weight_buckets,
     weights_for_load,
 )
+from hivespec.node.weights.sync import WeightSync
 
 torch.set_num_threads(1)
 
@@ -105,7 +105,7 @@ def test_importing_the_module_and_building_a_native_node_never_imports_vllm(tmp_
                 return None
 
         sys.meta_path.insert(0, Guard())
-        import hivespec.node.vllm_engine
+        import hivespec.node.model.vllm_engine
         from hivespec.node.config import load_config
         from hivespec.node.runtime import build_node
 

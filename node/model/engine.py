@@ -38,8 +38,8 @@ from hivespec.kernels.speculative import verify_drafts
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from hivespec.node.drafter import Draft, DraftSession, SuffixDrafter
-    from hivespec.node.speculation import RowPlan, SpeculationPolicy
+    from hivespec.node.speculation.drafter import Draft, DraftSession, SuffixDrafter
+    from hivespec.node.speculation.policy import RowPlan, SpeculationPolicy
 
 __all__ = [
     "GenerationRequest", "RolloutEngine", "Sample", "SamplingParams", "SpeculationStats", "TorchEngine", "unique_parameters",

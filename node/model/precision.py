@@ -299,7 +299,7 @@ def measure_sync(params: int, learning_rate: float, weights: torch.Tensor | None
     element change, a bf16 one only those whose rounding moved: for a leader the delta codec's
     cost can outweigh bf16's slower decode on a CPU without native bf16.
     """
-    from hivespec.node.sync import WeightSync
+    from hivespec.node.weights.sync import WeightSync
 
     generator = torch.Generator().manual_seed(0)
     if weights is None:
@@ -360,7 +360,7 @@ def cached_measurement(
     found = lookup()
     if found is not None:
         return found, True
-    from hivespec.node.model import _exclusive_lock
+    from hivespec.node.model.loader import _exclusive_lock
 
     with _exclusive_lock(cache.with_suffix(".lock")):
         found = lookup()
@@ -377,7 +377,7 @@ def cached_measurement(
 
 def default_cache_path() -> Path:
     """``<hivespec cache dir>/precision.json`` (``$HIVESPEC_CACHE_DIR`` moves it)."""
-    from hivespec.node.model import cache_dir
+    from hivespec.node.model.loader import cache_dir
 
     return cache_dir() / CACHE_FILE
 

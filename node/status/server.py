@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from hivespec.node.status import RunControl, StatusBoard
+from hivespec.node.status.board import RunControl, StatusBoard
 from hivespec.protocol.status import StatusSnapshot
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
-from hivespec.node.bootstrap import dial
+from hivespec.node.swarm.bootstrap import dial
 from hivespec.protocol.limits import MIB
 
 logger = logging.getLogger(__name__)

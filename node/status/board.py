@@ -3,7 +3,7 @@
 `StatusBoard` keeps each `RoundReport`, every admission (per-peer tallies) and the phase, and
 builds a `StatusSnapshot` on demand, reading the live counters of gossip, intake and the store.
 `RunControl` is the pause/resume/stop switch the round loop checks between rounds; `LogBuffer`
-keeps the node's recent WARNING-or-worse records. `node/status_server.py` serves all of it.
+keeps the node's recent WARNING-or-worse records. `node/status/server.py` serves all of it.
 
 Nothing here blocks the round loop: the loop only appends to in-memory buffers under a lock held
 for microseconds; snapshots are built in the server's threads (and cached for a fraction of a
@@ -40,8 +40,8 @@ from hivespec.protocol.status import (
 )
 
 if TYPE_CHECKING:
-    from hivespec.node.intake import Admission
     from hivespec.node.runtime import Node, RoundReport
+    from hivespec.node.training.intake import Admission
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from hivespec.node.config import NodeConfig, node_home
-from hivespec.node.engine import TorchEngine
-from hivespec.node.gossip import Gossip
-from hivespec.node.identity import load_or_create_identity
-from hivespec.node.model import configure_threads, load_model
-from hivespec.node.precision import follower_engine_dtype
-from hivespec.node.sync import EngineWeights
+from hivespec.node.identity_file import load_or_create_identity
+from hivespec.node.model.engine import TorchEngine
+from hivespec.node.model.loader import configure_threads, load_model
+from hivespec.node.model.precision import follower_engine_dtype
+from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.weights.sync import EngineWeights
 from hivespec.protocol.delta import (
     PolicyHead,
     TensorBits,

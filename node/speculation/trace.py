@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from hivespec.node.drafter import Draft, DraftSession, SuffixDrafter
+from hivespec.node.speculation.drafter import Draft, DraftSession, SuffixDrafter
 
 __all__ = ["Proposer", "ReplayResult", "TraceRecord", "TraceWriter", "read_trace", "replay", "replay_rollout"]
 

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from hivespec.node.engine import (
+from hivespec.node.model.engine import (
     GenerationRequest,
     Sample,
     SamplingParams,
@@ -91,7 +91,7 @@ INSTALL_HINT = (
     "pip install 'hivespec[gpu]' on a Linux machine with an NVIDIA GPU and a CUDA driver "
     "(vLLM runs on CUDA only), or set model.engine: native"
 )
-WORKER_EXTENSION = "hivespec.node.vllm_engine.VllmWeightLoader"
+WORKER_EXTENSION = "hivespec.node.model.vllm_engine.VllmWeightLoader"
 _LOAD_METHOD = "hivespec_load_weights"
 # vLLM's V1 spec-decode counters (cumulative over the engine's life), read via LLM.get_metrics().
 DRAFT_TOKENS_METRIC = "vllm:spec_decode_num_draft_tokens"
@@ -392,7 +392,7 @@ class VllmEngine:
 
 def build_vllm_engine(config: NodeConfig, engine_model: torch.nn.Module, *, home: Path) -> VllmEngine:
     """The node's vLLM engine: `engine_model` (the trainer's cast) becomes the CPU weight copy and, for 'tiny', the folder."""
-    from hivespec.node.model import EMBEDDED_MODEL, TINY_MODEL, ensure_embedded_cache
+    from hivespec.node.model.loader import EMBEDDED_MODEL, TINY_MODEL, ensure_embedded_cache
 
     name = config.model.name
     if name == TINY_MODEL:  # random init exists only in memory: write it where vLLM's loader can read it

@@ -13,7 +13,7 @@ user cache dir; later loads read that copy in well under a second. The export is
 temporary folder and renamed into place under a file lock, so nodes started together never see
 a half-written cache and only one of them converts.
 
-Also here: the CPU thread policy and the model fingerprint peers compare (the dtype policy is node/precision.py).
+Also here: the CPU thread policy and the model fingerprint peers compare (the dtype policy is node/model/precision.py).
 """
 
 from __future__ import annotations

@@ -50,9 +50,9 @@ from hivespec.protocol.rollout import decode_rollout
 
 if TYPE_CHECKING:
     from hivespec.node.config import SpeculationConfig
-    from hivespec.node.drafter import Draft, SuffixDrafter
-    from hivespec.node.engine import TorchEngine
-    from hivespec.node.store import RolloutStore
+    from hivespec.node.model.engine import TorchEngine
+    from hivespec.node.speculation.drafter import Draft, SuffixDrafter
+    from hivespec.node.training.store import RolloutStore
 
 __all__ = [
     "CurveCalibration",
@@ -368,7 +368,7 @@ def build_speculation(
     at the checkpoint, not the interrupted round's rollouts, which the node is about to make
     again (with them it would draft differently, and fp32 log-probs differ by forward width).
     """
-    from hivespec.node.drafter import SuffixDrafter
+    from hivespec.node.speculation.drafter import SuffixDrafter
 
     drafter = SuffixDrafter(
         window=config.window,
@@ -396,7 +396,7 @@ def build_speculation(
 def _curve_location(model_config: object, dtype: str, device: str, cache_folder: Path | None) -> tuple[Path, str]:
     import torch
 
-    from hivespec.node.model import cache_dir
+    from hivespec.node.model.loader import cache_dir
 
     key = curve_key(model_identity(model_config, dtype), dtype, device, torch.get_num_threads())
     return (cache_folder if cache_folder is not None else cache_dir() / "speculation"), key

@@ -15,7 +15,7 @@ invariant holds (engine bits == trainer cast, checked each round by `mismatched_
 fraction of the cost: 1.6 s instead of 107 s for a float32 SmolLM2-135M engine, 1.9 s instead of
 5.2 s for a bfloat16 one (bench/sync_modes.py, 1 thread, AVX2-only AMD EPYC).
 
-`EngineWeights` is that receiving side on its own (also used by `node/follower.py`): a set of
+`EngineWeights` is that receiving side on its own (also used by `node/weights/follower.py`): a set of
 engine tensors viewed as the codec's `State`, with the version and hash of what they hold.
 
 Devices: the engine tensors live on whatever device the model does. The codec and the hash are

@@ -12,7 +12,7 @@ exponential backoff until `bootstrap_timeout`; if nobody answered, the node runs
 joined it re-bootstraps every `rebootstrap_interval` seconds, which merges a DHT that started
 split (hivemind#624). Reachability is measured, not guessed, after every (re)join: the peer that
 answered opens a fresh connection to us, or another peer reaches us through our relay
-(node/nat.py; hivemind's own dial-back reuses our connection and passes behind any NAT).
+(node/swarm/nat.py; hivemind's own dial-back reuses our connection and passes behind any NAT).
 
 `HomeLock` holds an exclusive lock on the node's home, so a second node with the same identity
 file refuses to start instead of fighting the first over its peer id.
@@ -37,7 +37,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from hivespec.node.nat import Reach, check_reachability, listen_ports, to_transport
+from hivespec.node.swarm.nat import Reach, check_reachability, listen_ports, to_transport
 from hivespec.protocol.private import PrivateSwarm, parse_allowlist, parse_secret
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class Joiner:
     candidates: list[tuple[str, str]]
     cache: PeerCache | None = None
     rpc_timeout: float = 3.0
-    relays: list[str] = field(default_factory=list)  # bootstrap maddrs we hold relay slots on (node/nat.py)
+    relays: list[str] = field(default_factory=list)  # bootstrap maddrs we hold relay slots on (node/swarm/nat.py)
     solo: bool = True
     joined_via: str = ""  # "<source> <maddr>" of the last peer that answered
     reachability: str = "unknown"

@@ -26,9 +26,9 @@ from typing import Literal
 
 import numpy as np
 
-from hivespec.node.store import RolloutStore, StoredRollout
 from hivespec.node.tasks.base import Task
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.store import RolloutStore, StoredRollout
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.rollout import Rollout, decode_batch

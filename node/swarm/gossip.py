@@ -41,11 +41,11 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from hivespec.node.bootstrap import Joiner, PeerCache
-from hivespec.node.dht_guard import AnnounceValidator, harden
-from hivespec.node.nat import REACH_STREAM, RELAYED_BODY_LIMIT, ReachService, is_circuit, relay_candidates, start_p2pd
-from hivespec.node.peers import PeerScores
-from hivespec.node.transfer import (  # noqa: F401 - CHUNK_BYTES re-exported
+from hivespec.node.swarm.bootstrap import Joiner, PeerCache
+from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
+from hivespec.node.swarm.nat import REACH_STREAM, RELAYED_BODY_LIMIT, ReachService, is_circuit, relay_candidates, start_p2pd
+from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.swarm.transfer import (  # noqa: F401 - CHUNK_BYTES re-exported
     CHUNK_BYTES,
     STREAM_NAME,
     BadBody,
@@ -274,7 +274,7 @@ class Gossip:
     def status(self) -> dict[str, Any]:
         """Swarm-facing state for the status snapshot: solo, reachability (+ reachability_detail), known_peers, joined_via, ...
 
-        reachability is measured by peers (node/nat.py): reachable / relayed / unreachable / unknown.
+        reachability is measured by peers (node/swarm/nat.py): reachable / relayed / unreachable / unknown.
         """
         dht, joiner = self._dht, self._joiner
         known = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
