@@ -157,8 +157,8 @@ def test_measurements_are_positive_and_scale_with_work(tiny):
 
 def test_a_node_times_its_real_models_decode_step(tiny, tmp_path):
     """With the model at hand the engine's step is the model's own forward over a KV cache, in both dtypes."""
-    from hivespec.node.model import load_model
-    from hivespec.node.precision import measure_model_decode
+    from hivespec.node.model.loader import load_model
+    from hivespec.node.model.precision import measure_model_decode
 
     model = load_model("tiny")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
