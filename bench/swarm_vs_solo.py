@@ -39,7 +39,9 @@ held-out questions with the same receiver-side verifier the nodes use).
 
 Writes <workdir>/progress.log (one line per node-round, as they happen), <workdir>/curves.json
 (after each phase) and the plot (--plot, default docs/swarm_vs_solo.png). Ends with
-`RESULT {"cumulative_reward_ratio", "heldout_shared", "heldout_solo", "spec_identical_curves", ...}`.
+`RESULT {"cumulative_reward_ratio", "heldout_shared", "heldout_solo", "spec_identical_curves", ...}`, with standard
+errors: the ratio's by the delta method over paired rounds, held-out accuracies' over questions (each question's
+score averaged over a condition's nodes; shared - solo paired by question).
 """
 
 from __future__ import annotations
@@ -199,6 +201,35 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, fl
     return mean, (var / n) ** 0.5
 
 
+def ratio_of_sums(a: Sequence[float], b: Sequence[float]) -> tuple[float | None, float]:
+    """sum(a) / sum(b) over paired rounds and its delta-method standard error (None when sum(b) is 0).
+
+    The cumulative reward ratio R = sum a_i / sum b_i; with e_i = a_i - R b_i, SE(R) = sqrt(n/(n-1) sum e_i^2) / sum b_i
+    (the ratio estimator's linearisation; rounds are the paired units, so correlation between a_i and b_i is kept)."""
+    n, total_b = len(a), sum(b)
+    if n != len(b) or total_b <= 0:
+        return None, 0.0
+    ratio = sum(a) / total_b
+    if n < 2:
+        return ratio, 0.0
+    residual = sum((x - ratio * y) ** 2 for x, y in zip(a, b, strict=True))
+    return ratio, (residual * n / (n - 1)) ** 0.5 / total_b
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample standard deviation / sqrt(n)); for 0/1 values this is the binomial SE."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, (var / n) ** 0.5
+
+
+def question_means(per_node: Sequence[Sequence[float]]) -> list[float]:
+    """Per held-out question, the mean score over a condition's nodes (every node answers the same questions, so
+    questions, not node-question pairs, are the independent units of the held-out standard errors)."""
+    return [sum(col) / len(col) for col in zip(*per_node, strict=True)]
+
+
 def compare_curves(a: Sequence[dict], b: Sequence[dict], keys: Sequence[str] = ("reward_mean",)) -> dict:
     """Round-by-round exact comparison of two nodes' round events on `keys` over their common rounds."""
     by_round = {r["round"]: r for r in b}
@@ -251,8 +282,9 @@ class Evaluator:
         ]
         self.samples = samples
 
-    def score(self, checkpoint_dir: Path | None) -> float:
-        """Held-out accuracy of the newest checkpoint in `checkpoint_dir` (None: the untrained model)."""
+    def score(self, checkpoint_dir: Path | None) -> list[float]:
+        """Per held-out question, the mean reward of its samples for the newest checkpoint in `checkpoint_dir`
+        (None: the untrained model); the accuracy is the mean of the list."""
         import copy
 
         from hivespec.node.model.engine import TorchEngine
@@ -277,7 +309,7 @@ class Evaluator:
             self.tasks.reward(self.heldout[k // self.samples], self.tokenizer.decode(o.completion_ids, skip_special_tokens=True))
             for k, o in enumerate(out)
         ]
-        return sum(rewards) / len(rewards)
+        return [sum(rewards[i : i + self.samples]) / self.samples for i in range(0, len(rewards), self.samples)]
 
 
 # ----- plot ---------------------------------------------------------------------------------------
@@ -397,12 +429,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only-spec", action="store_true", help="only the speculation pair (with --spec-dtype float32)")
     parser.add_argument("--spec-rounds", type=int, default=None, help="rounds of the speculation check (default min(rounds, 4))")
     parser.add_argument("--workdir", default=None, help="node homes, logs and curves (default runs/swarm-vs-solo-<time>)")
-    parser.add_argument("--plot", default="docs/swarm_vs_solo.png", help="PNG of reward per round")
+    parser.add_argument("--plot", default=None, help="PNG of reward per round (default docs/swarm_vs_solo.png; "
+                        "docs/swarm_vs_solo_<config>.png for another --config)")
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (2 if args.quick else 4)
     args.rounds = args.rounds or (2 if args.quick else 12)
     args.heldout = args.heldout or (8 if args.quick else 32)
     args.spec_rounds = args.spec_rounds or min(args.rounds, 4)
+    args.plot = args.plot or ("docs/swarm_vs_solo.png" if args.config == "demo" else f"docs/swarm_vs_solo_{args.config}.png")
     if args.only_spec and (args.spec_dtype == "same" or args.skip_spec):
         parser.error("--only-spec needs --spec-dtype float32 (there is no solo node 0 run to compare with) and no --skip-spec")
     return args
@@ -454,12 +488,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i in range(s.nodes)
         ]
 
-    def evaluate(nodes: list[BenchNode]) -> list[float]:
+    def evaluate(nodes: list[BenchNode]) -> list[list[float]]:
         scorer, scores = evaluator(), []
         for node in nodes:
             mark = time.monotonic()
             scores.append(scorer.score(node.home / "checkpoints"))
-            print(f"held-out accuracy {node.name}: {scores[-1]:.3f} ({time.monotonic() - mark:.0f}s)", flush=True)
+            print(f"held-out accuracy {node.name}: {mean_and_se(scores[-1])[0]:.3f} ({time.monotonic() - mark:.0f}s)", flush=True)
             shutil.rmtree(node.home / "checkpoints", ignore_errors=True)  # ~1.6 GB each
         return scores
 
@@ -469,11 +503,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds_by_node = run_phase(tag, nodes, bootstrap_first=shared, progress=progress)
         summary[tag] = {"rounds": rounds_by_node, "curve": reward_curve(rounds_by_node)}
         save_summary()
-        summary[tag]["heldout"] = evaluate(nodes)
+        summary[tag]["heldout_per_question"] = evaluate(nodes)
+        summary[tag]["heldout"] = [mean_and_se(q)[0] for q in summary[tag]["heldout_per_question"]]
         save_summary()
     if not args.only_spec:
         mark = time.monotonic()
-        heldout_base = summary["heldout_base"] = evaluator().score(None)
+        base_scores = summary["heldout_base_per_question"] = evaluator().score(None)
+        heldout_base = summary["heldout_base"] = mean_and_se(base_scores)[0]
         print(f"held-out accuracy of the untrained model: {heldout_base:.3f} ({time.monotonic() - mark:.0f}s)", flush=True)
         save_summary()
 
@@ -530,12 +566,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = min(len(shared_curve), len(solo_curve))
     shared_cum, solo_cum = cumulative(shared_curve[:rounds]), cumulative(solo_curve[:rounds])
     print("\nmean reward per round over nodes (own rollouts, T = 1.0)", flush=True)
-    print(f"{'round':>5} {'shared':>8} {'solo':>8} {'cum shared':>11} {'cum solo':>9}")
+    print(f"{'round':>5} {'shared':>8} {'solo':>8} {'shared-solo':>11} {'cum shared':>11} {'cum solo':>9}")
     for i in range(rounds):
-        print(f"{i:>5} {shared_curve[i]:>8.3f} {solo_curve[i]:>8.3f} {shared_cum[i]:>11.3f} {solo_cum[i]:>9.3f}")
-    heldout_shared = sum(summary["shared"]["heldout"]) / s.nodes
-    heldout_solo = sum(summary["solo"]["heldout"]) / s.nodes
-    ratio = shared_cum[-1] / solo_cum[-1] if rounds and solo_cum[-1] > 0 else None
+        print(f"{i:>5} {shared_curve[i]:>8.3f} {solo_curve[i]:>8.3f} {shared_curve[i] - solo_curve[i]:>+11.3f} "
+              f"{shared_cum[i]:>11.3f} {solo_cum[i]:>9.3f}")
+    # Held-out: per question, the mean over a condition's nodes; standard errors over questions (the shared unit).
+    shared_q = question_means(summary["shared"]["heldout_per_question"])
+    solo_q = question_means(summary["solo"]["heldout_per_question"])
+    heldout_shared, heldout_shared_se = mean_and_se(shared_q)
+    heldout_solo, heldout_solo_se = mean_and_se(solo_q)
+    heldout_base_se = mean_and_se(base_scores)[1]
+    heldout_diff, heldout_diff_se = paired_difference(shared_q, solo_q)
+    ratio, ratio_se = ratio_of_sums(shared_curve[:rounds], solo_curve[:rounds])
     # Round 0 runs before any training: the same seed must give the same rewards in both conditions.
     paired = all(
         compare_curves(summary["shared"]["rounds"][f"shared-{i}"][:1], summary["solo"]["rounds"][f"solo-{i}"][:1],
@@ -544,20 +586,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"round 0 (untrained) identical in both conditions for every node: {paired}")
     diff, diff_se = paired_difference(shared_curve[:rounds], solo_curve[:rounds])
-    print(f"cumulative reward: shared {shared_cum[-1]:.3f}, solo {solo_cum[-1]:.3f}, ratio {ratio}; "
-          f"per-round shared - solo {diff:+.4f} +- {diff_se:.4f} (standard error over rounds)")
-    print(f"held-out accuracy: base {heldout_base:.3f}, shared {heldout_shared:.3f} {summary['shared']['heldout']}, "
-          f"solo {heldout_solo:.3f} {summary['solo']['heldout']}")
+    print(f"cumulative reward: shared {shared_cum[-1]:.3f}, solo {solo_cum[-1]:.3f}, ratio {ratio} +- {ratio_se:.4f}; "
+          f"per-round shared - solo {diff:+.4f} +- {diff_se:.4f} (standard errors over rounds)")
+    print(f"held-out accuracy (+- standard error over {len(heldout)} questions): base {heldout_base:.3f} +- {heldout_base_se:.3f}, "
+          f"shared {heldout_shared:.3f} +- {heldout_shared_se:.3f} {summary['shared']['heldout']}, "
+          f"solo {heldout_solo:.3f} +- {heldout_solo_se:.3f} {summary['solo']['heldout']}; "
+          f"shared - solo {heldout_diff:+.3f} +- {heldout_diff_se:.3f} (paired over questions)")
     plot = Path(args.plot)
     plot_curves(plot, {"SHARED": (shared_curve[:rounds], (31, 119, 180)), "SOLO": (solo_curve[:rounds], (255, 127, 14))},
                 f"MEAN REWARD PER ROUND  N {s.nodes}")
     print(f"plot: {plot}; total {time.monotonic() - bench_started:.0f}s", flush=True)
     result = {
         "cumulative_reward_ratio": round(ratio, 4) if ratio is not None else None,
+        "cumulative_reward_ratio_se": round(ratio_se, 4),
         "heldout_shared": round(heldout_shared, 4),
         "heldout_solo": round(heldout_solo, 4),
         **spec_result,
         "heldout_base": round(heldout_base, 4),
+        "heldout_shared_se": round(heldout_shared_se, 4),
+        "heldout_solo_se": round(heldout_solo_se, 4),
+        "heldout_base_se": round(heldout_base_se, 4),
+        "heldout_difference": round(heldout_diff, 4),
+        "heldout_difference_se": round(heldout_diff_se, 4),
+        "round_differences": [round(a - b, 4) for a, b in zip(shared_curve[:rounds], solo_curve[:rounds], strict=True)],
         "cumulative_shared": round(shared_cum[-1], 4) if rounds else None,
         "cumulative_solo": round(solo_cum[-1], 4) if rounds else None,
         "rounds": rounds,

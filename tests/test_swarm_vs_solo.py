@@ -91,3 +91,24 @@ def test_plot_writes_a_valid_png(tmp_path):
     raw = zlib.decompress(chunks[b"IDAT"])
     assert len(raw) == height * (1 + 3 * width)
     assert bytes((31, 119, 180)) in raw and bytes((255, 127, 14)) in raw  # both curves were drawn
+
+
+def test_ratio_of_sums_and_its_delta_method_standard_error():
+    shared, solo = [0.5, 0.25, 0.75, 0.5], [0.25, 0.25, 0.5, 0.5]
+    ratio, se = svs.ratio_of_sums(shared, solo)
+    assert ratio == pytest.approx(2.0 / 1.5)
+    residuals = [a - ratio * b for a, b in zip(shared, solo, strict=True)]  # 1/6, -1/12, 1/12, -1/6
+    assert se == pytest.approx((sum(e * e for e in residuals) * 4 / 3) ** 0.5 / 1.5)
+    assert svs.ratio_of_sums([0.5, 1.0], [0.25, 0.5]) == (2.0, 0.0)  # proportional rounds: no spread around the ratio
+    assert svs.ratio_of_sums([0.5], [0.0]) == (None, 0.0)  # solo earned nothing: no ratio
+    assert svs.ratio_of_sums([0.5], [0.25]) == (2.0, 0.0)
+
+
+def test_heldout_standard_errors_are_over_questions():
+    mean, se = svs.mean_and_se([1.0, 0.0, 1.0, 0.0])
+    assert mean == 0.5 and se == pytest.approx((1 / 3 / 4) ** 0.5)  # 0/1 scores: the binomial SE (n - 1 denominator)
+    assert svs.mean_and_se([1.0]) == (1.0, 0.0)
+    # Two nodes answer the same three questions: each question's score is the mean over the nodes.
+    assert svs.question_means([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]]) == [0.5, 0.0, 1.0]
+    with pytest.raises(ValueError):
+        svs.question_means([[1.0, 0.0], [1.0]])  # nodes scored on different question lists
