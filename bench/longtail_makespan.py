@@ -134,12 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         SpeculationStats,
         TorchEngine,
     )
+    from hivespec.node.speculation.curve import device_verify_cost
     from hivespec.node.speculation.drafter import SuffixDrafter
-    from hivespec.node.speculation.policy import (
-        LengthAwarePolicy,
-        UniformPolicy,
-        device_verify_cost,
-    )
+    from hivespec.node.speculation.policy import LengthAwarePolicy, UniformPolicy
 
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=getattr(torch, args.dtype)).requires_grad_(False)

@@ -113,12 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         SpeculationStats,
         TorchEngine,
     )
+    from hivespec.node.speculation.curve import device_verify_cost
     from hivespec.node.speculation.drafter import SuffixDrafter
-    from hivespec.node.speculation.policy import (
-        LengthAwarePolicy,
-        UniformPolicy,
-        device_verify_cost,
-    )
+    from hivespec.node.speculation.policy import LengthAwarePolicy, UniformPolicy
     from hivespec.node.speculation.trace import TraceRecord, TraceWriter, replay
 
     tokenizer = load_tokenizer(args.model)

@@ -51,8 +51,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> N
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from hivespec.node.build import build_node
     from hivespec.node.inputs import check_swarm_inputs
-    from hivespec.node.runtime import build_node
     from hivespec.node.swarm.bootstrap import IdentityInUse
     from hivespec.node.swarm.gossip import GossipError
 
@@ -242,9 +242,11 @@ def _linger(seconds: float) -> None:
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
+    from hivespec.node.build import open_follower
     from hivespec.node.inputs import check_leader, check_swarm_inputs
+    from hivespec.node.swarm.bootstrap import IdentityInUse
     from hivespec.node.swarm.gossip import GossipError
-    from hivespec.node.weights.follower import run_follower
+    from hivespec.node.weights.follower import follow
 
     config = _config(args)
     check_leader(args.leader)
@@ -261,7 +263,11 @@ def cmd_follow(args: argparse.Namespace) -> int:
             )
 
     try:
-        follower = run_follower(config, args.leader, until_version=args.until_version, on_report=on_report)
+        with open_follower(config, args.leader) as follower:
+            follow(follower, poll_interval=config.sync.poll_interval, until_version=args.until_version, on_report=on_report)
+    except IdentityInUse as exc:
+        print(f"hivespec: {exc}", file=sys.stderr)
+        return 3
     except GossipError as exc:
         print(f"hivespec follow: {exc}", file=sys.stderr)
         return 2
@@ -339,57 +345,30 @@ def cmd_dash(args: argparse.Namespace) -> int:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     """A DHT-only peer (no model, no training) that others bootstrap from; prints its multiaddrs."""
-    from hivespec.node.config import node_home
-    from hivespec.node.identity_file import load_or_create_identity
+    from hivespec.node.build import open_bootstrap_peer
     from hivespec.node.inputs import check_swarm_inputs
-    from hivespec.node.swarm.bootstrap import (
-        CACHE_FILE,
-        HomeLock,
-        IdentityInUse,
-        PeerCache,
-        bootstrap_candidates,
-        load_private_swarm,
-    )
-    from hivespec.node.swarm.gossip import Gossip, GossipError
+    from hivespec.node.swarm.bootstrap import IdentityInUse
+    from hivespec.node.swarm.gossip import GossipError
 
     config = _config(args)
     check_swarm_inputs(config)
     swarm = config.swarm
-    home = node_home(config)
     try:
-        lock = HomeLock(home)
-    except IdentityInUse as exc:
-        print(f"hivespec: {exc}", file=sys.stderr)
-        return 3
-    try:
-        identity = load_or_create_identity(home / "identity.key")
-        private = load_private_swarm(swarm.swarm, allowlist_file=swarm.private.allowlist_file, secret_file=swarm.private.secret_file)
-        cache = PeerCache.load(home / CACHE_FILE)
-        bootstrap = bootstrap_candidates(swarm.initial_peers, peers_file=Path(swarm.peers_file) if swarm.peers_file else None, cache=cache)
-        gossip = Gossip(
-            identity, swarm=swarm.swarm, host=swarm.host, port=swarm.port, bootstrap=bootstrap, peer_cache=cache,
-            bootstrap_timeout=swarm.bootstrap_timeout, rebootstrap_interval=swarm.rebootstrap_interval,
-            announce_maddrs=swarm.announce_maddrs, use_relay=swarm.use_relay, use_auto_relay=swarm.use_auto_relay,
-            nat_port_map=swarm.nat_port_map, record_ttl=swarm.record_ttl, private=private,
-        )
-        try:
-            gossip.start()
-        except GossipError as exc:
-            print(f"hivespec bootstrap: {exc}", file=sys.stderr)
-            return 2
-        try:
-            status = gossip.status()
-            print(f"bootstrap peer {identity.name} ({identity.peer_id}) for swarm {swarm.swarm!r}"
-                  f"{' (private)' if private else ''}; pass one of these as --initial-peer:", flush=True)
-            for maddr in gossip.visible_maddrs:
+        with open_bootstrap_peer(config) as peer:
+            status = peer.gossip.status()
+            print(f"bootstrap peer {peer.identity.name} ({peer.identity.peer_id}) for swarm {swarm.swarm!r}"
+                  f"{' (private)' if peer.private else ''}; pass one of these as --initial-peer:", flush=True)
+            for maddr in peer.gossip.visible_maddrs:
                 print(f"  {maddr}", flush=True)
             print(f"joined via: {status['joined_via'] or '-'}; solo: {status['solo']}", flush=True)
             _warn_if_unreachable("bootstrap", config, status)
             _linger(args.duration)
-        finally:
-            gossip.shutdown()
-    finally:
-        lock.close()
+    except IdentityInUse as exc:
+        print(f"hivespec: {exc}", file=sys.stderr)
+        return 3
+    except GossipError as exc:
+        print(f"hivespec bootstrap: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

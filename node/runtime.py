@@ -1,15 +1,14 @@
-"""The composition root: builds a node's parts from its config and runs its rounds.
+"""The round loop: one `Node` and its rounds. `build.py` builds the node's parts; this module runs them.
 
 One round: draw prompts -> generate (engine) -> reward (our verifier) -> sign and publish the
 batch (gossip) -> collect peers' batches for the round -> admit them (intake) -> one GRPO step
 with truncated importance weights over own and foreign samples (trainer) -> sparse delta into
-the engine (sync) -> a ``RoundReport``. Only this module and the CLI build network, disk and
-model objects; every part takes them as arguments.
+the engine (sync) -> a ``RoundReport``. Every part comes in built, as an argument of `Node`
+(only the status server is started here, on request: `serve_status`).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import time
@@ -19,22 +18,21 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from hivespec.node.config import NodeConfig, node_home
-from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.model.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
-from hivespec.node.model.loader import configure_threads, load_model, load_tokenizer, model_fingerprint, stop_token_ids
-from hivespec.node.model.precision import DTYPES, PrecisionPlan, decode_batch, resolve_precision, train_rows, weight_sample
-from hivespec.node.model.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
-from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation
+from hivespec.node.model.loader import stop_token_ids
+from hivespec.node.model.precision import PrecisionPlan
+from hivespec.node.model.vllm_engine import VllmEngine
+from hivespec.node.speculation.policy import CurveCalibration
 from hivespec.node.speculation.trace import TraceRecord, TraceWriter
 from hivespec.node.status.board import RoundStopped, RunControl, StatusBoard
 from hivespec.node.status.server import StatusServer, remove_status_file, write_status_file
-from hivespec.node.supervise import GossipSupervisor, Watchdog, generate_splitting_on_oom, train_step_with_oom_retry
-from hivespec.node.swarm.bootstrap import CACHE_FILE, P2P_KEY_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
+from hivespec.node.supervise import Watchdog, generate_splitting_on_oom, train_step_with_oom_retry
+from hivespec.node.swarm.bootstrap import HomeLock
 from hivespec.node.swarm.gossip import Fetched, Gossip, GossipError
 from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.swarm.supervisor import GossipSupervisor
 from hivespec.node.tasks.source import TaskSource
 from hivespec.node.training.checkpoint import (
     Checkpoint,
@@ -46,8 +44,8 @@ from hivespec.node.training.checkpoint import (
 )
 from hivespec.node.training.intake import Admission, Intake
 from hivespec.node.training.store import RolloutStore, StoredRollout
-from hivespec.node.training.trainer import OWN, ImportanceSettings, StepStats, Trainer, TrainSample
-from hivespec.node.weights.follower import PolicyPublisher
+from hivespec.node.training.trainer import OWN, StepStats, Trainer, TrainSample
+from hivespec.node.weights.publisher import PolicyPublisher
 from hivespec.node.weights.sync import WeightSync
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
@@ -722,18 +720,16 @@ class Node:
     def _select_foreign(self, round_index: int, own_count: int) -> list[_Pending]:
         """SAPO-style mix: at most ``foreign_fraction`` of the step, whole groups, balanced over peers.
 
-        Pending rollouts outside the round window or more than ``staleness_versions`` policy
-        versions behind ours are dropped. Each author's groups queue with a reward spread first
+        Pending rollouts the intake no longer finds fresh (outside its round and policy-version
+        windows, `Intake.still_fresh`) are dropped. Each author's groups queue with a reward spread first
         (only those carry a GRPO gradient), then freshest first; authors are served round-robin
         from an order that rotates every round, so no peer id is favoured when the budget runs out.
         """
-        train = self.config.train
-        oldest_version = self.trainer.version - train.staleness_versions
+        fresh = self.intake.still_fresh
         self._pending = [
-            p for p in self._pending
-            if p.round >= round_index - train.staleness_rounds and (p.policy_version < 0 or p.policy_version >= oldest_version)
+            p for p in self._pending if fresh(p.round, p.policy_version, current_round=round_index, current_version=self.trainer.version)
         ]
-        fraction = train.foreign_fraction
+        fraction = self.config.train.foreign_fraction
         budget = int(own_count * fraction / (1.0 - fraction)) if fraction > 0 else 0
         groups: dict[str, dict[str, list[_Pending]]] = defaultdict(lambda: defaultdict(list))
         for item in self._pending:
@@ -794,21 +790,6 @@ class Node:
             self.home_lock.close()
 
 
-def _trace_writer(config: NodeConfig, identity: Identity) -> TraceWriter:
-    """The rollout trace writer for ``speculation.trace_file``, its meta line naming the run's settings."""
-    assert config.speculation.trace_file is not None
-    rollout = config.rollout
-    return TraceWriter(
-        config.speculation.trace_file,
-        meta={
-            "node": config.name or identity.name, "author": identity.peer_id, "model": config.model.name,
-            "engine_dtype": config.model.engine_dtype, "temperature": rollout.temperature, "top_p": rollout.top_p,
-            "max_new_tokens": rollout.max_completion_length, "num_generations": rollout.num_generations,
-            "prompts_per_round": rollout.prompts_per_round,
-        },
-    )
-
-
 def _decode_row(payload: bytes) -> Rollout | None:
     verdict, rollout = decode_rollout(payload)
     if not verdict.ok:
@@ -833,183 +814,3 @@ def _to_train_sample(rollout: Rollout, source: str) -> TrainSample:
         group=rollout.prompt_id,
         source=source,
     )
-
-
-def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threads: int) -> tuple[NodeConfig, PrecisionPlan]:
-    """Decide model.engine_dtype and model.autocast where they are "auto" (node/model/precision.py).
-
-    Returns the config with both made concrete, so every part built after sees the dtype it runs.
-    """
-    model, rollout = config.model, config.rollout
-    plan = resolve_precision(
-        trainer_model.config,
-        engine_dtype=model.engine_dtype,
-        autocast=model.autocast,
-        train_dtype=model.train_dtype,
-        device=model.device,
-        batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
-        rows=train_rows(config.train.micro_batch_size, rollout.max_completion_length),
-        threads=threads,
-        new_tokens=rollout.max_completion_length,
-        sequences=rollout.prompts_per_round * rollout.num_generations,
-        learning_rate=config.train.learning_rate,
-        weights=weight_sample(trainer_model),
-        publish=config.sync.publish,
-        model=trainer_model,
-    )
-    log.info("precision: %s", plan.describe())
-    resolved = replace(model, engine_dtype=plan.engine_dtype_name, autocast=plan.trainer.dtype is not None)
-    return replace(config, model=resolved), plan
-
-
-def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListener | None = None) -> Node:
-    """Build every part of a node from its config (loads the model, starts gossip).
-
-    `on_phase(phase, detail)` hears what it is doing (loading the model, starting gossip) and
-    becomes the node's `on_phase`. Speculation's verify-cost curve is not measured here: a node
-    without a cached one starts decoding plainly (see `Node._calibrate`).
-    """
-
-    def phase(name: str, detail: str = "") -> None:
-        if on_phase is not None:
-            on_phase(name, detail)
-
-    threads = configure_threads(config.model.threads, local_nodes=local_nodes)
-    if config.model.engine == "vllm":
-        require_vllm()  # before the model loads and the home is locked
-    home = node_home(config)
-    home.mkdir(parents=True, exist_ok=True)
-    home_lock = HomeLock(home)  # IdentityInUse if another node runs with this home's identity
-    identity = load_or_create_identity(home / "identity.key")
-    swarm = config.swarm
-    private = load_private_swarm(swarm.swarm, allowlist_file=swarm.private.allowlist_file, secret_file=swarm.private.secret_file)
-    bootstrap = bootstrap_candidates(
-        swarm.initial_peers, peers_file=Path(swarm.peers_file).expanduser() if swarm.peers_file else None,
-        cache=PeerCache.load(home / CACHE_FILE),
-    )
-    peer_scores = PeerScores(home / "peers.json")
-    log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
-
-    tasks = TaskSource.from_config(config.tasks)  # before the model: a bad task mix fails in seconds
-    phase("loading", f"model {config.model.name}")
-    source = {"revision": config.model.revision, "trust_remote_code": config.model.trust_remote_code}
-    tokenizer = load_tokenizer(config.model.name, **source)
-    trainer_model = load_model(config.model.name, dtype=DTYPES[config.model.train_dtype], device=config.model.device, **source)
-    phase("loading", "choosing precision (bf16 or float32, measured once per machine)")
-    config, precision = _resolve_precision(config, trainer_model, threads)
-    engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
-    trainer_model.requires_grad_(True)
-    fingerprint = model_fingerprint(trainer_model.config, tokenizer)
-    engine: TorchEngine | VllmEngine
-    if config.model.engine == "vllm":
-        engine = build_vllm_engine(config, engine_model, home=home)
-    else:
-        engine = TorchEngine(engine_model, max_batch_size=config.rollout.max_batch_size)
-    sync = WeightSync(trainer_model, engine.sync_parameters())
-    autocast = precision.trainer.dtype
-    trainer = Trainer(
-        trainer_model,
-        learning_rate=config.train.learning_rate,
-        weight_decay=config.train.weight_decay,
-        max_grad_norm=config.train.max_grad_norm,
-        importance=ImportanceSettings(
-            enabled=config.train.importance_sampling,
-            clip=config.train.tis_clip,
-            mask=config.train.tis_mask,
-            mask_low=config.train.tis_mask_low,
-            mask_high=config.train.tis_mask_high,
-            veto=config.train.tis_veto,
-        ),
-        ppo_epochs=config.train.ppo_epochs,
-        clip_epsilon=config.train.clip_epsilon,
-        kl_coef=config.train.kl_coef,
-        micro_batch_size=config.train.micro_batch_size,
-        temperature=config.rollout.temperature,
-        autocast_dtype=autocast,
-    )
-    store = RolloutStore(home / "rollouts.sqlite")
-    checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
-    checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
-    policy: LengthAwarePolicy | None = None
-    calibration: CurveCalibration | None = None
-    if config.speculation.enabled and isinstance(engine, TorchEngine):  # vLLM's own drafter is set at construction
-        drafter, policy, calibration = build_speculation(
-            config.speculation, engine, store, model_config=engine_model.config, dtype=config.model.engine_dtype,
-            device=config.model.device, max_batch_size=config.rollout.max_batch_size,
-            journal_rowid=int(checkpoint.meta["journal_rowid"]) if checkpoint is not None else None,
-        )
-        engine.set_speculation(drafter, policy)
-    intake = Intake(
-        fingerprint=fingerprint,
-        vocab_size=trainer_model.config.vocab_size,
-        tasks=tasks,
-        tokenizer=tokenizer,
-        store=store,
-        staleness_rounds=config.train.staleness_rounds,
-        staleness_versions=config.train.staleness_versions,
-        allowlist=private.allowlist if private is not None else None,
-    )
-
-    def start_gossip() -> Gossip:  # also the supervisor's rebuild: same identity, addresses and peers
-        gossip = Gossip(
-            identity,
-            swarm=config.swarm.swarm,
-            host=config.swarm.host,
-            port=config.swarm.port,
-            bootstrap=bootstrap,
-            peer_cache=PeerCache.load(home / CACHE_FILE),
-            bootstrap_timeout=swarm.bootstrap_timeout,
-            rebootstrap_interval=swarm.rebootstrap_interval,
-            require_peers=swarm.require_peers,
-            announce_maddrs=swarm.announce_maddrs,
-            use_relay=swarm.use_relay,
-            use_auto_relay=swarm.use_auto_relay,
-            nat_port_map=swarm.nat_port_map,
-            # A stable libp2p peer id: peers' bootstrap addresses and caches stay valid across restarts.
-            p2p_identity_path=str(home / P2P_KEY_FILE),
-            record_ttl=swarm.record_ttl,
-            peers=peer_scores,
-            private=private,
-            # A leader serves several delta chunks per version, snapshots and its head.
-            keep_rounds=64 if config.sync.publish else 8,
-        )
-        gossip.start()
-        return gossip
-
-    phase("starting gossip", f"swarm {config.swarm.swarm!r}")
-    gossip = start_gossip()
-    supervise = config.supervise
-    watchdog = Watchdog(stall_after=supervise.stall_after)
-    supervisor = GossipSupervisor(start_gossip, gossip)
-    # The probe reads the supervisor's current gossip, so a rebuilt one is watched too.
-    watchdog.watch("gossip", supervisor.healthy, every=supervise.gossip_probe_every, stall_after=supervise.stall_after)
-    node = Node(
-        config,
-        identity=identity,
-        gossip=gossip,
-        store=store,
-        tokenizer=tokenizer,
-        trainer=trainer,
-        engine=engine,
-        sync=sync,
-        tasks=tasks,
-        intake=intake,
-        fingerprint=fingerprint,
-        checkpoints=checkpoints,
-        watchdog=watchdog,
-        gossip_supervisor=supervisor,
-        peer_scores=peer_scores,
-        home_lock=home_lock,
-        # Built before any resume: snapshots are deltas from the base checkpoint (version 0).
-        publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
-        trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
-        precision=precision,
-        calibration=calibration,
-        on_phase=on_phase,
-    )
-    if policy is not None:  # its adaptive state is part of a checkpoint
-        node.checkpoint_providers["speculation"] = policy
-    if checkpoint is not None:
-        node.resume(checkpoint)
-    watchdog.start()
-    return node

@@ -21,7 +21,7 @@ from hivespec.node.config import load_config
 
 @pytest.mark.timeout(400)
 def test_float32_and_bfloat16_engines_train_on_each_others_rollouts(tmp_path: Path) -> None:
-    from hivespec.node.runtime import build_node
+    from hivespec.node.build import build_node
 
     def node(name: str, engine_dtype: str, peers: list[str]):
         config = load_config("tiny", overrides={

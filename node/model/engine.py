@@ -38,6 +38,7 @@ from hivespec.kernels.speculative import verify_drafts
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from hivespec.node.config import RolloutConfig
     from hivespec.node.speculation.drafter import Draft, DraftSession, SuffixDrafter
     from hivespec.node.speculation.policy import RowPlan, SpeculationPolicy
 
@@ -268,6 +269,11 @@ class TorchEngine:
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
 
+
+    @classmethod
+    def from_config(cls, model: PreTrainedModel, rollout: RolloutConfig) -> TorchEngine:
+        """An engine decoding up to `rollout.max_batch_size` sequences together (speculation is set later)."""
+        return cls(model, max_batch_size=rollout.max_batch_size)
     def set_speculation(self, drafter: SuffixDrafter | None, policy: SpeculationPolicy | None) -> None:
         """Turn speculative decoding on (a drafter and a policy) or off (None, None) for later calls."""
         if (drafter is None) != (policy is None):

@@ -1,18 +1,4 @@
-"""When and how much to speculate: the verify-cost curve and the length-aware budget policy.
-
-A speculative step feeds K + 1 tokens per row instead of one, so it pays only when the tokens
-it expects to emit outgrow what the wider forward costs. That cost ratio, T(B, K + 1) / T(B, 1)
-for a batch of B rows, depends on the device, dtype, model and thread count (on this 2-core
-CPU in fp32: ~1.5x for 8 drafts at B = 1, ~3x at B = 8), so it is measured once per machine
-(`calibrate_verify_cost`) and cached on disk under the model cache dir, keyed by all of those
-(`load_or_calibrate`). The measurement is small (the node's own batch sizes only: 1, a quarter
-of its batch and its batch; one timed pass over a short context; seconds, not minutes) and it
-never holds up start-up: a node without a cached curve decodes plainly and measures it later,
-when it would otherwise sit idle (`CurveCalibration`, run by the node while it waits for peers'
-batches), then turns speculation on. Plain and speculative decoding give the same completions,
-so when speculation switches on changes no result beyond fp32 rounding. It is not monotone in K: 2- and 3-token forwards cost ~1.7-2x here (slow
-small-matrix GEMMs) against ~1.3x for 5, so a step runs the cheapest forward at least as wide as
-it needs (`VerifyCostCurve.cover`; the engine pads the extra slots).
+"""When and how much to speculate: the length-aware budget policy over the measured verify-cost curve (`curve.py`).
 
 `LengthAwarePolicy` (DAS, "Beat the long tail") then decides each step:
 - each request gets a draft cap from its prompt's length class, predicted from the completion
@@ -33,19 +19,26 @@ measured against, and what tests use to force speculation).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import platform
 import time
-from bisect import bisect_left
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from hivespec.node.speculation.curve import (
+    CALIBRATION_CONTEXT,
+    Progress,
+    TimeForwards,
+    VerifyCostCurve,
+    calibrate_verify_cost,
+    calibration_batches,
+    curve_location,
+    load_cached_curve,
+    wider_pays,
+    write_cached_curve,
+)
 from hivespec.protocol.rollout import decode_rollout
 
 if TYPE_CHECKING:
@@ -60,224 +53,17 @@ __all__ = [
     "RowPlan",
     "SpeculationPolicy",
     "UniformPolicy",
-    "VerifyCostCurve",
     "build_speculation",
-    "calibrate_verify_cost",
-    "calibration_batches",
-    "device_verify_cost",
     "length_class",
-    "load_or_calibrate",
-    "model_identity",
     "rebuild_drafter",
-    "wider_pays",
 ]
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16)  # what a bench measures; a node measures `calibration_batches`
-CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
-CALIBRATION_CONTEXT = 16  # cached tokens per row while timing: the prefill is a third of the cost at 32 (batch 16)
-_CURVE_FORMAT = 4  # 4: steps include the keyed sampling; 3: raw per-width ratios (2 forced them monotone)
 
 # Draft cap and objective weight per length class (DAS's hard / medium / easy budgets 16 / 8 / 4).
 _CLASS_CAP_SHARE = {"long": 1.0, "medium": 0.5, "short": 0.25}
 _CLASS_WEIGHT = {"long": 2.0, "medium": 1.0, "short": 0.5}
-
-
-@dataclass(frozen=True)
-class VerifyCostCurve:
-    """Measured forward time T(B, W) of W new tokens per row at batch B, as ratios to T(B, 1).
-
-    `ratios[i][j]` belongs to batches[i] and widths[j]; widths[0] is 1 (ratio 1.0). Between
-    measured points the ratio is interpolated linearly in the width and taken from the next
-    larger measured batch (the conservative side); beyond the largest width it is extrapolated
-    along the last segment.
-    """
-
-    batches: tuple[int, ...]
-    widths: tuple[int, ...]
-    ratios: tuple[tuple[float, ...], ...]
-    base_seconds: tuple[float, ...]  # T(B, 1) per batch, for reports
-    key: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.batches or list(self.batches) != sorted(set(self.batches)):
-            raise ValueError(f"batches must be increasing and non-empty, got {self.batches}")
-        if len(self.widths) < 2 or self.widths[0] != 1 or list(self.widths) != sorted(set(self.widths)):
-            raise ValueError(f"widths must be increasing, start at 1 and have >= 2 entries, got {self.widths}")
-        if len(self.ratios) != len(self.batches) or any(len(row) != len(self.widths) for row in self.ratios):
-            raise ValueError(f"ratios must be [{len(self.batches)}][{len(self.widths)}], got {self.ratios}")
-
-    def ratio(self, batch: int, width: int) -> float:
-        """T(batch, width) / T(batch, 1) for a forward of exactly `width` tokens per row."""
-        if width <= 1:
-            return 1.0
-        row = self.ratios[min(bisect_left(self.batches, batch), len(self.batches) - 1)]
-        j = min(max(bisect_left(self.widths, width), 1), len(self.widths) - 1)
-        if self.widths[j] == width:
-            return row[j]
-        w0, w1 = self.widths[j - 1], self.widths[j]
-        r0, r1 = row[j - 1], row[j]
-        return max(1.0, r0 + (r1 - r0) * (width - w0) / (w1 - w0))
-
-    def cover(self, batch: int, width: int) -> tuple[int, float]:
-        """The cheapest forward width >= `width` (`width` itself or a wider measured one) and its ratio.
-
-        Forward cost is not monotone in the width: on this CPU in fp32 at batch 1, 2- and 3-token
-        forwards take the slow small-matrix GEMM path and cost ~1.7-2.0x a 1-token one while 5
-        tokens cost ~1.3x. A step that wants K drafts may run a wider forward instead (the
-        engine pads the extra slots, masked and never accepted), so this is what K really costs.
-        """
-        if width <= 1:
-            return 1, 1.0
-        best_width, best = width, self.ratio(batch, width)
-        for wider in self.widths:
-            if wider > width and self.ratio(batch, wider) < best:
-                best_width, best = wider, self.ratio(batch, wider)
-        return best_width, best
-
-    def to_json(self) -> str:
-        return json.dumps({"format": _CURVE_FORMAT, **asdict(self)}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> VerifyCostCurve:
-        data = json.loads(text)
-        if data.pop("format", None) != _CURVE_FORMAT:
-            raise ValueError("verify-cost cache has an old format; it will be re-measured")
-        return cls(
-            batches=tuple(data["batches"]),
-            widths=tuple(data["widths"]),
-            ratios=tuple(tuple(float(r) for r in row) for row in data["ratios"]),
-            base_seconds=tuple(float(s) for s in data["base_seconds"]),
-            key=str(data.get("key", "")),
-        )
-
-
-TimeForwards = Callable[[int, Sequence[int]], list[float]]
-Progress = Callable[[str], None]
-
-
-def wider_pays(width: int, ratio: float) -> bool:
-    """Whether to time forwards wider than `width`, whose cost is `ratio` x a plain step.
-
-    Once a width costs more than the tokens it would emit at the per-token acceptance the
-    policy starts from (0.8), the batch is compute-bound there and every wider forward costs
-    at least about proportionally more: they are not timed, and the curve prices them linearly
-    from this one (`calibrate_verify_cost`). At batch 16 in fp32 on a 2-core CPU this skips the
-    17-token forward, half of that batch's timing.
-    """
-    return width <= 1 or (1.0 - 0.8**width) / 0.2 > ratio
-
-
-def calibration_batches(max_batch_size: int) -> list[int]:
-    """The batch sizes a node times: 1, a quarter of its batch and its batch.
-
-    Rows leave a batch as they finish, so a node decodes at every size up to its batch; the
-    curve prices a size by the next larger measured one (the conservative side), so these
-    three points bound every step it runs at a fraction of the cost of timing each size.
-    """
-    return sorted({1, max(1, max_batch_size // 4), max_batch_size})
-
-
-def calibrate_verify_cost(
-    time_forwards: TimeForwards,
-    *,
-    batches: Sequence[int] = CALIBRATION_BATCHES,
-    widths: Sequence[int] = CALIBRATION_WIDTHS,
-    key: str = "",
-    repeats: int = 1,
-    on_progress: Progress | None = None,
-) -> VerifyCostCurve:
-    """Measure the curve with `time_forwards(batch, widths) -> seconds` (e.g. `TorchEngine.time_forwards`).
-
-    Each batch is timed `repeats` times, spread over the whole calibration, and every width keeps
-    its fastest time: the curve is cached for good, so one busy moment on a shared machine must
-    not inflate it. Ratios are kept per width as measured, not forced monotone: a narrow width
-    that measures slower than a wider one usually really is (see `VerifyCostCurve.cover`).
-    `on_progress` is told each batch as it is timed (a line for the log or the demo).
-    """
-    seconds_by_batch = {batch: [float("inf")] * len(widths) for batch in batches}
-    total, done = max(1, repeats) * len(batches), 0
-    for _ in range(max(1, repeats)):
-        for batch in batches:
-            if on_progress is not None:
-                on_progress(f"timing batch {batch} ({done + 1}/{total})")
-            timed = time_forwards(batch, list(widths))
-            seconds_by_batch[batch] = [min(a, b) for a, b in zip(seconds_by_batch[batch], timed, strict=True)]
-            done += 1
-    ratios, base = [], []
-    for batch in batches:
-        seconds = seconds_by_batch[batch]
-        base.append(seconds[0])
-        row = [1.0]
-        for j in range(1, len(widths)):
-            if seconds[j] == float("inf"):  # not timed (see `wider_pays`): at least linear from the last timed width
-                row.append(round(row[-1] * widths[j] / widths[j - 1], 4))
-            else:
-                row.append(round(max(1.0, seconds[j] / seconds[0]), 4))
-        ratios.append(tuple(row))
-    return VerifyCostCurve(tuple(batches), tuple(widths), tuple(ratios), tuple(base), key)
-
-
-def curve_key(model_identity: str, dtype: str, device: str, threads: int) -> str:
-    """Cache key of a curve: what the timings depend on (model, dtype, device and its name, threads, torch)."""
-    import torch
-
-    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
-    blob = json.dumps([model_identity, dtype, device, device_name, threads, torch.__version__, _CURVE_FORMAT])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def load_cached_curve(cache_folder: Path, key: str, batches: Sequence[int]) -> tuple[VerifyCostCurve | None, list[int]]:
-    """The cached curve for `key` if it covers `batches` (else None), and the batches a fresh one must measure.
-
-    A cached curve measured for fewer batch sizes (another max_batch_size) is re-measured for
-    the union, so a curve taken at batch 1 is never stretched to price batch 16.
-    """
-    path = cache_folder / f"verify-cost-{key}.json"
-    wanted = set(batches)
-    try:
-        curve = VerifyCostCurve.from_json(path.read_text())
-        if curve.key == key and wanted <= set(curve.batches):
-            return curve, sorted(curve.batches)
-        if curve.key == key:
-            log.info("re-measuring verify cost: the cache covers batches %s, %s wanted", list(curve.batches), sorted(wanted))
-            wanted |= set(curve.batches)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        if path.exists():
-            log.info("re-measuring verify cost: %s unreadable (%s)", path, error)
-    return None, sorted(wanted)
-
-
-def _write_cache(cache_folder: Path, curve: VerifyCostCurve) -> None:
-    path = cache_folder / f"verify-cost-{curve.key}.json"
-    cache_folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(curve.to_json())
-    tmp.replace(path)  # atomic: nodes sharing the cache never read half a curve
-
-
-def load_or_calibrate(
-    cache_folder: Path, key: str, time_forwards: TimeForwards, *, batches: Sequence[int] = CALIBRATION_BATCHES, **kwargs
-) -> VerifyCostCurve:
-    """The cached curve for `key` if it covers `batches`, else a fresh measurement written to the cache (atomically)."""
-    curve, wanted = load_cached_curve(cache_folder, key, batches)
-    if curve is not None:
-        return curve
-    log.info("measuring the verify-cost curve T(k)/T(1) once for this device, dtype and model")
-    curve = calibrate_verify_cost(time_forwards, key=key, batches=wanted, **kwargs)
-    _write_cache(cache_folder, curve)
-    return curve
 
 
 @dataclass
@@ -304,7 +90,7 @@ class CurveCalibration:
         started = time.perf_counter()
         log.info("measuring the verify-cost curve for batches %s (once per machine; decoding plainly until then)", list(self.batches))
         curve = calibrate_verify_cost(self.time_forwards, key=self.key, batches=self.batches, on_progress=on_progress)
-        _write_cache(self.cache_folder, curve)
+        write_cached_curve(self.cache_folder, curve)
         self.policy.set_curve(curve)
         log.info("verify-cost curve measured in %.1fs; %s", time.perf_counter() - started, describe_curve(self.policy))
         return curve
@@ -320,14 +106,6 @@ def describe_curve(policy: LengthAwarePolicy) -> str:
         f"verify cost T(9)/T(1) = {[curve.ratio(b, 9) for b in curve.batches]} for batches {list(curve.batches)}; "
         f"drafting pays at batch sizes {paying or 'none'}"
     )
-
-
-def model_identity(model_config: object, dtype: str) -> str:
-    """What a model's forward cost depends on: its architecture config and dtype (weights do not matter)."""
-    to_dict = getattr(model_config, "to_dict", None)
-    config = to_dict() if callable(to_dict) else vars(model_config)
-    shape = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
-    return hashlib.sha256(json.dumps([shape, dtype], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def rebuild_drafter(drafter: SuffixDrafter, store: RolloutStore, limit: int, *, up_to_rowid: int | None = None) -> int:
@@ -380,7 +158,7 @@ def build_speculation(
     if store is not None and config.rebuild_rollouts:
         replayed = rebuild_drafter(drafter, store, config.rebuild_rollouts, up_to_rowid=journal_rowid)
         log.info("drafter rebuilt from %d stored rollouts%s", replayed, "" if journal_rowid is None else " (up to the checkpoint)")
-    folder, key = _curve_location(model_config, dtype, device, cache_folder)
+    folder, key = curve_location(model_config, dtype, device, cache_folder)
     curve, wanted = load_cached_curve(folder, key, calibration_batches(max_batch_size))
     policy = LengthAwarePolicy(curve, drafter, max_budget=config.num_speculative_tokens)
     calibration = None
@@ -391,32 +169,6 @@ def build_speculation(
         calibration = CurveCalibration(policy, timer, folder, key, wanted)
     log.info("speculation: %s", describe_curve(policy))
     return drafter, policy, calibration
-
-
-def _curve_location(model_config: object, dtype: str, device: str, cache_folder: Path | None) -> tuple[Path, str]:
-    import torch
-
-    from hivespec.node.model.loader import cache_dir
-
-    key = curve_key(model_identity(model_config, dtype), dtype, device, torch.get_num_threads())
-    return (cache_folder if cache_folder is not None else cache_dir() / "speculation"), key
-
-
-def device_verify_cost(
-    engine: TorchEngine,
-    model_config: object,
-    dtype: str,
-    device: str,
-    max_batch_size: int,
-    cache_folder: Path | None = None,
-) -> VerifyCostCurve:
-    """The verify-cost curve of this model, dtype, device and torch thread count for batches up to
-    `max_batch_size` (every size of `CALIBRATION_BATCHES`, for benches): cached under
-    `cache_folder` (default `<model cache dir>/speculation`), else measured now.
-    """
-    batches = sorted({b for b in CALIBRATION_BATCHES if b <= max_batch_size} | {max_batch_size})
-    folder, key = _curve_location(model_config, dtype, device, cache_folder)
-    return load_or_calibrate(folder, key, engine.time_forwards, batches=batches)
 
 
 def length_class(history: Sequence[int], population: Sequence[int]) -> str:

@@ -1,1 +1,24 @@
-"""swarm."""
+"""The swarm: everything that talks to hivemind (p2pd, the DHT) lives here, nothing else in hivespec does.
+
+The rest of the node sees `Gossip` (publish a signed body under a topic and slot, fetch or wait
+for others'), never a hivemind type; import-linter holds that line (`pyproject.toml`). Only
+`hivespec doctor`'s network checks import hivemind outside this package, on purpose.
+
+- `gossip.py`: `Gossip` (hivemind `P2P` + `DHTNode` on a private event-loop thread: index
+  records in the DHT, bodies over a stream; `from_config` reads the `swarm` section),
+  `Fetched`, `GossipError`.
+- `transfer.py`: the body stream "hivespec.rollouts.v1" (request by sha256; the length and the
+  hash are checked against the announced ones), `BadBody`.
+- `dht_guard.py`: `AnnounceValidator` (a hivemind `RecordValidatorBase` for our index records)
+  and `harden` (size and shape checks on hivemind's own DHT requests and replies).
+- `bootstrap.py`: where to join from (`bootstrap_candidates`: config, env, peers file,
+  `PeerCache`), `Joiner`, `HomeLock` / `IdentityInUse` (one process per home),
+  `load_private_swarm`.
+- `nat.py`: behind NAT: `start_p2pd`, relay and circuit addresses, `ReachService` /
+  `check_reachability` (peers measure our reachability).
+- `peers.py`: `PeerScores` (gossipsub v1.1-style scores, saved in the home).
+- `supervisor.py`: `GossipSupervisor` (probes the gossip each round, rebuilds a dead one with
+  `Backoff`).
+
+`node/build.py` builds every process's gossip the same way (`make_gossip`).
+"""

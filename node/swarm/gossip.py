@@ -33,7 +33,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
@@ -64,6 +64,9 @@ from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import rollout_round_key, topic_key
 from hivespec.protocol.limits import DEFAULT_LIMITS, MIB, Limits
 from hivespec.protocol.private import PrivateSwarm
+
+if TYPE_CHECKING:
+    from hivespec.node.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +202,49 @@ class Gossip:
 
     # ----- lifecycle -------------------------------------------------------------------------
 
+
+    @classmethod
+    def from_config(
+        cls,
+        swarm: SwarmConfig,
+        identity: Identity,
+        *,
+        bootstrap: Sequence[tuple[str, str]],
+        peer_cache: PeerCache | None,
+        p2p_identity_path: str | None,
+        private: PrivateSwarm | None,
+        peers: PeerScores | None = None,
+        keep_rounds: int = 8,
+        require_peers: bool | None = None,
+    ) -> Self:
+        """A gossip (not started) with the `swarm` section's settings: name, address, bootstrap timing, NAT, record TTL.
+
+        What lives in files under the node's home (bootstrap candidates with the peers file and
+        the peer cache, the libp2p key, the private swarm's allowlist and secret) comes in read
+        already: `build.make_gossip` reads it, so every process joins the same way.
+        `require_peers` overrides `swarm.require_peers` (a bootstrap peer, the first one up, never
+        requires any). `keep_rounds` is how many rounds' bodies are kept to serve.
+        """
+        return cls(
+            identity,
+            swarm=swarm.swarm,
+            host=swarm.host,
+            port=swarm.port,
+            bootstrap=bootstrap,
+            peer_cache=peer_cache,
+            bootstrap_timeout=swarm.bootstrap_timeout,
+            rebootstrap_interval=swarm.rebootstrap_interval,
+            require_peers=swarm.require_peers if require_peers is None else require_peers,
+            announce_maddrs=swarm.announce_maddrs,
+            use_relay=swarm.use_relay,
+            use_auto_relay=swarm.use_auto_relay,
+            nat_port_map=swarm.nat_port_map,
+            p2p_identity_path=p2p_identity_path,
+            record_ttl=swarm.record_ttl,
+            peers=peers,
+            private=private,
+            keep_rounds=keep_rounds,
+        )
     def start(self) -> None:
         """Spawn p2pd, start the DHT and bootstrap; raises GossipError if that fails within `start_timeout`.
 

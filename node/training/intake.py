@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -32,6 +32,10 @@ from hivespec.node.training.store import RolloutStore, StoredRollout
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.rollout import Rollout, decode_batch
+
+if TYPE_CHECKING:
+    from hivespec.node.config import TrainConfig
+    from hivespec.protocol.private import PrivateSwarm
 
 log = logging.getLogger(__name__)
 _PRUNE_EVERY = 256  # admissions between prunes of the replay log
@@ -112,6 +116,43 @@ class Intake:
         self.counters = IntakeCounters()
         self._prompt_cache: dict[str, tuple[int, ...]] = {}
 
+    @classmethod
+    def from_config(
+        cls,
+        train: TrainConfig,
+        *,
+        fingerprint: str,
+        vocab_size: int,
+        tasks: TaskSource,
+        tokenizer,
+        store: RolloutStore,
+        private: PrivateSwarm | None,
+    ) -> Intake:
+        """An intake with the `train` section's staleness window; a private swarm admits its allowlist's authors only."""
+        return cls(
+            fingerprint=fingerprint, vocab_size=vocab_size, tasks=tasks, tokenizer=tokenizer, store=store,
+            staleness_rounds=train.staleness_rounds, staleness_versions=train.staleness_versions,
+            allowlist=private.allowlist if private is not None else None,
+        )
+
+    def _round_stale(self, round_index: int, current_round: int) -> bool:
+        return round_index < current_round - self.staleness_rounds
+
+    def _version_stale(self, policy_version: int, current_version: int | None) -> bool:
+        window = self.staleness_versions
+        return window is not None and current_version is not None and policy_version < current_version - window
+
+    def still_fresh(self, round_index: int, policy_version: int, *, current_round: int, current_version: int | None) -> bool:
+        """Whether an admitted rollout may still be trained on: inside the round and policy-version windows.
+
+        The staleness policy has one owner, this class: `admit` ignores batches outside the
+        windows, and the runtime asks this before it trains on a rollout admitted rounds ago. A
+        `policy_version` below 0 (not known) passes the version window.
+        """
+        if self._round_stale(round_index, current_round):
+            return False
+        return policy_version < 0 or not self._version_stale(policy_version, current_version)
+
     def admit(self, announced_by: str, data: bytes, *, current_round: int, current_version: int | None = None) -> Admission:
         """Run every check on one envelope; never raises on bad input.
 
@@ -151,14 +192,13 @@ class Intake:
             return Admission("ignore", AdmissionReason.FINGERPRINT, f"{batch.fingerprint} != ours {self.fingerprint}", author)
         if batch.round > current_round + 1:
             return Admission("reject", AdmissionReason.FUTURE, f"round {batch.round} while we are at {current_round}", author)
-        if batch.round < current_round - self.staleness_rounds:
+        if self._round_stale(batch.round, current_round):
             return Admission("ignore", AdmissionReason.STALE, f"round {batch.round} < {current_round} - {self.staleness_rounds}", author)
         window = self.staleness_versions
-        if window is not None and current_version is not None:
-            if batch.policy_version > current_version + window:
-                return Admission("reject", AdmissionReason.FUTURE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
-            if batch.policy_version < current_version - window:
-                return Admission("ignore", AdmissionReason.STALE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
+        if window is not None and current_version is not None and batch.policy_version > current_version + window:
+            return Admission("reject", AdmissionReason.FUTURE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
+        if self._version_stale(batch.policy_version, current_version):
+            return Admission("ignore", AdmissionReason.STALE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
         usable: list[Rollout] = []
         unregenerable: Counter = Counter()
         for rollout in batch.rollouts:

@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ from hivespec.kernels.importance import (
     importance_weights,
 )
 from hivespec.kernels.logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from hivespec.node.config import TrainConfig
 
 OWN = "own"
 
@@ -84,6 +87,14 @@ class ImportanceSettings:
             raise ValueError("clip=None leaves weights unbounded unless mask='token'; set clip (e.g. 2.0)")
         if self.veto is not None and not 0.0 < self.veto < 1.0:
             raise ValueError(f"veto must be in (0, 1) or None, got {self.veto}; 1e-4 is a common choice")
+
+    @classmethod
+    def from_config(cls, train: TrainConfig) -> ImportanceSettings:
+        """The `train` section's tis_* fields and importance_sampling."""
+        return cls(
+            enabled=train.importance_sampling, clip=train.tis_clip, mask=train.tis_mask,
+            mask_low=train.tis_mask_low, mask_high=train.tis_mask_high, veto=train.tis_veto,
+        )
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,28 @@ class Trainer:
         self.between_micro_batches: Callable[[int, int], None] | None = None
         self.optimizer_steps_in_call = 0
 
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, train: TrainConfig, *, temperature: float, autocast_dtype: torch.dtype | None) -> Trainer:
+        """A trainer with the `train` section's optimizer, importance and PPO settings.
+
+        `temperature` must be the one the rollouts were sampled at (`rollout.temperature`): the
+        trainer's log-probs are taken under it. `autocast_dtype` is precision's choice for the
+        trainer (None: float32 forwards).
+        """
+        return cls(
+            model,
+            learning_rate=train.learning_rate,
+            weight_decay=train.weight_decay,
+            max_grad_norm=train.max_grad_norm,
+            importance=ImportanceSettings.from_config(train),
+            ppo_epochs=train.ppo_epochs,
+            clip_epsilon=train.clip_epsilon,
+            kl_coef=train.kl_coef,
+            micro_batch_size=train.micro_batch_size,
+            temperature=temperature,
+            autocast_dtype=autocast_dtype,
+        )
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
         """One policy update (``ppo_epochs`` optimizer steps) over ``samples``.
 

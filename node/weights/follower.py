@@ -1,12 +1,4 @@
-"""Following a leader's policy through its published deltas, and the leader's side that publishes them.
-
-A leader (a node with `sync.publish` on) publishes, after every step, over gossip:
-- "delta": the chunks of the step's delta (the very bytes its own engine applied), chunk i of
-  the delta producing version v at slot `delta_slot(v, i)`;
-- "snapshot": every `snapshot_every` versions, the cumulative delta from the base checkpoint
-  (version 0, which every node loads) to the current weights, chunked the same way. A snapshot
-  is a delta like any other, so it is as sparse as the run has been and needs no new format;
-- "head" (slot 0): the latest version, its weights hash and the latest snapshot's version.
+"""Following a leader's policy through its published deltas (`publisher.py` is the leader's side).
 
 A follower loads the same base checkpoint, keeps a copy of its bits, and on every `poll` reads
 the leader's head, then fetches and applies the missing versions in order (chunks that arrive
@@ -23,101 +15,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
-from hivespec.node.config import NodeConfig, node_home
-from hivespec.node.identity_file import load_or_create_identity
-from hivespec.node.model.engine import TorchEngine
-from hivespec.node.model.loader import configure_threads, load_model
-from hivespec.node.model.precision import follower_engine_dtype
 from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.weights.publisher import DELTA_TOPIC, HEAD_SLOT, HEAD_TOPIC, SNAPSHOT_TOPIC, base_state
 from hivespec.node.weights.sync import EngineWeights
-from hivespec.protocol.delta import (
-    PolicyHead,
-    TensorBits,
-    TensorDelta,
-    WeightDelta,
-    decode_head,
-    encode_head,
-    read_header,
-)
-from hivespec.protocol.delta_encode import encode_delta
-from hivespec.protocol.envelope import Kind, open_envelope, seal
-from hivespec.protocol.identity import Identity
+from hivespec.protocol.delta import PolicyHead, decode_head, read_header
+from hivespec.protocol.envelope import Kind, open_envelope
 from hivespec.protocol.keys import delta_slot
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger(__name__)
-
-DELTA_TOPIC, SNAPSHOT_TOPIC, HEAD_TOPIC = "delta", "snapshot", "head"
-HEAD_SLOT = 0
-
-
-def cumulative_delta(base: Mapping[str, TensorBits], base_hash: bytes, base_version: int, engine: EngineWeights) -> WeightDelta:
-    """The delta from saved base weights to the engine's current ones (a snapshot)."""
-    tensors = []
-    for name, current in engine.state.items():
-        old, new = base[name].bits.reshape(-1), current.bits.reshape(-1)
-        indices = np.flatnonzero(old != new)
-        if indices.size:
-            tensors.append(TensorDelta(name, tuple(current.bits.shape), current.dtype, indices, new[indices].copy()))
-    return WeightDelta(base_version, engine.version, base_hash, engine.hash, tuple(tensors))
-
-
-def _base_state(engine: EngineWeights, bits: Mapping[str, np.ndarray]) -> dict[str, TensorBits]:
-    return {name: TensorBits(t.dtype, bits[name]) for name, t in engine.state.items()}
-
-
-class PolicyPublisher:
-    """The leader's side: publishes each step's delta chunks, periodic snapshots and the head."""
-
-    def __init__(self, gossip: Gossip, identity: Identity, engine: EngineWeights, *, snapshot_every: int = 8, limits: Limits = DEFAULT_LIMITS) -> None:
-        if snapshot_every < 1:
-            raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
-        self.gossip, self.identity, self.engine = gossip, identity, engine
-        self.snapshot_every = snapshot_every
-        self.limits = limits
-        self.base_version, self.base_hash = engine.version, engine.hash
-        self.base_bits = engine.snapshot_bits()
-        self.snapshot_version = engine.version
-        self._seq = time.time_ns() // 1000
-
-    def _publish(self, topic: str, slot: int, body: bytes) -> None:
-        self._seq += 1
-        self.gossip.publish(slot, seal(self.identity, Kind.DELTA, self._seq, body), topic=topic)
-
-    def publish_step(self, version: int, chunks: Sequence[bytes]) -> None:
-        """Publish the chunks that took the engine to `version` (already applied), maybe a snapshot, then the head."""
-        if version != self.engine.version:
-            raise ValueError(f"publish the delta the engine applied last: engine is at {self.engine.version}, got {version}")
-        self.publish_delta(version, chunks)
-        if version % self.snapshot_every == 0:
-            self.publish_snapshot()
-        self.publish_head()
-
-    def publish_delta(self, version: int, chunks: Sequence[bytes]) -> None:
-        for i, chunk in enumerate(chunks):
-            self._publish(DELTA_TOPIC, delta_slot(version, i), chunk)
-
-    def publish_snapshot(self) -> int:
-        """Publish the cumulative delta base -> current weights; returns its chunk count."""
-        if self.engine.version == self.base_version:
-            return 0
-        delta = cumulative_delta(_base_state(self.engine, self.base_bits), self.base_hash, self.base_version, self.engine)
-        chunks = encode_delta(delta, _base_state(self.engine, self.base_bits), limits=self.limits)
-        for i, chunk in enumerate(chunks):
-            self._publish(SNAPSHOT_TOPIC, delta_slot(delta.version, i), chunk)
-        self.snapshot_version = delta.version
-        log.info("published snapshot of version %d: %d chunks, %d bytes", delta.version, len(chunks), sum(map(len, chunks)))
-        return len(chunks)
-
-    def publish_head(self) -> None:
-        head = PolicyHead(self.engine.version, self.engine.hash, self.snapshot_version)
-        self._publish(HEAD_TOPIC, HEAD_SLOT, encode_head(head))
 
 
 @dataclass
@@ -212,7 +121,7 @@ class Follower:
         chunks = self._fetch(SNAPSHOT_TOPIC, version)
         if chunks is None:
             return False
-        verdict, delta = self.engine.decode(chunks, base=_base_state(self.engine, self.base_bits), base_hash=self.base_hash)
+        verdict, delta = self.engine.decode(chunks, base=base_state(self.engine, self.base_bits), base_hash=self.base_hash)
         self._chunks.pop((SNAPSHOT_TOPIC, version), None)
         if verdict.ok and delta is not None:
             self.engine.restore(self.base_bits, version=self.base_version, digest=self.base_hash)
@@ -266,42 +175,19 @@ class Follower:
             del self._chunks[key]
 
 
-def run_follower(
-    config: NodeConfig,
-    leader: str,
+def follow(
+    follower: Follower,
     *,
+    poll_interval: float,
     until_version: int | None = None,
     on_report: Callable[[FollowReport, Follower], None] | None = None,
 ) -> Follower:
-    """`hivespec follow`: load the base checkpoint, join the swarm and mirror `leader` until `until_version` (or forever).
-
-    Builds its engine copy the way a leader does (config.model loaded in fp32, cast to
-    config.model.engine_dtype) and its own gossip; returns the follower after the last poll,
-    its gossip shut down.
-    """
-    configure_threads(config.model.threads)
-    home = node_home(config)
-    home.mkdir(parents=True, exist_ok=True)
-    identity = load_or_create_identity(home / "identity.key")
-    model = load_model(
-        config.model.name, dtype=torch.float32, device=config.model.device,
-        revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
-    )
-    dtype = follower_engine_dtype(config, model.config)
-    model = model.to(dtype).eval()
-    engine = EngineWeights(TorchEngine(model).sync_parameters())
-    gossip = Gossip(identity, swarm=config.swarm.swarm, host=config.swarm.host, port=config.swarm.port,
-                    initial_peers=config.swarm.initial_peers, record_ttl=config.swarm.record_ttl)
-    gossip.start()
-    follower = Follower(gossip, engine, leader, fetch_timeout=config.sync.fetch_timeout, max_lag=config.sync.max_lag)
-    try:
-        while until_version is None or engine.version < until_version:
-            report = follower.poll()
-            if on_report is not None:
-                on_report(report, follower)
-            if until_version is not None and engine.version >= until_version:
-                break
-            time.sleep(config.sync.poll_interval)
-    finally:
-        gossip.shutdown()
+    """Poll `follower` every `poll_interval` seconds until its engine reaches `until_version` (or forever)."""
+    while until_version is None or follower.engine.version < until_version:
+        report = follower.poll()
+        if on_report is not None:
+            on_report(report, follower)
+        if until_version is not None and follower.engine.version >= until_version:
+            break
+        time.sleep(poll_interval)
     return follower

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hivespec.node.build import build_node
 from hivespec.node.config import load_config
-from hivespec.node.runtime import build_node
 
 ROOT = Path(__file__).resolve().parents[2]
 SWARM = "test-mallory"

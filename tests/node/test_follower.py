@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.node.swarm.gossip import Gossip
-from hivespec.node.weights.follower import DELTA_TOPIC, Follower, PolicyPublisher
+from hivespec.node.weights.follower import Follower
+from hivespec.node.weights.publisher import DELTA_TOPIC, PolicyPublisher
 from hivespec.node.weights.sync import EngineWeights, WeightSync
 from hivespec.protocol.delta import state_hash
 from hivespec.protocol.identity import Identity

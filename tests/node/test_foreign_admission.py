@@ -66,6 +66,8 @@ def _selector(pending, *, fraction=0.5):
     node.config = NodeConfig()
     node.config.train.foreign_fraction = fraction
     node.trainer = _Trainer()
+    node.intake = Intake.from_config(node.config.train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
+                                     store=RolloutStore(":memory:"), private=None)
     node._pending = list(pending)
     return node
 

@@ -8,19 +8,15 @@ import torch
 from hivespec.node.config import SpeculationConfig
 from hivespec.node.model.engine import GenerationRequest, SamplingParams, SpeculationStats, TorchEngine
 from hivespec.node.model.loader import load_model
-from hivespec.node.speculation.drafter import Draft, SuffixDrafter
-from hivespec.node.speculation.policy import (
-    CurveCalibration,
-    LengthAwarePolicy,
+from hivespec.node.speculation.curve import (
     VerifyCostCurve,
-    build_speculation,
     calibrate_verify_cost,
     calibration_batches,
-    length_class,
     load_or_calibrate,
-    rebuild_drafter,
     wider_pays,
 )
+from hivespec.node.speculation.drafter import Draft, SuffixDrafter
+from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation, length_class, rebuild_drafter
 from hivespec.node.training.store import RolloutStore, StoredRollout
 from hivespec.protocol.rollout import Rollout
 

@@ -11,8 +11,9 @@ import textwrap
 import psutil
 import pytest
 
-from hivespec.node.supervise import Backoff, GossipSupervisor, Watchdog, is_out_of_memory
+from hivespec.node.supervise import Watchdog, is_out_of_memory
 from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.swarm.supervisor import Backoff, GossipSupervisor
 from hivespec.protocol.identity import Identity
 
 

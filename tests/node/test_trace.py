@@ -160,7 +160,7 @@ def test_replay_predicts_the_engine_forwards_under_a_uniform_budget(tiny_model) 
 
 
 def test_nodes_record_own_and_accepted_foreign_rollouts(tmp_path: Path) -> None:
-    from hivespec.node.runtime import build_node
+    from hivespec.node.build import build_node
 
     def node(name: str, peers: list[str]):
         config = load_config("tiny", overrides={

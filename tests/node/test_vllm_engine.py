@@ -107,7 +107,7 @@ def test_importing_the_module_and_building_a_native_node_never_imports_vllm(tmp_
         sys.meta_path.insert(0, Guard())
         import hivespec.node.model.vllm_engine
         from hivespec.node.config import load_config
-        from hivespec.node.runtime import build_node
+        from hivespec.node.build import build_node
 
         config = load_config("tiny", overrides={{
             "home": {json.dumps(str(tmp_path / "home"))}, "status.enabled": "false", "speculation.enabled": "false",
@@ -150,7 +150,7 @@ def test_vllm_without_cuda_names_the_cuda_requirement() -> None:
 
 
 def test_build_node_with_the_vllm_engine_fails_before_loading_anything(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from hivespec.node.runtime import build_node
+    from hivespec.node.build import build_node
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     config = load_config("tiny", overrides={"home": str(tmp_path / "home"), "model.engine": "vllm", "status.enabled": "false"})
