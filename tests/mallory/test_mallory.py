@@ -55,7 +55,7 @@ def test_mallory_gets_nothing_in_and_honest_nodes_keep_training(tmp_path: Path) 
     mallory_proc = None
     try:
         r0 = rounds_together([honest, victim], 0)
-        assert r0[1].accepted > 0  # the victim trains on the honest node's rollouts
+        assert r0[1].admissions.accepted > 0  # the victim trains on the honest node's rollouts
 
         out = tmp_path / "mallory.json"
         command = [sys.executable, "-P", str(ROOT / "tests/mallory/mallory.py"), honest.gossip.visible_maddrs[0], SWARM,
