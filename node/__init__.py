@@ -10,7 +10,9 @@ At the top:
   `load_config`, `ConfigError`, `InputError`.
 - `build.py`: the composition root: `build_node`, `open_follower`, `open_bootstrap_peer`, all
   with gossip from `make_gossip(config.swarm, ...)` (`GossipFactory`).
-- `runtime.py`: `Node` and its round loop (`run`, `run_round`), `RoundReport`.
+- `runtime.py`: `Node` and its round loop (`run`, `run_round`); the round's steps live in
+  `own_rollouts.py` (`make_rollouts`), `exchange.py` (`RoundExchange`: publish and collect),
+  `progress.py` (`RoundProgress`) and the subpackages; `report.py`: `RoundReport` and its row.
 - `cli.py`: the `hivespec` command; `demo.py`: N local nodes; `doctor.py`: `hivespec doctor`;
   `inputs.py`: swarm inputs checked before anything heavy starts.
 - `supervise.py`: `Watchdog`, out-of-memory split-and-retry; `faults.py`: fault points for

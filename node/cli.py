@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hivespec.node.config import ConfigError, InputError, NodeConfig, describe, load_config, node_home, parse_override
+from hivespec.node.report import format_bytes, format_report_line
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
@@ -115,11 +116,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
-PARENT_ENV = "HIVESPEC_DEMO_PARENT"  # pid of the demo parent that started this node
-
-
 def _stop_with_parent() -> None:
     """A demo node: SIGTERM (a stop at the next safe point) when the demo parent dies (Linux prctl)."""
+    from hivespec.node.demo import PARENT_ENV
+
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
@@ -256,7 +256,7 @@ def cmd_follow(args: argparse.Namespace) -> int:
         if report.applied or report.snapshot is not None or report.rejected:
             got = (f"snapshot {report.snapshot} + " if report.snapshot is not None else "") + f"deltas {report.applied}"
             print(
-                f"version {report.version} (leader {report.leader_version}): {got}, {_fmt_bytes(report.delta_bytes)} "
+                f"version {report.version} (leader {report.leader_version}): {got}, {format_bytes(report.delta_bytes)} "
                 f"in {report.seconds:.1f}s, weights {follower.engine.hash.hex()[:16]}"
                 + (f"; rejected {report.rejected}" if report.rejected else ""),
                 flush=True,
@@ -415,37 +415,6 @@ class _EventLog:
     def write(self, event: dict) -> None:
         self._file.write(json.dumps({"t": time.time(), **event}) + "\n")
         self._file.flush()
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1000
-    return f"{n:.1f}GB"
-
-
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-REPORT_HEADER = (
-    f"{'rnd':>3} {'node':<16} {'made':>4} {'recv':>4} {'acc':>4} {'rej':>3} {'reward':>6} {'peer_r':>6} "
-    f"{'w_own':>5} {'w_peer':>6} {'w_max':>5} {'kept':>4} {'delta / dense':>18} {'time':>6}"
-)
-
-
-def format_report_line(r: dict) -> str:
-    """One fixed-width row per node per round (see REPORT_HEADER)."""
-    # A node without followers codes no delta: it shows the share of its engine's weights that changed.
-    delta = (f"{_fmt_bytes(r['delta_bytes'])}/{_fmt_bytes(r['dense_bytes'])}" if r["delta_bytes"]
-             else f"{r['delta_density']:.1%} changed")
-    return (
-        f"{r['round']:>3} {r['node'][:16]:<16} {r['made']:>4} {r['received']:>4} {r['accepted']:>4} {r['rejected']:>3} "
-        f"{r['reward_mean']:>6.2f} {_fmt(r['foreign_reward_mean']):>6} {_fmt(r['own_weight_mean'], '.3f'):>5} "
-        f"{_fmt(r['foreign_weight_mean'], '.3f'):>6} {_fmt(r['foreign_weight_max'], '.2f'):>5} {_fmt(r['foreign_kept'], '.2f'):>4} "
-        f"{delta:>18} {r['seconds'].get('round', 0):>5.1f}s"
-    )
 
 
 class _Parser(argparse.ArgumentParser):

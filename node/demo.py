@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from hivespec.node.cli import PARENT_ENV, REPORT_HEADER, format_report_line
 from hivespec.node.config import NodeConfig
+from hivespec.node.report import REPORT_HEADER, format_report_line
 
 # A node is ready once its model is loaded and gossip is up (seconds to a minute on a busy
 # 2-core CPU); speculation's calibration runs later, inside the first round. A crashed child
@@ -33,6 +33,7 @@ READY_TIMEOUT_S = 300.0
 STATUS_EVERY_S = 10.0  # a status line per node at least this often while the demo waits
 STOP_GRACE_S = 60.0  # after a stop, how long the nodes get to reach a safe point and save
 TRACE_KEY = "speculation.trace_file"
+PARENT_ENV = "HIVESPEC_DEMO_PARENT"  # pid of the demo parent that started this node (see `cli._stop_with_parent`)
 
 
 @dataclass

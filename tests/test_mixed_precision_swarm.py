@@ -57,17 +57,17 @@ def test_float32_and_bfloat16_engines_train_on_each_others_rollouts(tmp_path: Pa
         assert not errors, errors
         for me, rounds in zip(nodes, reports, strict=True):
             assert len(rounds) == 2, me.name
-            assert all(r.rejected == 0 and r.engine_mismatch == 0 for r in rounds), me.name
-            assert sum(r.accepted for r in rounds) > 0, f"{me.name} accepted no rollouts from the other dtype"
-            trained = [r for r in rounds if r.foreign_used > 0]
+            assert all(r.admissions.rejected == 0 and r.engine_mismatch == 0 for r in rounds), me.name
+            assert sum(r.admissions.accepted for r in rounds) > 0, f"{me.name} accepted no rollouts from the other dtype"
+            trained = [r for r in rounds if r.train.foreign_samples > 0]
             assert trained, f"{me.name} never trained on a foreign rollout"
             for report in trained:
-                assert math.isfinite(report.loss)
-                foreign = report.importance_foreign
-                assert foreign is not None and foreign["tokens"] > 0
+                assert math.isfinite(report.train.loss)
+                foreign = report.train.foreign
+                assert foreign is not None and foreign.tokens > 0
                 # Other-dtype numerics are a small correction, not a reason to drop the data.
-                assert foreign["kept_fraction"] >= 0.5, (me.name, foreign)
-                assert 0.5 <= foreign["mean_weight"] <= 2.0, (me.name, foreign)
+                assert foreign.kept_fraction >= 0.5, (me.name, foreign)
+                assert 0.5 <= foreign.mean_weight <= 2.0, (me.name, foreign)
     finally:
         for n in nodes:
             n.close()

@@ -10,7 +10,9 @@ changes a completion; this package only decides how many tokens each row drafts.
   `load_or_calibrate`, `device_verify_cost`).
 - `policy.py`: `LengthAwarePolicy` (per-row draft caps from length classes, the step width
   that pays), `UniformPolicy`, `RowPlan`, `SpeculationPolicy`; `CurveCalibration` (measures
-  the curve while the node would sit idle); `build_speculation` and `rebuild_drafter`.
+  the curve while the node would sit idle); `build_speculation`.
+- `feed.py`: `DrafterFeed`, the one path into the drafter (own rollouts, accepted foreign ones, the
+  start-up rebuild from the journal), tracing included.
 - `trace.py`: `TraceWriter` / `read_trace` (what a node fed its drafter, as JSON lines) and
   `replay` (feeds a trace through the drafter alone, for benchmarks).
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,11 +39,9 @@ from hivespec.node.speculation.curve import (
     wider_pays,
     write_cached_curve,
 )
-from hivespec.protocol.rollout import decode_rollout
 
 if TYPE_CHECKING:
     from hivespec.node.config import SpeculationConfig
-    from hivespec.node.model.engine import TorchEngine
     from hivespec.node.speculation.drafter import Draft, SuffixDrafter
     from hivespec.node.training.store import RolloutStore
 
@@ -55,7 +53,6 @@ __all__ = [
     "UniformPolicy",
     "build_speculation",
     "length_class",
-    "rebuild_drafter",
 ]
 
 log = logging.getLogger(__name__)
@@ -108,25 +105,24 @@ def describe_curve(policy: LengthAwarePolicy) -> str:
     )
 
 
-def rebuild_drafter(drafter: SuffixDrafter, store: RolloutStore, limit: int, *, up_to_rowid: int | None = None) -> int:
-    """Replay the `limit` most recent stored rollouts (own and accepted foreign) into the drafter, oldest first.
+class ForwardTimer(Protocol):
+    """What calibration needs of an engine: `TorchEngine.time_forwards` (named here so speculation never imports the engine)."""
 
-    `up_to_rowid` stops at that journal row (see `build_speculation`). Returns how many were replayed; rows whose payload no longer decodes are skipped (logged).
-    """
-    replayed = 0
-    for row in reversed(store.recent(limit, up_to_rowid=up_to_rowid)):
-        verdict, rollout = decode_rollout(row.payload)
-        if rollout is None:
-            log.debug("drafter rebuild: skipping a stored rollout that does not decode (%s)", verdict.reason)
-            continue
-        drafter.observe(rollout.prompt_ids.tolist(), rollout.completion_ids.tolist())
-        replayed += 1
-    return replayed
+    def time_forwards(
+        self,
+        batch: int,
+        widths: Sequence[int],
+        *,
+        context: int = ...,
+        rounds: int = ...,
+        warm_up: Sequence[int] | None = ...,
+        wider_pays: Callable[[int, float], bool] | None = ...,
+    ) -> list[float]: ...
 
 
 def build_speculation(
     config: SpeculationConfig,
-    engine: TorchEngine,
+    engine: ForwardTimer,
     store: RolloutStore | None,
     *,
     model_config: object,
@@ -147,6 +143,7 @@ def build_speculation(
     again (with them it would draft differently, and fp32 log-probs differ by forward width).
     """
     from hivespec.node.speculation.drafter import SuffixDrafter
+    from hivespec.node.speculation.feed import DrafterFeed
 
     drafter = SuffixDrafter(
         window=config.window,
@@ -156,7 +153,7 @@ def build_speculation(
         spec_factor=config.spec_factor,
     )
     if store is not None and config.rebuild_rollouts:
-        replayed = rebuild_drafter(drafter, store, config.rebuild_rollouts, up_to_rowid=journal_rowid)
+        replayed = DrafterFeed(drafter).replay(store, config.rebuild_rollouts, up_to_rowid=journal_rowid)
         log.info("drafter rebuilt from %d stored rollouts%s", replayed, "" if journal_rowid is None else " (up to the checkpoint)")
     folder, key = curve_location(model_config, dtype, device, cache_folder)
     curve, wanted = load_cached_curve(folder, key, calibration_batches(max_batch_size))

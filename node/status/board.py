@@ -1,7 +1,10 @@
 """Node telemetry: what the round loop reports, turned into status snapshots (protocol's schema).
 
 `StatusBoard` keeps each `RoundReport`, every admission (per-peer tallies) and the phase, and
-builds a `StatusSnapshot` on demand, reading the live counters of gossip, intake and the store.
+builds a `StatusSnapshot` on demand. It never holds the node: it is given `NodeFacts` (what does
+not change while the node runs) and `BoardSources`, narrow read-only views of the live parts
+(gossip's counters and swarm state, the peer scores, intake's counters, the store's counts, the
+trainer's version), each a callable its owner answers under its own lock or as a copy.
 `RunControl` is the pause/resume/stop switch the round loop checks between rounds; `LogBuffer`
 keeps the node's recent WARNING-or-worse records. `node/status/server.py` serves all of it.
 
@@ -16,8 +19,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hivespec.protocol.codec import safe_unpack
@@ -40,8 +43,9 @@ from hivespec.protocol.status import (
 )
 
 if TYPE_CHECKING:
-    from hivespec.node.runtime import Node, RoundReport
-    from hivespec.node.training.intake import Admission
+    from hivespec.node.model.precision import PrecisionPlan
+    from hivespec.node.report import RoundReport
+    from hivespec.node.training.intake import Admission, IntakeCounters
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +156,66 @@ class _BoardState:
     oom_retries: int = 0
 
 
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a snapshot says about the node that does not change while it runs."""
+
+    name: str
+    peer_id: str
+    swarm: str
+    model: str
+    device: str
+    rounds_target: int
+    precision: Mapping[str, str] = field(default_factory=dict)  # NodeInfo's engine_dtype / train_precision fields and reasons
+
+    @staticmethod
+    def precision_fields(plan: PrecisionPlan | None) -> dict[str, str]:
+        """NodeInfo's engine_dtype and train_precision, each with its reason, from a `PrecisionPlan` (None: {})."""
+        if plan is None:
+            return {}
+        return {
+            "engine_dtype": plan.engine.label,
+            "engine_dtype_reason": f"{plan.engine.source}: {plan.engine.reason}"[:1000],
+            "train_precision": plan.trainer.label,
+            "train_precision_reason": f"{plan.trainer.source}: {plan.trainer.reason}"[:1000],
+        }
+
+
+def _nothing() -> dict:
+    return {}
+
+
+def _no_counters() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class BoardSources:
+    """Read-only views of a node's live parts, called from the status server's threads.
+
+    Each returns a copy its owner took under its own lock (peer scores, store counts) or a live
+    object the board copies defensively (gossip's counters, intake's counters: a copy racing an
+    insert is retried). Any of them may raise while its part is down or being rebuilt; the
+    snapshot then shows that part empty.
+    """
+
+    policy_version: Callable[[], int]
+    gossip_stats: Callable[[], Mapping[str, int]] = _nothing  # Gossip.stats(): bytes in/out, bodies, ...
+    swarm_status: Callable[[], Mapping[str, Any]] = _nothing  # Gossip.status(): reachability, solo, private, maddrs
+    peer_scores: Callable[[], Mapping[str, Mapping]] = _nothing  # PeerScores.snapshot() by peer id ({} when not kept)
+    intake_counters: Callable[[], IntakeCounters | None] = _no_counters  # Intake.counters
+    store_counts: Callable[[], Mapping[str, int]] = _nothing  # RolloutStore.counts()
+
+
 class StatusBoard:
     """What the round loop reports, turned into `StatusSnapshot`s on demand (thread-safe)."""
 
-    def __init__(self, node: Node, *, clock: Callable[[], float] = time.time) -> None:
-        self.node = node
+    def __init__(
+        self, facts: NodeFacts, sources: BoardSources, control: RunControl, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.facts = facts
+        self.sources = sources
+        self.control = control
         self.clock = clock
         self.started_at = clock()
         self.logs = LogBuffer()
@@ -168,7 +227,7 @@ class StatusBoard:
     # ----- called by the round loop ------------------------------------------------------
 
     def round_started(self, round_index: int) -> None:
-        stats = _gossip_stats(self.node)
+        stats = _gossip_stats(self.sources)
         with self._lock:
             self._state.phase = "running"
             self._state.round_started_at = self.clock()
@@ -201,9 +260,10 @@ class StatusBoard:
                     tally.name = name
 
     def record_round(self, report: RoundReport) -> None:
-        stats = _gossip_stats(self.node)
+        stats = _gossip_stats(self.sources)
         now = self.clock()
         seconds = report.seconds or {}
+        rollouts = report.rollouts
         rollout_s, round_s = seconds.get("rollout", 0.0), seconds.get("round", 0.0)
         with self._lock:
             bytes_in0, bytes_out0 = self._gossip_mark
@@ -213,25 +273,25 @@ class StatusBoard:
                 policy_version=report.policy_version,
                 seconds=round_s,
                 rollout_seconds=rollout_s,
-                made=report.made,
-                accepted=report.accepted,
-                rejected=report.rejected,
-                reward_mean=report.reward_mean,
-                foreign_reward_mean=report.foreign_reward_mean,
-                loss=report.loss,
-                tokens_generated=report.tokens_generated,
-                tokens_per_second=report.tokens_generated / rollout_s if rollout_s > 0 else None,
-                rollouts_per_minute=60.0 * report.made / round_s if round_s > 0 else None,
+                made=rollouts.made,
+                accepted=report.admissions.accepted,
+                rejected=report.admissions.rejected,
+                reward_mean=rollouts.reward_mean,
+                foreign_reward_mean=report.admissions.reward_mean,
+                loss=report.train.loss,
+                tokens_generated=rollouts.tokens_generated,
+                tokens_per_second=rollouts.tokens_generated / rollout_s if rollout_s > 0 else None,
+                rollouts_per_minute=60.0 * rollouts.made / round_s if round_s > 0 else None,
                 tokens_per_target_forward=report.spec_tokens_per_forward,
                 draft_acceptance=report.spec_acceptance,
                 gossip_bytes_in=max(0, stats.get("bytes_in", 0) - bytes_in0),
                 gossip_bytes_out=max(0, stats.get("bytes_out", 0) - bytes_out0),
-                delta_bytes=report.delta_bytes,
-                delta_density=report.delta_density,
+                delta_bytes=report.sync.delta_bytes,
+                delta_density=report.sync.density,
             )
             self._state.rounds.append(point)
             self._state.last_report = report
-            self._state.oom_retries += report.oom_retries
+            self._state.oom_retries += report.supervision.oom_retries
             if report.checkpoint:
                 self._state.checkpoint = (report.checkpoint, report.round, now)
             self._state.round_started_at = None
@@ -248,7 +308,7 @@ class StatusBoard:
 
     def snapshot(self) -> StatusSnapshot:
         """A consistent snapshot of the node now; safe to call from any thread."""
-        node = self.node
+        facts, sources = self.facts, self.sources
         now = self.clock()
         with self._lock:
             state = self._state
@@ -257,33 +317,32 @@ class StatusBoard:
             tallies = dict(state.peers)
             phase, round_started_at = state.phase, state.round_started_at
             checkpoint, oom_retries = state.checkpoint, state.oom_retries
-        scores = _peer_scores(node) or {p: {"score": v} for p, v in (report.peer_scores if report is not None else {}).items()}
+        scores = _peer_scores(sources) or {p: {"score": v} for p, v in (report.swarm.peer_scores if report is not None else {}).items()}
         peers = [_peer_row(peer_id, tallies.get(peer_id, _PeerTally()), scores.get(peer_id, {}))
                  for peer_id in sorted(set(tallies) | set(scores))]
-        swarm = _gossip_swarm_status(node)
-        control = node.control
+        swarm = _gossip_swarm_status(sources)
+        control = self.control
         if control.stopping and phase != "done":
             phase = "stopping"
         elif control.paused and phase != "done":
             phase = "pausing" if round_started_at is not None else "paused"
         elif phase == "between":
             phase = "running"
-        config = node.config
         maddrs = swarm.get("maddrs")
         if not isinstance(maddrs, list):
             maddrs = []
         if not swarm and report is not None:  # gossip down or being rebuilt: what the last round saw
-            swarm = {"reachability": report.swarm_reachability, "solo": report.swarm_solo}
+            swarm = {"reachability": report.swarm.reachability, "solo": report.swarm.solo}
         reachability = swarm.get("reachability")
         info = NodeInfo(
-            name=node.name,
-            peer_id=node.identity.peer_id,
-            swarm=config.swarm.swarm,
-            model=config.model.name,
-            device=config.model.device,
-            policy_version=node.trainer.version,
+            name=facts.name,
+            peer_id=facts.peer_id,
+            swarm=facts.swarm,
+            model=facts.model,
+            device=facts.device,
+            policy_version=sources.policy_version(),
             round=report.round if report is not None else -1,
-            rounds_target=config.rounds,
+            rounds_target=facts.rounds_target,
             phase=phase,
             paused=control.paused,
             started_at=self.started_at,
@@ -296,12 +355,12 @@ class StatusBoard:
             checkpoint_at=checkpoint[2] if checkpoint else None,
             solo=swarm["solo"] if isinstance(swarm.get("solo"), bool) else None,
             private=swarm["private"] if isinstance(swarm.get("private"), bool) else None,
-            **_precision_fields(node),
+            **facts.precision,
         )
         supervision = SupervisionStatus(
             oom_retries=oom_retries,
-            gossip_restarts=report.gossip_restarts if report is not None else None,
-            watchdog_stalls=report.watchdog_stalls if report is not None else None,
+            gossip_restarts=report.supervision.gossip_restarts if report is not None else None,
+            watchdog_stalls=report.supervision.watchdog_stalls if report is not None else None,
         )
         return StatusSnapshot(
             version=STATUS_VERSION,
@@ -311,9 +370,9 @@ class StatusBoard:
             rounds=rounds,
             trainer=_trainer_status(report),
             sync=_sync_status(report),
-            gossip=_gossip_status(_gossip_stats(node)),
-            intake=_intake_status(node),
-            store=_store_status(node),
+            gossip=_gossip_status(_gossip_stats(sources)),
+            intake=_intake_status(sources),
+            store=_store_status(sources),
             supervision=supervision,
             logs=self.logs.recent(),
         )
@@ -327,19 +386,6 @@ class StatusBoard:
         data = encode_status(self.snapshot())
         self._cache = (now, data)
         return data
-
-
-def _precision_fields(node: Node) -> dict[str, str]:
-    """NodeInfo's engine_dtype and train_precision, each with its reason, from the node's precision plan."""
-    plan = getattr(node, "precision", None)
-    if plan is None:
-        return {}
-    return {
-        "engine_dtype": plan.engine.label,
-        "engine_dtype_reason": f"{plan.engine.source}: {plan.engine.reason}"[:1000],
-        "train_precision": plan.trainer.label,
-        "train_precision_reason": f"{plan.trainer.source}: {plan.trainer.reason}"[:1000],
-    }
 
 
 def _peer_row(peer_id: str, tally: _PeerTally, score: dict) -> PeerRow:
@@ -369,11 +415,11 @@ def _author_name(envelope: bytes, author: str) -> str:
     return readable_name(key)
 
 
-def _gossip_stats(node: Node) -> dict[str, int]:
+def _gossip_stats(sources: BoardSources) -> dict[str, int]:
     # stats() copies counters the gossip thread updates; a copy racing an insert can raise.
     for _ in range(3):
         try:
-            return dict(node.gossip.stats())
+            return dict(sources.gossip_stats())
         except RuntimeError:
             continue
         except Exception:
@@ -382,21 +428,18 @@ def _gossip_stats(node: Node) -> dict[str, int]:
     return {}
 
 
-def _gossip_swarm_status(node: Node) -> dict[str, Any]:
+def _gossip_swarm_status(sources: BoardSources) -> dict[str, Any]:
     """gossip.status(): reachability, solo, private, maddrs; {} while gossip is down."""
     try:
-        return dict(node.gossip.status())
+        return dict(sources.swarm_status())
     except Exception:  # noqa: BLE001 - gossip not started yet, shut down, or being rebuilt
         return {}
 
 
-def _peer_scores(node: Node) -> dict[str, dict]:
+def _peer_scores(sources: BoardSources) -> dict[str, dict]:
     """Per-peer gossip scores by peer id, when the node keeps them."""
-    scores = getattr(node.gossip, "peers", None)
-    if scores is None:
-        return {}
     try:
-        return dict(scores.snapshot())
+        return dict(sources.peer_scores())
     except Exception:
         log.debug("peer scores unavailable", exc_info=True)
         return {}
@@ -408,8 +451,10 @@ def _gossip_status(stats: dict[str, int]) -> GossipStatus:
     return GossipStatus(**{k: ints.get(k, 0) for k in named}, counters=ints)
 
 
-def _intake_status(node: Node) -> IntakeStatus:
-    counters = node.intake.counters
+def _intake_status(sources: BoardSources) -> IntakeStatus:
+    counters = sources.intake_counters()
+    if counters is None:
+        return IntakeStatus()
     for _ in range(3):
         try:
             return IntakeStatus(
@@ -422,9 +467,9 @@ def _intake_status(node: Node) -> IntakeStatus:
     return IntakeStatus(accepted_rollouts=counters.accepted_rollouts)
 
 
-def _store_status(node: Node) -> StoreStatus:
+def _store_status(sources: BoardSources) -> StoreStatus:
     try:
-        counts = node.store.counts()
+        counts = sources.store_counts()
     except Exception:  # noqa: BLE001 - store closed at shutdown
         return StoreStatus()
     return StoreStatus(own=counts.get("own", 0), foreign=counts.get("foreign", 0), total=counts.get("total", 0))
@@ -433,24 +478,24 @@ def _store_status(node: Node) -> StoreStatus:
 def _trainer_status(report: RoundReport | None) -> TrainerStatus:
     if report is None:
         return TrainerStatus()
+    step = report.train
     by_source = report.importance_by_source
-    own = report.trained_samples - report.foreign_used
+    own = step.trained_samples - step.foreign_samples
     sources = [_source_stats("own", by_source["own"]) if "own" in by_source
-               else SourceStats(source="own", samples=own, mean_weight=report.own_weight_mean)]
-    if report.importance_foreign:
-        sources.append(_source_stats("foreign", {**report.importance_foreign, "samples": report.foreign_used}))
-    elif report.foreign_used:
-        sources.append(SourceStats(source="foreign", samples=report.foreign_used, kept_fraction=report.foreign_kept,
-                                   mean_weight=report.foreign_weight_mean, max_weight=report.foreign_weight_max))
+               else SourceStats(source="own", samples=own, mean_weight=step.own.mean_weight if step.own else None)]
+    if step.foreign:
+        sources.append(_source_stats("foreign", {**asdict(step.foreign), "samples": step.foreign_samples}))
+    elif step.foreign_samples:
+        sources.append(SourceStats(source="foreign", samples=step.foreign_samples))
     sources += [_source_stats(peer, stats) for peer, stats in sorted(by_source.items()) if peer != "own"]
     return TrainerStatus(
         step_round=report.round,
-        trained_samples=report.trained_samples,
-        foreign_used=report.foreign_used,
-        foreign_share=report.foreign_used / report.trained_samples if report.trained_samples else None,
-        loss=report.loss,
-        kl=report.kl,
-        ppo_clip_fraction=report.ppo_clip_fraction,
+        trained_samples=step.trained_samples,
+        foreign_used=step.foreign_samples,
+        foreign_share=step.foreign_samples / step.trained_samples if step.trained_samples else None,
+        loss=step.loss,
+        kl=step.kl,
+        ppo_clip_fraction=step.clip_fraction,
         sources=sources,
     )
 
@@ -480,8 +525,8 @@ def _sync_status(report: RoundReport | None) -> SyncStatus:
     if report is None:
         return SyncStatus()
     return SyncStatus(
-        delta_bytes=report.delta_bytes,
-        dense_bytes=report.dense_bytes,
-        density=report.delta_density,
+        delta_bytes=report.sync.delta_bytes,
+        dense_bytes=report.sync.dense_bytes,
+        density=report.sync.density,
         engine_mismatch=report.engine_mismatch,
     )

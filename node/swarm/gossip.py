@@ -504,6 +504,34 @@ class Gossip:
         self._require_started()
         return self._call(self._aannounced_by(topic, round, timeout), timeout + _GRACE_S)
 
+    def swarm_round(self, start: int, *, timeout: float) -> int:
+        """The round to run first: `start`, or the swarm's latest round when peers are already past it.
+
+        A node that joins late, or resumes from a checkpoint while the swarm trained on, would
+        otherwise replay rounds nobody else is in. Probes for other peers' rollout records at
+        start + 1, + 2, + 4, ... then bisects: O(log gap) small DHT reads of `timeout` at most
+        each, no body is fetched. A solo node (no peer answers, or gossip fails) keeps `start`,
+        so a solo resume stays bit-identical to an uninterrupted run.
+        """
+
+        def ahead(round_index: int) -> bool:
+            try:
+                return bool(self.announced_by(round_index, timeout=timeout))
+            except GossipError:
+                return False
+
+        if not ahead(start + 1):
+            return start
+        low, step = start + 1, 2  # low: a round known to have records
+        while ahead(start + step):
+            low, step = start + step, step * 2
+        high = start + step  # no records here
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if ahead(middle) else (low, middle)
+        logger.info("the swarm is at round %d; skipping rounds %d..%d", low, start, low - 1)
+        return low
+
     async def _aannounced_by(self, topic: str, slot: int, timeout: float) -> set[str]:
         return {holder.peer for holder, _ in await self._valid_records(topic_key(self.swarm, topic, slot), timeout)}
 

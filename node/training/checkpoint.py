@@ -253,6 +253,49 @@ def restore_training(checkpoint: Checkpoint, model: torch.nn.Module, optimizer: 
     restore_rng(checkpoint.tensors[RNG_FILE], checkpoint.meta["rng"])
 
 
+@dataclass(frozen=True)
+class RoundStart:
+    """The state at the start of round `round` that a checkpoint records besides weights and optimizer.
+
+    Captured as each round begins (cheap: ids and small dicts, no tensors), so a stop in the
+    middle of the round can save exactly what a save after the previous round would have held.
+    """
+
+    round: int  # the round a resume runs next
+    journal_rowid: int  # the rollout journal's high-water mark (RolloutStore.journal_high_water)
+    pending: tuple[dict, ...]  # foreign rollouts admitted, not trained on: {"author", "round", "hash"} each
+    providers: dict[str, Any]  # registered StateProviders' state, by name
+
+
+def node_meta(
+    start: RoundStart, *, policy_version: int, sync_version: int, fingerprint: str, seed: int, replay_marks: Mapping[str, int]
+) -> dict[str, Any]:
+    """A node checkpoint's manifest metadata: where to resume (`start`) and what must match to resume it."""
+    return {
+        "next_round": start.round,
+        "policy_version": policy_version,
+        "sync_version": sync_version,
+        "fingerprint": fingerprint,
+        "seed": seed,
+        "journal_rowid": start.journal_rowid,
+        "replay_marks": dict(replay_marks),
+        "pending": list(start.pending),
+        "providers": start.providers,
+        "drafter": "rebuilt from the rollout journal up to journal_rowid",
+        # Scores are about peers' behaviour, not training state: never rolled back, only flushed at a save.
+        "peers": "kept in peers.json (node/peers.py)",
+    }
+
+
+def check_fingerprint(checkpoint: Checkpoint, fingerprint: str) -> None:
+    """Raise CheckpointError unless `checkpoint` was made for the model and tokenizer of `fingerprint`."""
+    if checkpoint.meta["fingerprint"] != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was made for model fingerprint {checkpoint.meta['fingerprint']}, this config loads "
+            f"{fingerprint}: run with --no-resume to start from the initial weights, or use another --home"
+        )
+
+
 # ----- files --------------------------------------------------------------------------------
 
 

@@ -80,6 +80,29 @@ class Admission:
         return holder or self.author
 
 
+@dataclass(frozen=True)
+class AdmissionTally:
+    """A round's admissions counted: bodies received, rollouts accepted, bodies rejected and ignored."""
+
+    received: int = 0
+    accepted: int = 0  # rollouts (a body may carry several)
+    rejected: int = 0
+    ignored: int = 0
+    reward_mean: float | None = None  # claimed (and re-verified) reward of the accepted rollouts; None when none
+
+    @classmethod
+    def of(cls, admissions: Sequence[Admission]) -> AdmissionTally:
+        accepted = [a for a in admissions if a.outcome == "accept"]
+        rewards = [r.reward for a in accepted for r in a.rollouts]
+        return cls(
+            received=len(admissions),
+            accepted=sum(len(a.rollouts) for a in accepted),
+            rejected=sum(1 for a in admissions if a.outcome == "reject"),
+            ignored=sum(1 for a in admissions if a.outcome == "ignore"),
+            reward_mean=float(np.mean(rewards)) if rewards else None,
+        )
+
+
 @dataclass
 class IntakeCounters:
     accepted_rollouts: int = 0
@@ -257,8 +280,3 @@ class Intake:
                 self._prompt_cache.clear()
             self._prompt_cache[task.prompt_id] = cached
         return cached
-
-
-def admitted_counts(admissions: Sequence[Admission]) -> Counter:
-    """Outcome counts of a round's admissions, for reports."""
-    return Counter(a.outcome for a in admissions)

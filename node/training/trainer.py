@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -39,6 +39,7 @@ from hivespec.kernels.logprobs import token_logprobs
 
 if TYPE_CHECKING:
     from hivespec.node.config import TrainConfig
+    from hivespec.protocol.rollout import Rollout
 
 OWN = "own"
 
@@ -58,6 +59,18 @@ class TrainSample:
     reward: float
     group: str
     source: str = OWN
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, source: str) -> TrainSample:
+        """A wire rollout as a sample of `source` (OWN or its author's peer id), grouped by its prompt id."""
+        return cls(
+            prompt_ids=rollout.prompt_ids.tolist(),
+            completion_ids=rollout.completion_ids.tolist(),
+            behaviour_logprobs=rollout.behaviour_logprobs.tolist(),
+            reward=rollout.reward,
+            group=rollout.prompt_id,
+            source=source,
+        )
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,7 @@ class StepStats:
     sources: dict[str, ImportanceStats] = field(default_factory=dict)
     clip_fraction: float = 0.0
     kl: float | None = None
+    source_samples: dict[str, int] = field(default_factory=dict)  # samples per source (OWN or a peer id)
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float = 1e-4) -> list[float]:
@@ -304,6 +318,7 @@ class Trainer:
             sources=by_source,
             clip_fraction=clipped_total / kept_tokens if kept_tokens else 0.0,
             kl=kl_total / kept_tokens if self.kl_coef > 0.0 and kept_tokens else None,
+            source_samples=dict(Counter(s.source for s in samples)),
         )
 
     @torch.no_grad()

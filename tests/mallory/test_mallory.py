@@ -55,7 +55,7 @@ def test_mallory_gets_nothing_in_and_honest_nodes_keep_training(tmp_path: Path) 
     mallory_proc = None
     try:
         r0 = rounds_together([honest, victim], 0)
-        assert r0[1].accepted > 0  # the victim trains on the honest node's rollouts
+        assert r0[1].admissions.accepted > 0  # the victim trains on the honest node's rollouts
 
         out = tmp_path / "mallory.json"
         command = [sys.executable, "-P", str(ROOT / "tests/mallory/mallory.py"), honest.gossip.visible_maddrs[0], SWARM,
@@ -74,7 +74,7 @@ def test_mallory_gets_nothing_in_and_honest_nodes_keep_training(tmp_path: Path) 
         reports = rounds_together([honest, victim], 1)
         report = reports[1]
         assert report.policy_version > r0[1].policy_version  # still training
-        assert report.accepted > 0 and report.engine_mismatch == 0
+        assert report.admissions.accepted > 0 and report.engine_mismatch == 0
 
         # Every accepted rollout is the honest node's; none is Mallory's.
         rows = victim.store.rollouts_for_round(1) + victim.store.rollouts_for_round(0)

@@ -1,14 +1,14 @@
-"""Foreign samples' policy-version window (intake) and the SAPO-style per-step mix (runtime)."""
+"""Foreign samples' policy-version window (intake) and the SAPO-style per-step mix (the foreign pool)."""
 
 import numpy as np
 import pytest
 
 from hivespec.node.config import NodeConfig
 from hivespec.node.model.loader import load_tokenizer
-from hivespec.node.runtime import Node, _Pending
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.foreign_pool import ForeignPool
 from hivespec.node.training.intake import Intake
-from hivespec.node.training.store import RolloutStore
+from hivespec.node.training.store import RolloutStore, StoredRollout
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
@@ -49,48 +49,64 @@ def test_policy_version_window(tokenizer, claimed, outcome, reason):
     store.close()
 
 
-class _Trainer:
-    version = 10
-
-
 def _pending(author, prompt, rewards, *, round=5, version=9):
-    return [
-        _Pending(author, round, Rollout(prompt, i, 0, np.zeros(2, np.uint32), np.zeros(1, np.uint32),
-                                        np.zeros(1, np.float32), r, "stop"), version)
-        for i, r in enumerate(rewards)
-    ]
+    return [(author, round, Rollout(prompt, i, 0, np.zeros(2, np.uint32), np.zeros(1, np.uint32), np.zeros(1, np.float32), r, "stop"), version)
+            for i, r in enumerate(rewards)]
 
 
-def _selector(pending, *, fraction=0.5):
-    node = Node.__new__(Node)  # only the selection's state: config, trainer version, pending pool
-    node.config = NodeConfig()
-    node.config.train.foreign_fraction = fraction
-    node.trainer = _Trainer()
-    node.intake = Intake.from_config(node.config.train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
-                                     store=RolloutStore(":memory:"), private=None)
-    node._pending = list(pending)
-    return node
+def _pool(pending, *, fraction=0.5):
+    # The intake owns the staleness window (the defaults': 2 rounds, 4 versions); the pool asks it.
+    intake = Intake.from_config(NodeConfig().train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
+                                store=RolloutStore(":memory:"), private=None)
+    pool = ForeignPool(foreign_fraction=fraction, still_fresh=intake.still_fresh)
+    for author, round_index, rollout, version in pending:
+        pool.admit(author, round_index, [rollout], version)
+    return pool
 
 
 def test_mix_is_balanced_informative_first_and_drops_stale_versions():
-    pool = (
+    pool = _pool(
         _pending("peer-a", "a-flat", [1.0, 1.0])
         + _pending("peer-a", "a-mixed", [1.0, 0.0])
         + _pending("peer-b", "b-mixed", [0.0, 1.0])
         + _pending("peer-b", "b-old", [0.0, 1.0], version=5)  # 5 versions behind 10: dropped
         + _pending("peer-c", "c-stale-round", [0.0, 1.0], round=1)  # outside the round window: dropped
     )
-    node = _selector(pool)
-    chosen = node._select_foreign(round_index=6, own_count=4)  # budget: 4 foreign samples
+    chosen = pool.select(round_index=6, own_count=4, policy_version=10)  # budget: 4 foreign samples
     assert sorted({p.rollout.prompt_id for p in chosen}) == ["a-mixed", "b-mixed"]
-    assert [p.rollout.prompt_id for p in node._pending] == ["a-flat", "a-flat"]
+    assert [p.rollout.prompt_id for p in pool.pending] == ["a-flat", "a-flat"]
 
 
 def test_mix_rotates_which_peer_goes_first():
     firsts = set()
     for round_index in (6, 7):
-        pool = _pending("peer-a", "a", [1.0, 0.0]) + _pending("peer-b", "b", [1.0, 0.0])
-        chosen = _selector(pool, fraction=1 / 3)._select_foreign(round_index=round_index, own_count=4)  # budget 2: one group
+        pool = _pool(_pending("peer-a", "a", [1.0, 0.0]) + _pending("peer-b", "b", [1.0, 0.0]), fraction=1 / 3)
+        chosen = pool.select(round_index=round_index, own_count=4, policy_version=10)  # budget 2: one group
         assert len({p.author for p in chosen}) == 1
         firsts.add(chosen[0].author)
     assert firsts == {"peer-a", "peer-b"}
+
+
+def test_a_stopped_step_puts_its_rollouts_back():
+    pool = _pool(_pending("peer-a", "a", [1.0, 0.0]))
+    chosen = pool.select(round_index=5, own_count=4, policy_version=10)
+    assert len(chosen) == 2 and len(pool) == 0
+    pool.put_back(chosen)
+    assert pool.pending == tuple(chosen)
+
+
+def test_restore_reads_the_checkpointed_pool_and_what_was_journaled_after_it():
+    store = RolloutStore(":memory:")
+    saved = _pool(_pending("peer-a", "a", [1.0, 0.0], round=3))
+    rows = [StoredRollout.from_rollout(p.rollout, author=p.author, round=p.round, policy_version=9, own=False, received_at=1.0)
+            for p in saved.pending]
+    store.add_rollouts(rows)
+    entries, mark = ForeignPool.entries(saved.pending), store.journal_high_water()
+    later = _pending("peer-b", "b", [0.0], round=4)[0]
+    store.add_rollouts([StoredRollout.from_rollout(later[2], author="peer-b", round=4, policy_version=9, own=False, received_at=2.0)])
+    restored = _pool([])
+    restored.restore(entries, mark, store)
+    store.close()
+    assert [(p.author, p.round, p.rollout.prompt_id, p.rollout.reward) for p in restored.pending] == [
+        ("peer-a", 3, "a", 1.0), ("peer-a", 3, "a", 0.0), ("peer-b", 4, "b", 0.0)
+    ]

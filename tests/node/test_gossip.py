@@ -8,12 +8,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import psutil
 import pytest
 
-from hivespec.node.runtime import Node
 from hivespec.node.swarm.gossip import CHUNK_BYTES, Gossip, GossipError
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.transfer import BadBody, download
@@ -98,7 +96,7 @@ def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
 
 
 def test_a_late_node_catches_up_to_the_swarms_round(swarm: list[Gossip]) -> None:
-    """announced_by reads records without fetching bodies; Node._catch_up bisects over it."""
+    """announced_by reads records without fetching bodies; swarm_round bisects over it."""
     author, late = swarm[1], swarm[2]
     for round_index in range(20, 31):
         author.publish(round_index, f"round {round_index}".encode())
@@ -106,10 +104,9 @@ def test_a_late_node_catches_up_to_the_swarms_round(swarm: list[Gossip]) -> None
     assert late.announced_by(25, timeout=5) == {author.identity.peer_id}
     assert late.announced_by(31, timeout=5) == set()
     assert late.stats()["bodies_fetched"] == fetched_before  # records only: no body was pulled
-    node = SimpleNamespace(gossip=late, config=SimpleNamespace(swarm=SimpleNamespace(round_timeout=5.0)))
-    assert Node._catch_up(node, 19) == 30  # peers are at round 30: skip 19..29
-    assert Node._catch_up(node, 30) == 30
-    assert Node._catch_up(node, 40) == 40  # nobody ahead: keep our round (a solo resume stays exact)
+    assert late.swarm_round(19, timeout=5.0) == 30  # peers are at round 30: skip 19..29
+    assert late.swarm_round(30, timeout=5.0) == 30
+    assert late.swarm_round(40, timeout=5.0) == 40  # nobody ahead: keep our round (a solo resume stays exact)
 
 
 def index_record(identity: Identity, key: str, items: list[AnnouncedBody], holder: Gossip, *, expires: float | None = None) -> tuple[bytes, float]:

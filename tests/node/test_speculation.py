@@ -16,7 +16,8 @@ from hivespec.node.speculation.curve import (
     wider_pays,
 )
 from hivespec.node.speculation.drafter import Draft, SuffixDrafter
-from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation, length_class, rebuild_drafter
+from hivespec.node.speculation.feed import DrafterFeed
+from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation, length_class
 from hivespec.node.training.store import RolloutStore, StoredRollout
 from hivespec.protocol.rollout import Rollout
 
@@ -122,12 +123,12 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
             rows.append(StoredRollout.from_rollout(rollout, author="me", round=0, policy_version=0, own=True, received_at=float(i)))
         store.add_rollouts(rows)
         drafter = SuffixDrafter()
-        assert rebuild_drafter(drafter, store, limit=2) == 2
+        assert DrafterFeed(drafter).replay(store, 2) == 2
         assert drafter.length_history([1, 2, 3]) == [3, 3]
         # A resume: back to what was journaled by the checkpoint (here the first two rows).
         checkpoint_rowid = store.journal_high_water() - 1
         drafter = SuffixDrafter()
-        assert rebuild_drafter(drafter, store, limit=10, up_to_rowid=checkpoint_rowid) == 2
+        assert DrafterFeed(drafter).replay(store, 10, up_to_rowid=checkpoint_rowid) == 2
         assert drafter.session([1, 2, 3]).propose([4, 5], 4).tokens in ([6], [7])  # never the later row's 8
         model = load_model("tiny", dtype=torch.float32)
         engine = TorchEngine(model, max_batch_size=2)

@@ -191,9 +191,9 @@ def test_nodes_record_own_and_accepted_foreign_rollouts(tmp_path: Path) -> None:
             assert metas[0]["node"] == me.name and metas[0]["max_new_tokens"] == 12
             own = [r for r in records if r.own]
             foreign = [r for r in records if not r.own]
-            assert len(own) == report.made == 8
+            assert len(own) == report.rollouts.made == 8
             assert {r.author for r in own} == {me.identity.peer_id} and {r.node for r in records} == {me.name}
-            assert len(foreign) == report.accepted > 0
+            assert len(foreign) == report.admissions.accepted > 0
             assert {r.author for r in foreign} == {peer.identity.peer_id}
             assert records.index(own[-1]) < records.index(foreign[0])  # the order the drafter was fed
             assert all(r.round == 0 and r.prompt_key for r in records)

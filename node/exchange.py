@@ -1,0 +1,125 @@
+"""A round's exchange with the swarm: our batch out, peers' batches in, through intake, into the pool.
+
+`publish` journals our rollouts first (a crash after it loses nothing we made), then signs the
+batch and offers it for the round. `collect` takes the previous round's stragglers, then waits
+for this round's batches until ``expected_peers`` authors had one accepted or
+``round_timeout`` passes; each body goes through intake, its sender is scored, and what passes
+feeds the drafter and waits in the foreign pool. Owns the envelope sequence number; never
+trains and never touches the engine. Gossip is passed per call: the supervisor may rebuild it
+between rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from hivespec.node.training.store import StoredRollout
+from hivespec.protocol.envelope import Kind, seal
+from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
+
+if TYPE_CHECKING:
+    from hivespec.node.config import SwarmConfig
+    from hivespec.node.speculation.feed import DrafterFeed
+    from hivespec.node.swarm.gossip import Fetched, Gossip
+    from hivespec.node.swarm.peers import PeerScores
+    from hivespec.node.training.foreign_pool import ForeignPool
+    from hivespec.node.training.intake import Admission, Intake
+    from hivespec.node.training.store import RolloutStore
+    from hivespec.protocol.identity import Identity
+
+
+class RoundExchange:
+    """Publishes our batches and admits peers' for one node.
+
+    `check(where)` is called while waiting and may raise to stop the round (`RunControl.check`);
+    `progress(phase, detail)` hears how the wait goes; `on_admission(admission, body)` hears every
+    verdict (the status board's per-peer tallies).
+    """
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        fingerprint: str,
+        store: RolloutStore,
+        intake: Intake,
+        pool: ForeignPool,
+        feed: DrafterFeed,
+        swarm: SwarmConfig,
+        peer_scores: PeerScores | None = None,
+        on_admission: Callable[[Admission, bytes], None] | None = None,
+        check: Callable[[str], None] | None = None,
+        progress: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.fingerprint = fingerprint
+        self.store = store
+        self.intake = intake
+        self.pool = pool
+        self.feed = feed
+        self.swarm = swarm
+        self.peer_scores = peer_scores
+        self.on_admission = on_admission
+        self.check = check
+        self.progress = progress
+        self._seq = int(time.time() * 1000)  # monotonic across restarts without a stored counter
+
+    def publish(self, gossip: Gossip, round_index: int, rollouts: Sequence[Rollout], policy_version: int) -> None:
+        """Journal our round's rollouts, then sign the batch and offer it to the swarm."""
+        batch = RolloutBatch(round=round_index, policy_version=policy_version, fingerprint=self.fingerprint, rollouts=tuple(rollouts))
+        self._seq += 1
+        body = seal(self.identity, Kind.ROLLOUTS, self._seq, encode_batch(batch))
+        now = time.time()
+        self.store.add_rollouts([
+            StoredRollout.from_rollout(r, author=self.identity.peer_id, round=round_index, policy_version=policy_version,
+                                       own=True, received_at=now)
+            for r in rollouts
+        ])
+        gossip.publish(round_index, body)  # journaled first: a crash here loses nothing we made
+
+    def collect(self, gossip: Gossip, round_index: int, policy_version: int) -> list[Admission]:
+        """Admit peers' batches: stragglers of the previous round, then this round's, waiting.
+
+        The wait ends once ``expected_peers`` authors had a batch of this round accepted, or at
+        ``round_timeout``. An author whose batches were all refused does not count, so a peer
+        sending junk cannot end the wait before the honest peers' batches arrive.
+        """
+        swarm = self.swarm
+        admissions = []
+        if round_index > 0:
+            stragglers = gossip.fetch_round(round_index - 1, timeout=min(5.0, swarm.round_timeout))
+            admissions += [self._admit(round_index, item, policy_version) for item in stragglers]
+        deadline = time.monotonic() + swarm.round_timeout
+        useful: set[str] = set()
+        refused: set[str] = set()
+        while True:
+            if self.check is not None:
+                self.check(f"waiting for peers' round-{round_index} batches")
+            left = max(0.0, deadline - time.monotonic())
+            if self.progress is not None:
+                self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' batches, {left:.0f}s left")
+            fetched = gossip.wait_for_round(
+                round_index, peers=swarm.expected_peers + len(refused), timeout=min(1.0, left)  # short: a stop is seen within a second
+            )
+            for item in fetched:
+                admission = self._admit(round_index, item, policy_version)
+                admissions.append(admission)
+                (useful if admission.outcome == "accept" else refused).add(item.author_peer_id)
+            refused -= useful
+            if len(useful) >= swarm.expected_peers or time.monotonic() >= deadline:
+                return admissions
+
+    def _admit(self, round_index: int, item: Fetched, policy_version: int) -> Admission:
+        """Run one fetched body through intake; score its sender, feed the drafter, pool what passed."""
+        admission = self.intake.admit(item.author_peer_id, item.body, current_round=round_index, current_version=policy_version)
+        if self.on_admission is not None:
+            self.on_admission(admission, item.body)
+        if self.peer_scores is not None:
+            self.peer_scores.record(admission.blame(item.holder), admission.outcome, admission.reason)
+        if admission.outcome == "accept":  # peers' rollouts of shared prompts feed the drafter too
+            self.feed.feed(admission.rollouts, own=False, author=admission.author, round_index=round_index,
+                           policy_version=admission.policy_version)
+            self.pool.admit(admission.author, round_index, admission.rollouts, admission.policy_version)
+        return admission

@@ -1,0 +1,135 @@
+"""The pool of admitted foreign rollouts waiting to be trained on, and which of them a step takes.
+
+Owns three moves: `admit` queues what intake accepted; `select` takes a step's SAPO-style share
+(whole prompt groups, balanced over authors, informative and fresh first) after dropping what
+aged out; `restore` rebuilds the pool after a resume from the checkpoint's entries plus what was
+journaled after it. It never validates a rollout (intake did) and never touches torch: rollouts
+stay wire `Rollout`s until the trainer's samples are made from them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from hivespec.protocol.rollout import Rollout, decode_rollout, rollout_content_hash
+
+if TYPE_CHECKING:
+    from hivespec.node.training.store import RolloutStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingRollout:
+    """An admitted foreign rollout waiting to be trained on."""
+
+    author: str
+    round: int
+    rollout: Rollout
+    policy_version: int = -1  # the author's policy version when it sampled (-1: unknown)
+
+
+class FreshCheck(Protocol):
+    """Whether an admitted rollout may still be trained on (`Intake.still_fresh`: the staleness policy's one owner)."""
+
+    def __call__(self, round_index: int, policy_version: int, *, current_round: int, current_version: int | None) -> bool: ...
+
+
+class ForeignPool:
+    """Admitted foreign rollouts, in admission order, until a step takes them or they age out.
+
+    `foreign_fraction` caps the foreign share of a step; a pending rollout `still_fresh` no
+    longer accepts is dropped at the next `select`.
+    """
+
+    def __init__(self, *, foreign_fraction: float, still_fresh: FreshCheck) -> None:
+        self.foreign_fraction = foreign_fraction
+        self.still_fresh = still_fresh
+        self._pending: list[PendingRollout] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @property
+    def pending(self) -> tuple[PendingRollout, ...]:
+        """The pool now, oldest admission first (a copy: safe to keep across rounds)."""
+        return tuple(self._pending)
+
+    def admit(self, author: str, round_index: int, rollouts: Iterable[Rollout], policy_version: int = -1) -> None:
+        """Queue rollouts intake accepted from `author` in round `round_index`."""
+        self._pending.extend(PendingRollout(author, round_index, r, policy_version) for r in rollouts)
+
+    def put_back(self, items: Iterable[PendingRollout]) -> None:
+        """Return rollouts a step took but never trained on (a stop inside the step), as they were."""
+        self._pending.extend(items)
+
+    def select(self, round_index: int, own_count: int, policy_version: int) -> list[PendingRollout]:
+        """Take a step's foreign samples: at most ``foreign_fraction`` of it, whole groups, balanced over peers.
+
+        Pending rollouts `still_fresh` refuses (outside the round and policy-version windows
+        as of `round_index` and `policy_version`) are dropped first. Each author's groups queue
+        with a reward spread first (only those carry a GRPO gradient), then freshest first; authors are
+        served round-robin from an order that rotates every round, so no peer id is favoured
+        when the budget runs out. What is taken leaves the pool.
+        """
+        self._pending = [
+            p for p in self._pending if self.still_fresh(p.round, p.policy_version, current_round=round_index, current_version=policy_version)
+        ]
+        fraction = self.foreign_fraction
+        budget = int(own_count * fraction / (1.0 - fraction)) if fraction > 0 else 0
+        groups: dict[str, dict[str, list[PendingRollout]]] = defaultdict(lambda: defaultdict(list))
+        for item in self._pending:
+            groups[item.author][item.rollout.prompt_id].append(item)
+
+        def priority(items: list[PendingRollout]) -> tuple[bool, int, int]:
+            flat = len({i.rollout.reward for i in items}) < 2
+            return flat, -max(i.round for i in items), -max(i.policy_version for i in items)
+
+        queues = {author: sorted(by_prompt.values(), key=priority) for author, by_prompt in groups.items()}
+        authors = sorted(queues)
+        if authors:
+            shift = round_index % len(authors)
+            authors = authors[shift:] + authors[:shift]
+        chosen: list[PendingRollout] = []
+        while len(chosen) < budget and any(queues.values()):
+            for author in authors:
+                if queues[author] and len(chosen) < budget:
+                    chosen.extend(queues[author].pop(0))
+        taken = {id(p) for p in chosen}
+        self._pending = [p for p in self._pending if id(p) not in taken]
+        return chosen
+
+    @staticmethod
+    def entries(pending: Sequence[PendingRollout]) -> list[dict]:
+        """A checkpoint's record of `pending`: author, round and content hash each (the rollouts stay in the journal)."""
+        return [{"author": p.author, "round": p.round, "hash": rollout_content_hash(p.rollout).hex()} for p in pending]
+
+    def restore(self, entries: Sequence[dict], journal_rowid: int, store: RolloutStore) -> None:
+        """Replace the pool with a checkpoint's `entries` (read back from the journal) plus the foreign
+        rollouts journaled after `journal_rowid` (admitted after the save, never trained on).
+
+        A journal row that no longer decodes is left out (logged).
+        """
+        rows = store.get([bytes.fromhex(e["hash"]) for e in entries])
+        pending = []
+        for entry in entries:
+            row = rows.get(bytes.fromhex(entry["hash"]))
+            rollout = _decode_row(row.payload) if row is not None else None
+            if rollout is not None:
+                pending.append(PendingRollout(entry["author"], int(entry["round"]), rollout))
+        for row in store.foreign_after(journal_rowid):
+            rollout = _decode_row(row.payload)
+            if rollout is not None:
+                pending.append(PendingRollout(row.author, row.round, rollout))
+        self._pending = pending
+
+
+def _decode_row(payload: bytes) -> Rollout | None:
+    verdict, rollout = decode_rollout(payload)
+    if not verdict.ok:
+        log.warning("a journaled rollout does not decode (%s); it is left out of the pending pool", verdict)
+    return rollout
