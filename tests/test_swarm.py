@@ -31,6 +31,6 @@ def test_three_nodes_two_rounds_every_node_accepts_foreign_rollouts(tmp_path):
             assert report["accepted"] > 0, f"{name} accepted no foreign rollouts in round {report['round']}"
             assert report["rejected"] == 0
             assert report["engine_mismatch"] == 0
-            assert 0 < report["delta_density"] <= 1
+            assert 0 <= report["delta_density"] <= 1  # the tiny random model may earn no reward, hence no update
             assert report["delta_bytes"] == 0 and not report["delta_published"]  # no followers: nothing coded
     assert "foreign rollouts accepted by every node: yes" in result.stdout
