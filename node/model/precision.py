@@ -12,8 +12,8 @@ A fixed default is therefore wrong somewhere. With ``model.engine_dtype: auto`` 
   under autocast. A near tie goes to the cheaper choice for each role: the trainer autocasts
   only where bf16 measures at least 10% faster (``MARGIN``), while the engine stays bf16 unless
   float32 measures at least 10% faster, since a bf16 engine holds half the memory. With the
-  round's shape known, the engine's choice weighs a whole round: its decode steps plus one
-  trainer -> engine weight sync. For a leader (``sync.publish``) that sync entropy-codes the
+  round's shape known, the engine's choice weighs a whole round: the prompts' prefill (timed per
+  token on the real model), its decode steps, and one trainer -> engine weight sync. For a leader (``sync.publish``) that sync entropy-codes the
   delta for its followers, and a float32 engine's delta is dense (every weight moves under
   AdamW): over a minute and gigabytes of RAM per step for a 135M model on a CPU, which keeps a
   leader bf16. A node without followers writes the changes directly (`WeightSync.sync(...,
@@ -57,6 +57,8 @@ _STREAM_BYTES = 48 << 20  # decode weights measured per step: past a CPU's last-
 _TRAIN_ROWS_MAX = 64  # training rows measured: a real matmul shape, yet cheap where bf16 is 20x slower
 _MEASURE_BUDGET_S = 0.4  # per role: repeats stop once both dtypes are timed and this is spent
 _DECODE_CONTEXT = 16  # tokens in the KV cache when a real decode step is timed
+_PREFILL_TOKENS = 16  # tokens of the prefill forward timed (one row: seconds per token scale linearly)
+PROMPT_TOKENS = 64  # a typical prompt after the chat template, for estimates that need one
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX, aarch64 FEAT_BF16
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64", torch.float16: "float16"}
@@ -221,6 +223,25 @@ def measure_model_decode(model: torch.nn.Module, batch: int, *, budget_s: float 
 
         runs[_DTYPE_NAMES[dtype]] = step
     return _best_of(runs["float32"], runs["bfloat16"], budget_s)
+
+
+@torch.inference_mode()
+def measure_model_prefill(model: torch.nn.Module, *, budget_s: float = _MEASURE_BUDGET_S) -> dict[str, float]:
+    """Seconds per prompt token of ``model``'s prefill (one forward over ``_PREFILL_TOKENS`` tokens): float32 vs bf16 (CPU).
+
+    A rollout reads its prompts before it decodes: a forward over every prompt token, compute-bound
+    like training, where bf16 without native support is many times slower. At a small decode batch
+    with short completions this decides (on the AVX2 EPYC at batch 4 and 16 new tokens the decode
+    steps measured 123 ms vs 137 ms while the bf16 engine's rollouts took 2.3x as long).
+    """
+    import copy
+
+    ids = torch.ones((1, _PREFILL_TOKENS), dtype=torch.long)
+    runs: dict[str, Callable[[], None]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        copy_of = model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype)
+        runs[_DTYPE_NAMES[dtype]] = lambda copy_of=copy_of: copy_of(input_ids=ids, use_cache=False)
+    return {name: seconds / _PREFILL_TOKENS for name, seconds in _best_of(runs["float32"], runs["bfloat16"], budget_s).items()}
 
 
 @torch.inference_mode()
@@ -415,15 +436,16 @@ def _cuda_bf16(device: torch.device) -> tuple[bool, str]:
 def decide_engine(
     requested: str, shape: ModelShape, *, device: str, batch: int, threads: int, cache: Path | None,
     steps: int = 0, learning_rate: float | None = None, weights: torch.Tensor | None = None, publish: bool = False,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | None = None, prompt_tokens: int = 0,
 ) -> PrecisionChoice:
     """The engine's weight dtype: ``requested`` unless it is "auto" (see the module docstring).
 
     With ``steps`` (decode steps per round) and ``learning_rate`` (float32 master weights) a CPU
     compares whole rounds: decode steps plus one weight sync, as a leader does it (``publish``:
     entropy-coded, dense for a float32 engine) or as a node without followers does (direct
-    writes). Without them it compares one decode step: of ``model`` where given (`measure_model_decode`),
-    else an estimate from the shapes' matmuls (`measure_decode`).
+    writes), and, with ``model`` and ``prompt_tokens`` (per round), the prompts' prefill. Without
+    them it compares one decode step: of ``model`` where given (`measure_model_decode`), else an
+    estimate from the shapes' matmuls (`measure_decode`).
     """
     if requested != "auto":
         return PrecisionChoice("engine", DTYPES[requested], "explicit", "model.engine_dtype in the config")
@@ -447,9 +469,18 @@ def decide_engine(
             lambda: measure_sync(params, learning_rate, weights, encode=publish),
         )
         cached = cached and sync_cached
-        seconds = {name: steps * seconds[name] + sync[name] for name in seconds}
+        prefill = {name: 0.0 for name in seconds}
+        if model is not None and prompt_tokens:
+            per_token, prefill_cached = cached_measurement(
+                "prefill", shape, _PREFILL_TOKENS, threads, cache, lambda: measure_model_prefill(model)
+            )
+            cached = cached and prefill_cached
+            prefill = {name: prompt_tokens * per_token[name] for name in seconds}
+            reason += f"; prefill of {prompt_tokens} prompt tokens: float32 {_ms(prefill['float32'])}, bfloat16 {_ms(prefill['bfloat16'])}"
+        seconds = {name: steps * seconds[name] + prefill[name] + sync[name] for name in seconds}
         reason += (f"; weight sync after a step{' (coded for followers)' if publish else ''}: float32 {_ms(sync['float32'])}, bfloat16 {_ms(sync['bfloat16'])}; "
-                   f"a round of {steps} steps + sync: float32 {_ms(seconds['float32'])}, bfloat16 {_ms(seconds['bfloat16'])}")
+                   f"a round of {steps} steps{' + prefill' if prompt_tokens and model is not None else ''} + sync: "
+                   f"float32 {_ms(seconds['float32'])}, bfloat16 {_ms(seconds['bfloat16'])}")
     bf16 = _pick_engine(seconds)
     reason += f"; {_evidence(cpu_facts())}"
     return PrecisionChoice("engine", torch.bfloat16 if bf16 else torch.float32, "cached" if cached else "measured", reason)
@@ -484,7 +515,7 @@ def decode_batch(prompts_per_round: int, num_generations: int, max_batch_size: i
     return max(1, min(prompts_per_round * num_generations, max_batch_size))
 
 
-def train_rows(micro_batch_size: int, max_completion_length: int, prompt_tokens: int = 64) -> int:
+def train_rows(micro_batch_size: int, max_completion_length: int, prompt_tokens: int = PROMPT_TOKENS) -> int:
     """Tokens of one training micro batch: sequences times a typical prompt plus the longest completion."""
     return max(1, micro_batch_size * (prompt_tokens + max_completion_length))
 
@@ -522,6 +553,7 @@ def resolve_precision(
     where = default_cache_path() if cache == "default" else cache
     steps = new_tokens * max(1, math.ceil(sequences / batch)) if new_tokens else 0
     engine = decide_engine(engine_dtype, shape, device=device, batch=batch, threads=threads, cache=where, steps=steps,
+                           prompt_tokens=sequences * PROMPT_TOKENS,
                            learning_rate=learning_rate if train_dtype == "float32" else None, weights=weights, publish=publish,
                            model=model)
     trainer = decide_trainer(autocast, train_dtype, shape, device=device, rows=rows, threads=threads, cache=where)

@@ -170,6 +170,28 @@ def test_a_node_times_its_real_models_decode_step(tiny, tmp_path):
     assert "matmuls" in _resolve(tiny, tmp_path / "p.json").engine.reason  # config only: an estimate, its own cache key
 
 
+def test_a_slow_bf16_prefill_outweighs_a_tied_decode_step(tiny, tmp_path):
+    """Short rollouts at a small batch: reading the prompts (compute-bound) decides, not the decode steps."""
+    from hivespec.node.model.loader import load_model
+    from hivespec.node.model.precision import measure_model_prefill
+
+    model = load_model("tiny")
+    per_token = measure_model_prefill(model, budget_s=0.05)
+    assert set(per_token) == {"float32", "bfloat16"} and all(v > 0 for v in per_token.values())
+    cache = tmp_path / "precision.json"
+    _seed_cache(cache, tiny, engine=(0.123, 0.137), trainer=(6.8, 91.2), batch=4, local_sync=(1.5, 1.6))
+    shape, facts = ModelShape.of(tiny), cpu_facts()
+    data = json.loads(cache.read_text())
+    data[measurement_key("prefill", shape, 16, THREADS, facts)] = {"float32": 0.002, "bfloat16": 0.03}
+    cache.write_text(json.dumps(data))
+    settings = {"batch": 4, "new_tokens": 16, "sequences": 4, "learning_rate": 1e-3}
+    plan = _resolve(tiny, cache, model=model, **settings)
+    assert plan.engine.dtype == torch.float32 and plan.engine.source == "cached"
+    assert "prefill of 256 prompt tokens: float32 512 ms, bfloat16 7.7 s" in plan.engine.reason
+    # Without the model (an estimate from the config) there is no prefill term: the tie keeps bf16.
+    assert _resolve(tiny, cache, **settings).engine.dtype == torch.bfloat16
+
+
 def test_sizes_the_node_measures_at():
     assert decode_batch(4, 4, 16) == 16 and decode_batch(1, 4, 16) == 4 and decode_batch(4, 8, 16) == 16
     assert train_rows(8, 48) == 8 * (64 + 48)
