@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from hivespec.node.config import SpeculationConfig
     from hivespec.node.model.engine import TorchEngine
     from hivespec.node.model.loader import load_model
+    from hivespec.node.model.precision import cpu_facts
     from hivespec.node.speculation.policy import build_speculation
 
     torch.set_num_threads(args.threads)
@@ -58,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"seconds": round(total, 2), "per_batch_s": per_batch, "paying_batches": paying,
                      "ratios": {str(b): list(r) for b, r in zip(curve.batches, curve.ratios, strict=True)}})
         print(json.dumps(runs[-1]), flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
-    result = {"cpu": cpu, "torch": torch.__version__, "model": args.model, "dtype": args.dtype, "threads": args.threads,
+    result = {"cpu": cpu_facts()["cpu"], "torch": torch.__version__, "model": args.model, "dtype": args.dtype, "threads": args.threads,
               "batch": args.batch, "widths": list(curve.widths), "calibration_s": [r["seconds"] for r in runs], "runs": runs}
     print("RESULT " + json.dumps(result), flush=True)
     return 0

@@ -19,23 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 
 from hivespec.node.model.loader import configure_threads, load_model
+from hivespec.node.model.precision import cpu_facts
 from hivespec.node.weights.sync import WeightSync
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):  # noqa: SIM115 - a short read
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def time_sync(trainer: torch.nn.Module, dtype: torch.dtype, encode: bool, learning_rate: float) -> dict:
@@ -72,7 +62,8 @@ def main() -> None:
     if args.quick:
         trainer.model.layers = trainer.model.layers[:4]
     elements = sum(p.numel() for p in trainer.parameters())
-    print(f"{elements / 1e6:.1f}M parameters, {args.threads} thread(s), {_cpu()}, torch {torch.__version__}", flush=True)
+    cpu = cpu_facts()["cpu"]
+    print(f"{elements / 1e6:.1f}M parameters, {args.threads} thread(s), {cpu}, torch {torch.__version__}", flush=True)
     rows = {}
     for dtype in (torch.bfloat16, torch.float32):
         for encode in (False, True):
@@ -83,7 +74,7 @@ def main() -> None:
     for name in ("bfloat16", "float32"):
         assert rows[f"direct_{name}"]["hash"] == rows[f"coded_{name}"]["hash"], f"{name}: both modes must end on the same weights"
     result = {
-        "parameters": elements, "threads": args.threads, "cpu": _cpu(),
+        "parameters": elements, "threads": args.threads, "cpu": cpu,
         **{f"{key}_s": row["seconds"] for key, row in rows.items()},
         "direct_speedup_bf16": round(rows["coded_bfloat16"]["seconds"] / rows["direct_bfloat16"]["seconds"], 1),
         "direct_speedup_fp32": round(rows["coded_float32"]["seconds"] / rows["direct_float32"]["seconds"], 1),

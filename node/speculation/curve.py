@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -191,19 +190,11 @@ def curve_key(model_identity: str, dtype: str, device: str, threads: int) -> str
     """Cache key of a curve: what the timings depend on (model, dtype, device and its name, threads, torch)."""
     import torch
 
-    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
+    from hivespec.node.model.precision import cpu_facts  # torch comes with it: lazy, as above
+
+    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_facts()["cpu"]
     blob = json.dumps([model_identity, dtype, device, device_name, threads, torch.__version__, _CURVE_FORMAT])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_cached_curve(cache_folder: Path, key: str, batches: Sequence[int]) -> tuple[VerifyCostCurve | None, list[int]]:
