@@ -192,11 +192,15 @@ class EngineWeights:
             counts.append(torch.stack([mismatch_count(self.params[n].detach(), m) for n, m in zip(names, moved, strict=True)]).sum())
         return sum(int(count) for count in to_host_all(counts))
 
+    def _mirrors_engine(self, name: str) -> bool:
+        """True where the host mirror is the engine tensor's own storage (a CPU engine): a mirror write is the engine write."""
+        return self.state[name].bits.ctypes.data == self.params[name].data_ptr()
+
     def _push(self, tensors: Sequence[TensorDelta]) -> None:
         """Write verified changes (already in the mirror) into the engine tensors: one transfer per device."""
         by_device: dict[torch.device, list[TensorDelta]] = {}
         for t in tensors:
-            if t.indices.size:
+            if t.indices.size and not self._mirrors_engine(t.name):
                 by_device.setdefault(self.params[t.name].device, []).append(t)
         for device, group in by_device.items():
             host = []
@@ -221,9 +225,8 @@ class EngineWeights:
         with torch.no_grad():
             for name, (on_device, host_bits) in dense.items():
                 self.params[name].copy_(on_device.view_as(self.params[name]))
-                mirror = self.state[name].bits
-                if mirror.ctypes.data != self.params[name].data_ptr():  # a device engine: the mirror is a copy
-                    np.copyto(mirror.reshape(-1), host_bits)
+                if not self._mirrors_engine(name):  # a device engine: the mirror is a copy
+                    np.copyto(self.state[name].bits.reshape(-1), host_bits)
 
     def commit(self, version: int) -> None:
         """Call the weights `version` and rehash them, after `write_local`."""
