@@ -78,20 +78,18 @@ class GossipFactory:
     private: PrivateSwarm | None
     bootstrap: list[tuple[str, str]]
     peers: PeerScores | None = None
-    keep_rounds: int = 8
     require_peers: bool | None = None
 
     def __call__(self) -> Gossip:
-        gossip = Gossip.from_config(
-            self.swarm,
+        gossip = Gossip(
             self.identity,
+            self.swarm,
             bootstrap=self.bootstrap,
             peer_cache=PeerCache.load(self.home / CACHE_FILE),
             # A stable libp2p peer id: peers' bootstrap addresses and caches stay valid across restarts.
             p2p_identity_path=str(self.home / P2P_KEY_FILE),
             private=self.private,
             peers=self.peers,
-            keep_rounds=self.keep_rounds,
             require_peers=self.require_peers,
         )
         gossip.start()
@@ -104,7 +102,6 @@ def make_gossip(
     home: Path,
     *,
     peers: PeerScores | None = None,
-    keep_rounds: int = 8,
     require_peers: bool | None = None,
 ) -> GossipFactory:
     """Read what the `swarm` section points at (private swarm files, peers file, peer cache) and return the gossip factory.
@@ -118,7 +115,7 @@ def make_gossip(
         peers_file=Path(swarm.peers_file).expanduser() if swarm.peers_file else None,
         cache=PeerCache.load(home / CACHE_FILE),
     )
-    return GossipFactory(swarm, identity, home, private, bootstrap, peers=peers, keep_rounds=keep_rounds, require_peers=require_peers)
+    return GossipFactory(swarm, identity, home, private, bootstrap, peers=peers, require_peers=require_peers)
 
 
 def claim_home(config: NodeConfig) -> tuple[Path, HomeLock, Identity]:
@@ -253,7 +250,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     home, home_lock, identity = claim_home(config)  # IdentityInUse if another node runs with this home's identity
     peer_scores = PeerScores(home / "peers.json")
     # A leader serves several delta chunks per version, snapshots and its head.
-    start_gossip = make_gossip(config.swarm, identity, home, peers=peer_scores, keep_rounds=64 if config.sync.publish else 8)
+    start_gossip = make_gossip(config.swarm, identity, home, peers=peer_scores)
     log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
 
     tasks = TaskSource.from_config(config.tasks)  # before the model: a bad task mix fails in seconds

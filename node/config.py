@@ -22,6 +22,7 @@ import platformdirs
 import yaml
 
 ENV_PREFIX = "HIVESPEC_"
+MAX_STALENESS_S = 270.0  # protocol's clock window (300 s) less a margin for fetching and intake
 HOME_ENV = "HIVESPEC_HOME"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -163,10 +164,13 @@ class TrainConfig:
     kl_coef: float = _help(
         "weight of a k3 KL penalty to each sample's behaviour policy (TRL beta, verl kl_loss_coef); 0: off", 0.0)
     foreign_fraction: float = _help("at most this share of a step's samples come from peers", 0.5)
-    staleness_rounds: int = _help("accept foreign rollouts at most this many rounds old", 2)
+    staleness_seconds: float = _help(
+        "use foreign rollouts at most this many seconds old (by the author's signed timestamp); nodes never share "
+        "round numbers, so age is measured in seconds; at most 270 (envelopes signed over 300 s ago are refused as "
+        "replays)", 240.0)
     staleness_versions: int = _help(
-        "use foreign rollouts at most this many policy versions behind ours; a claim of more than this many "
-        "versions ahead is rejected", 4)
+        "use foreign rollouts whose author's policy version is at most this far from ours, either way (a fast node "
+        "is many versions ahead of a slow one; the importance weights correct what remains)", 64)
     micro_batch_size: int = _help("sequences per forward/backward", 8)
 
     def __post_init__(self) -> None:
@@ -186,8 +190,10 @@ class TrainConfig:
             raise ConfigError(f"train.clip_epsilon must be in (0, 1), got {self.clip_epsilon}; 0.2 is PPO's default")
         if self.kl_coef < 0:
             raise ConfigError(f"train.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.staleness_versions < 0:
-            raise ConfigError(f"train.staleness_versions must be >= 0, got {self.staleness_versions}")
+        if self.staleness_versions < 0 or not 0 < self.staleness_seconds <= MAX_STALENESS_S:
+            raise ConfigError(
+                f"train.staleness_versions must be >= 0 and train.staleness_seconds in (0, {MAX_STALENESS_S:g}] (envelopes "
+                f"signed over 300 s ago are refused as replays), got {self.staleness_versions} and {self.staleness_seconds}")
         if not 0 <= self.foreign_fraction < 1:
             raise ConfigError(f"train.foreign_fraction must be in [0, 1), got {self.foreign_fraction}")
         if self.learning_rate <= 0:
@@ -218,8 +224,27 @@ class SwarmConfig:
         "(the public preset's default; a node with a public IP or forwarded port sets false)", False)
     nat_port_map: bool = _help("ask the router for a port mapping (UPnP / NAT-PMP)", False)
     record_ttl: float = _help("seconds an index record lives in the DHT (validators refuse longer)", 600.0)
-    expected_peers: int = _help("peers whose rollouts a round waits for (0 = do not wait)", 0)
-    round_timeout: float = _help("seconds a round waits for peers' rollouts", 120.0)
+    request_timeout: float = _help("seconds one DHT request or body download may take", 10.0)
+    start_timeout: float = _help("seconds p2pd and the DHT get to start", 30.0)
+    max_foreign_batches: int = _help(
+        "K: peers' batches a step fetches at most, chosen among fresh announcements by peer score with exploration "
+        "(bounds a node's download and verification work, whatever the swarm's size)", 4)
+    max_batches_per_peer: int = _help("batches a step takes from one author at most (a few loud peers cannot crowd out the rest)", 1)
+    index_bucket_s: float = _help(
+        "seconds per index bucket: announcements are found by recency (the current and previous buckets' keys), "
+        "never by round number", 30.0)
+    index_key_records: int = _help(
+        "records one index key holds at most; a full key splits into two keys of the next level (by peer-id prefix), "
+        "so a key's size is bounded whatever the swarm's size", 16)
+    announce_seconds: float = _help(
+        "seconds a batch we serve (our own or relayed) stays announced in the current index bucket; match "
+        "train.staleness_seconds", 240.0)
+    keep_seconds: float = _help("seconds our own and relayed bodies are kept to serve to peers", 600.0)
+    keep_bytes: int = _help("bytes of bodies kept to serve to peers at most", 256 * 2**20)
+    expected_peers: int = _help(
+        "peers with a new batch a step waits for, at most round_timeout (0 = never wait: the public swarm's setting; "
+        "a small swarm of equal nodes such as the demo may wait). Batches are matched by recency, never by round number", 0)
+    round_timeout: float = _help("seconds a step waits at most for expected_peers' new batches", 120.0)
     private: PrivateSwarmConfig = field(default_factory=PrivateSwarmConfig)
 
     def __post_init__(self) -> None:
@@ -232,6 +257,16 @@ class SwarmConfig:
                 f"swarm.host must be an IPv4 address to listen on (127.0.0.1 for this machine only, 0.0.0.0 for all), "
                 f"got {self.host!r}"
             ) from None
+        if min(self.max_foreign_batches, self.max_batches_per_peer, self.index_key_records, self.keep_bytes) < 1:
+            raise ConfigError(
+                "swarm.max_foreign_batches, max_batches_per_peer, index_key_records and keep_bytes must be >= 1, got "
+                f"{self.max_foreign_batches}, {self.max_batches_per_peer}, {self.index_key_records}, {self.keep_bytes}")
+        timings = ("request_timeout", "start_timeout", "index_bucket_s", "announce_seconds", "keep_seconds", "round_timeout")
+        if min(getattr(self, name) for name in timings) <= 0:
+            raise ConfigError(
+                "swarm." + ", ".join(timings) + " must be > 0, got " + ", ".join(str(getattr(self, name)) for name in timings))
+        if self.expected_peers < 0:
+            raise ConfigError(f"swarm.expected_peers must be >= 0 (0 = never wait), got {self.expected_peers}")
         if self.bootstrap_timeout < 0 or self.rebootstrap_interval <= 0 or self.record_ttl <= 0:
             raise ConfigError(
                 f"swarm.bootstrap_timeout must be >= 0 and rebootstrap_interval, record_ttl > 0; got "

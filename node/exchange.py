@@ -1,12 +1,14 @@
-"""A round's exchange with the swarm: our batch out, peers' batches in, through intake, into the pool.
+"""A step's exchange with the swarm: our batch out, fresh peers' batches in, through intake, into the pool.
 
-`publish` journals our rollouts first (a crash after it loses nothing we made), then signs the
-batch and offers it for the round. `collect` takes the previous round's stragglers, then waits
-for this round's batches until ``expected_peers`` authors had one accepted or
-``round_timeout`` passes; each body goes through intake, its sender is scored, and what passes
-feeds the drafter and waits in the foreign pool. Owns the envelope sequence number; never
-trains and never touches the engine. Gossip is passed per call: the supervisor may rebuild it
-between rounds.
+Nodes share no round numbers. `publish` journals our rollouts first (a crash after it loses
+nothing we made), then signs the batch and announces it in the index by recency. `collect` asks
+gossip for at most ``max_foreign_batches`` fresh batches (younger than ``train.staleness_seconds``,
+within ``train.staleness_versions`` of our policy), chosen by peer score with exploration, and
+returns at once: a node never waits for another. Only a small swarm of equal nodes (the demo)
+sets ``expected_peers``: then a step waits, at most ``round_timeout``, until that many authors
+had a new batch accepted. Each body goes through intake, its sender is scored, and what passes
+feeds the drafter and waits in the foreign pool. Owns the envelope sequence number; never trains
+and never touches the engine. Gossip is passed per call: the supervisor may rebuild it between steps.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
     from hivespec.node.training.intake import Admission, Intake
     from hivespec.node.training.store import RolloutStore
     from hivespec.protocol.identity import Identity
+
+
+_POLL_MIN_S, _POLL_MAX_S = 0.2, 1.0  # while expected_peers' batches are awaited, index reads back off
 
 
 class RoundExchange:
@@ -77,43 +82,46 @@ class RoundExchange:
                                        own=True, received_at=now)
             for r in rollouts
         ])
-        gossip.publish(round_index, body)  # journaled first: a crash here loses nothing we made
+        gossip.publish_rollouts(body, version=policy_version)  # journaled first: a crash here loses nothing we made
 
     def collect(self, gossip: Gossip, round_index: int, policy_version: int) -> list[Admission]:
-        """Admit peers' batches: stragglers of the previous round, then this round's, waiting.
+        """Admit fresh peers' batches: at most ``max_foreign_batches`` this step, waiting only where ``expected_peers`` asks.
 
-        The wait ends once ``expected_peers`` authors had a batch of this round accepted, or at
-        ``round_timeout``. An author whose batches were all refused does not count, so a peer
-        sending junk cannot end the wait before the honest peers' batches arrive.
+        An author whose batches were all refused does not count toward ``expected_peers``, so a
+        peer sending junk cannot end the wait before the honest peers' batches arrive.
         """
         swarm = self.swarm
-        admissions = []
-        if round_index > 0:
-            stragglers = gossip.fetch_round(round_index - 1, timeout=min(5.0, swarm.round_timeout))
-            admissions += [self._admit(round_index, item, policy_version) for item in stragglers]
-        deadline = time.monotonic() + swarm.round_timeout
+        budget = swarm.max_foreign_batches
+        deadline = time.monotonic() + (swarm.round_timeout if swarm.expected_peers else 0.0)
+        admissions: list[Admission] = []
         useful: set[str] = set()
-        refused: set[str] = set()
+        interval = _POLL_MIN_S
         while True:
             if self.check is not None:
-                self.check(f"waiting for peers' round-{round_index} batches")
+                self.check(f"taking peers' batches in round {round_index}")
             left = max(0.0, deadline - time.monotonic())
-            if self.progress is not None:
-                self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' batches, {left:.0f}s left")
-            fetched = gossip.wait_for_round(
-                round_index, peers=swarm.expected_peers + len(refused), timeout=min(1.0, left)  # short: a stop is seen within a second
+            if self.progress is not None and swarm.expected_peers:
+                self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' new batches, {left:.0f}s left")
+            fetched = gossip.sample_rollouts(
+                k=budget, max_age_s=self.intake.staleness_seconds, version_ok=self.intake.version_window(policy_version),
+                # short while waiting: a stop is seen within a second or two
+                timeout=min(swarm.request_timeout, max(1.0, left)) if swarm.expected_peers else swarm.request_timeout,
             )
+            budget -= len(fetched)
             for item in fetched:
                 admission = self._admit(round_index, item, policy_version)
                 admissions.append(admission)
-                (useful if admission.outcome == "accept" else refused).add(item.author_peer_id)
-            refused -= useful
-            if len(useful) >= swarm.expected_peers or time.monotonic() >= deadline:
+                if admission.outcome == "accept":
+                    useful.add(item.author_peer_id)
+            if len(useful) >= swarm.expected_peers or budget <= 0 or time.monotonic() >= deadline:
                 return admissions
+            if not fetched:  # nothing new yet: poll again, backing off
+                time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+                interval = min(2 * interval, _POLL_MAX_S)
 
     def _admit(self, round_index: int, item: Fetched, policy_version: int) -> Admission:
         """Run one fetched body through intake; score its sender, feed the drafter, pool what passed."""
-        admission = self.intake.admit(item.author_peer_id, item.body, current_round=round_index, current_version=policy_version)
+        admission = self.intake.admit(item.author_peer_id, item.body, current_version=policy_version)
         if self.on_admission is not None:
             self.on_admission(admission, item.body)
         if self.peer_scores is not None:
@@ -121,5 +129,5 @@ class RoundExchange:
         if admission.outcome == "accept":  # peers' rollouts of shared prompts feed the drafter too
             self.feed.feed(admission.rollouts, own=False, author=admission.author, round_index=round_index,
                            policy_version=admission.policy_version)
-            self.pool.admit(admission.author, round_index, admission.rollouts, admission.policy_version)
+            self.pool.admit(admission.author, round_index, admission.rollouts, admission.policy_version, born=admission.born)
         return admission

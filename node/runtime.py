@@ -5,14 +5,15 @@ One round, and the module that owns each step:
   2. own rollouts into the drafter and the trace                        speculation/feed.DrafterFeed
   3. journal, sign and publish our batch                                exchange.RoundExchange.publish
   4. (once) measure speculation's verify-cost curve while peers work    speculation/policy.CurveCalibration
-  5. collect peers' batches: intake, peer scores, drafter, foreign pool exchange.RoundExchange.collect
+  5. fresh peers' batches (at most K): intake, scores, drafter, pool  exchange.RoundExchange.collect
   6. choose the step's foreign samples                                  training/foreign_pool.ForeignPool.select
   7. one GRPO step with importance weights, own and foreign samples     training/trainer.Trainer.step
   8. the trainer's weights into the engine (and to followers)           weights/sync.WeightSync.sync, weights/publisher
   9. the round's report, nested from each part's stats                  report.RoundReport
 Between rounds: checkpoints (training/node_state.NodeState), status (status/board.StatusBoard),
-pause/stop (status/board.RunControl), phases and heartbeats (progress.RoundProgress). Before the
-first round a late or resumed node catches up with the swarm (`Gossip.swarm_round`). Every part
+pause/stop (status/board.RunControl), phases and heartbeats (progress.RoundProgress). A round is
+this node's own step: nodes share no round numbers, so a late or resumed node just goes on, and
+takes whatever its peers published recently (`exchange.py`). Every part
 comes in built, as an argument of `Node` (only the status server is started here, on request:
 `serve_status`).
 """
@@ -157,7 +158,6 @@ class Node:
         A checkpoint is saved every ``checkpoint.every_rounds`` rounds and when the loop ends.
         """
         reports = []
-        self.next_round = self.gossip.swarm_round(self.next_round, timeout=min(5.0, self.config.swarm.round_timeout))
         saved_at = self.next_round
         stopped: RoundStopped | None = None
         while self.config.rounds == 0 or self.next_round < self.config.rounds:

@@ -7,7 +7,9 @@ One record per holder per DHT key, stored under subkey = the holder's peer id an
      "expires": float,    # the DHT expiration it is stored with (binds it: nobody can extend it)
      "p2p": str,          # the holder's libp2p peer id (base58), to open a body stream to
      "maddrs": [str],     # the holder's multiaddrs, at most MAX_MADDRS
-     "items": [{"author": str, "sha256": bin32, "size": int}, ...]}   # 1..MAX_ITEMS bodies
+     "items": [{"author": str, "sha256": bin32, "size": int,          # 1..MAX_ITEMS bodies
+                "born": float,      # when its author sealed it (unix s): readers pick by recency
+                "version": int}]}   # the author's policy version then (-1: not a policy's output)
 
 A holder is the author of its first item or a peer that fetched and verified the body and now
 serves it too, so a body outlives its author. Binding the key and the expiration into the signed
@@ -36,18 +38,25 @@ MAX_MADDRS = 8
 MAX_KEY_LEN = 256
 MAX_MADDR_LEN = 256
 _KEYS = frozenset({"key", "expires", "p2p", "maddrs", "items"})
-_ITEM_KEYS = frozenset({"author", "sha256", "size"})
+_ITEM_KEYS = frozenset({"author", "sha256", "size", "born", "version"})
+MAX_VERSION = 2**53
 _PEER_ID = re.compile(rf"{PEER_ID_PREFIX}[0-9a-f]{{16}}")
 _BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
 @dataclass(frozen=True)
 class AnnouncedBody:
-    """One body a holder serves: its author's peer id, sha256 and size in bytes."""
+    """One body a holder serves: its author's peer id, sha256, size in bytes, when the author made it and from which policy.
+
+    `born` and `version` are the holder's claim (an author's own, or copied by a relay); intake
+    checks the signed envelope's timestamp and the batch's version, so a lie here wastes one fetch.
+    """
 
     author: str
     sha256: bytes
     size: int
+    born: float = 0.0
+    version: int = -1
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,10 @@ def encode_announce(announce: Announce) -> bytes:
             "expires": float(announce.expires),
             "p2p": announce.p2p,
             "maddrs": list(announce.maddrs[:MAX_MADDRS]),
-            "items": [{"author": i.author, "sha256": i.sha256, "size": int(i.size)} for i in announce.items],
+            "items": [
+                {"author": i.author, "sha256": i.sha256, "size": int(i.size), "born": float(i.born), "version": int(i.version)}
+                for i in announce.items
+            ],
         }
     )
     verdict, _ = decode_announce(data, max_body_bytes=max((i.size for i in announce.items), default=1))
@@ -121,14 +133,18 @@ def _text(value: object, what: str, max_len: int) -> str:
 
 def _item(obj: object, max_body_bytes: int) -> AnnouncedBody:
     m = check_keys(obj, _ITEM_KEYS, "announce item")
-    author, digest, size = m["author"], m["sha256"], m["size"]
+    author, digest, size, born, version = m["author"], m["sha256"], m["size"], m["born"], m["version"]
     if not isinstance(author, str) or not _PEER_ID.fullmatch(author):
         raise Reject(Reason.BAD_VALUE, f"item author {author!r:.40} is not a hivespec peer id")
     if not isinstance(digest, bytes) or len(digest) != 32:
         raise Reject(Reason.BAD_LENGTH, "item sha256 must be 32 bytes")
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= max_body_bytes:
         raise Reject(Reason.BAD_VALUE, f"item size {size!r:.40} outside (0, {max_body_bytes}]")
-    return AnnouncedBody(author, digest, size)
+    if not isinstance(born, float) or not math.isfinite(born) or born < 0:
+        raise Reject(Reason.BAD_VALUE, f"item born {born!r:.40} is not a finite time")
+    if isinstance(version, bool) or not isinstance(version, int) or not -1 <= version < MAX_VERSION:
+        raise Reject(Reason.BAD_VALUE, f"item version {version!r:.40} outside -1..2^53")
+    return AnnouncedBody(author, digest, size, born, version)
 
 
 def is_peer_id(value: object) -> bool:

@@ -26,9 +26,26 @@ def _non_negative(value: int, what: str) -> int:
     return value
 
 
-def rollout_round_key(swarm: str, round: int) -> str:
-    """Key whose subkeys (one per peer) announce that peer's rollouts for `round`."""
-    return f"{_prefix(swarm)}/rollouts/{_non_negative(round, 'round')}"
+MAX_INDEX_LEVEL = 24
+"""Deepest level of the rollout index tree (2^24 keys per bucket: far past any swarm's size)."""
+
+
+def rollout_index_key(swarm: str, bucket: int, level: int, prefix: int) -> str:
+    """Key of one node of a time bucket's rollout index tree (see `node/swarm/index.py`).
+
+    `bucket` numbers a time bucket; `level` 0 is the bucket's root key, level l has 2^l keys and
+    `prefix` (< 2^l) picks one: the first l bits of the sha256 of the holders' peer ids stored there.
+    """
+    _non_negative(bucket, "bucket")
+    if not 0 <= _non_negative(level, "level") <= MAX_INDEX_LEVEL or not _non_negative(prefix, "prefix") < 2**level:
+        raise ValueError(f"index level {level} / prefix {prefix} outside 0..{MAX_INDEX_LEVEL} / 0..2^level - 1")
+    return f"{_prefix(swarm)}/rollouts/{bucket}/{level}/{prefix}"
+
+
+def check_swarm_name(swarm: str) -> str:
+    """`swarm` if it is a valid swarm name, else ValueError saying what one looks like."""
+    _prefix(swarm)
+    return swarm
 
 
 def delta_key(swarm: str, slot: int) -> str:
@@ -62,12 +79,13 @@ def peers_key(swarm: str) -> str:
     return f"{_prefix(swarm)}/peers"
 
 
-TOPIC_KEYS = {"rollouts": rollout_round_key, "delta": delta_key, "snapshot": snapshot_key, "head": head_key}
-"""Gossip topics: each maps a slot number (a round, a delta chunk's `delta_slot`, 0 for the head) to its DHT key."""
+TOPIC_KEYS = {"delta": delta_key, "snapshot": snapshot_key, "head": head_key}
+"""Slot topics: each maps a slot number (a delta chunk's `delta_slot`, 0 for the head) to its DHT key. Rollouts
+are not a slot topic: nodes share no round numbers, they are found by recency (`rollout_index_key`)."""
 
 
 def topic_key(swarm: str, topic: str, slot: int) -> str:
-    """The DHT key of `slot` in `topic` ("rollouts": slot = round; "delta"/"snapshot": `delta_slot`; "head": 0)."""
+    """The DHT key of `slot` in `topic` ("delta"/"snapshot": `delta_slot`; "head": 0)."""
     try:
         build = TOPIC_KEYS[topic]
     except KeyError:

@@ -12,7 +12,10 @@ serializer (ext types included) before any validator sees them. This module clos
 - `harden(dht_node)`: wraps the node's `rpc_store`/`rpc_find`/`rpc_ping` handlers with
   `check_*_request` (counts, lengths, node ids, dictionary values parsed under hard limits) and
   every outgoing stub with `check_find_response`, so hivemind decodes only bytes that passed our
-  limits; and bounds the node's local storage and cache.
+  limits; and bounds the node's local storage and cache: at most `MAX_STORED_KEYS` keys, and at
+  most `MAX_RECORDS_PER_KEY` records under one key (first come: a holder already there may renew
+  its record, a newcomer to a full key is refused, so a flood of identities cannot grow a key or
+  evict the records before it).
 
 The checks are plain functions over protobuf messages, so the fuzz tests drive them directly
 and through a live node.
@@ -29,6 +32,7 @@ from typing import Any
 import msgpack
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
@@ -49,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 RECORD_MAX_BYTES = ANNOUNCE_MAX_BYTES + OVERHEAD + 256  # announce + AEAD + envelope header and signature
 MAX_KEYS_PER_REQUEST = 64  # hivemind batches at most chunk_size (16) keys per RPC
-MAX_SUBKEYS_PER_VALUE = 4096  # peers announcing one slot; a dictionary holds at most this many
+MAX_SUBKEYS_PER_VALUE = 4096  # what a dictionary value in a request or reply may hold before we decode it
+MAX_RECORDS_PER_KEY = 64  # records our storage keeps under one key: a new subkey past this is refused (index keys hold 16)
 MAX_DICTIONARY_BYTES = MAX_SUBKEYS_PER_VALUE * (RECORD_MAX_BYTES // 4)  # well under p2pd's 4 MiB cap
 MAX_NEAREST = 64  # hivemind returns bucket_size (20) neighbours per key
 MAX_STORED_KEYS = 65536  # local storage and cache bound: oldest expirations are dropped first
@@ -292,8 +297,9 @@ async def harden(node: DHTNode, stats: Counter) -> None:
     Refused requests are counted in `stats` as ``dht_request_refused_<reason>``.
     """
     protocol = node.protocol
-    protocol.storage.maxsize = MAX_STORED_KEYS
-    protocol.cache.maxsize = MAX_STORED_KEYS
+    for storage in (protocol.storage, protocol.cache):
+        storage.maxsize = MAX_STORED_KEYS
+        _cap_records_per_key(storage, stats)
     await protocol.remove_p2p_handlers(protocol.p2p)
 
     def guarded(handler: Any, check: Any, refuse: Any) -> Any:
@@ -318,3 +324,19 @@ async def harden(node: DHTNode, stats: Counter) -> None:
 
     make_stub = protocol.get_stub
     protocol.get_stub = lambda peer: _GuardedStub(make_stub(peer), stats)
+
+
+def _cap_records_per_key(storage: DHTLocalStorage, stats: Counter) -> None:
+    """Refuse a new subkey under a key that already holds MAX_RECORDS_PER_KEY records (see the module docstring)."""
+    store_subkey = storage.store_subkey
+
+    def capped(key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
+        current = storage.get(key)
+        if current is not None and isinstance(current.value, DictionaryDHTValue):
+            records = current.value
+            if subkey not in records and len(records) >= MAX_RECORDS_PER_KEY:
+                stats["dht_key_full_refused"] += 1
+                return False
+        return store_subkey(key, subkey, value, expiration_time)
+
+    storage.store_subkey = capped

@@ -28,15 +28,16 @@ class PendingRollout:
     """An admitted foreign rollout waiting to be trained on."""
 
     author: str
-    round: int
+    round: int  # the author's own step count (informational: nodes share no round numbers)
     rollout: Rollout
     policy_version: int = -1  # the author's policy version when it sampled (-1: unknown)
+    born: float = 0.0  # when the author signed the batch (unix s)
 
 
 class FreshCheck(Protocol):
     """Whether an admitted rollout may still be trained on (`Intake.still_fresh`: the staleness policy's one owner)."""
 
-    def __call__(self, round_index: int, policy_version: int, *, current_round: int, current_version: int | None) -> bool: ...
+    def __call__(self, born: float, policy_version: int, *, current_version: int | None, now: float | None = None) -> bool: ...
 
 
 class ForeignPool:
@@ -59,25 +60,26 @@ class ForeignPool:
         """The pool now, oldest admission first (a copy: safe to keep across rounds)."""
         return tuple(self._pending)
 
-    def admit(self, author: str, round_index: int, rollouts: Iterable[Rollout], policy_version: int = -1) -> None:
-        """Queue rollouts intake accepted from `author` in round `round_index`."""
-        self._pending.extend(PendingRollout(author, round_index, r, policy_version) for r in rollouts)
+    def admit(self, author: str, round_index: int, rollouts: Iterable[Rollout], policy_version: int = -1, *, born: float) -> None:
+        """Queue rollouts intake accepted from `author` (signed at `born`) during our round `round_index`."""
+        self._pending.extend(PendingRollout(author, round_index, r, policy_version, born) for r in rollouts)
 
     def put_back(self, items: Iterable[PendingRollout]) -> None:
         """Return rollouts a step took but never trained on (a stop inside the step), as they were."""
         self._pending.extend(items)
 
-    def select(self, round_index: int, own_count: int, policy_version: int) -> list[PendingRollout]:
+    def select(self, round_index: int, own_count: int, policy_version: int, *, now: float | None = None) -> list[PendingRollout]:
         """Take a step's foreign samples: at most ``foreign_fraction`` of it, whole groups, balanced over peers.
 
-        Pending rollouts `still_fresh` refuses (outside the round and policy-version windows
-        as of `round_index` and `policy_version`) are dropped first. Each author's groups queue
-        with a reward spread first (only those carry a GRPO gradient), then freshest first; authors are
+        Pending rollouts `still_fresh` refuses (older than the staleness window at `now`, or
+        outside the policy-version window of `policy_version`) are dropped first. Each author's
+        groups queue with a reward spread first (only those carry a GRPO gradient), then freshest
+        (by the author's signature time) and nearest our policy version first; authors are
         served round-robin from an order that rotates every round, so no peer id is favoured
         when the budget runs out. What is taken leaves the pool.
         """
         self._pending = [
-            p for p in self._pending if self.still_fresh(p.round, p.policy_version, current_round=round_index, current_version=policy_version)
+            p for p in self._pending if self.still_fresh(p.born, p.policy_version, current_version=policy_version, now=now)
         ]
         fraction = self.foreign_fraction
         budget = int(own_count * fraction / (1.0 - fraction)) if fraction > 0 else 0
@@ -85,9 +87,9 @@ class ForeignPool:
         for item in self._pending:
             groups[item.author][item.rollout.prompt_id].append(item)
 
-        def priority(items: list[PendingRollout]) -> tuple[bool, int, int]:
+        def priority(items: list[PendingRollout]) -> tuple[bool, float, int]:
             flat = len({i.rollout.reward for i in items}) < 2
-            return flat, -max(i.round for i in items), -max(i.policy_version for i in items)
+            return flat, -max(i.born for i in items), min(abs(i.policy_version - policy_version) for i in items)
 
         queues = {author: sorted(by_prompt.values(), key=priority) for author, by_prompt in groups.items()}
         authors = sorted(queues)
@@ -105,8 +107,11 @@ class ForeignPool:
 
     @staticmethod
     def entries(pending: Sequence[PendingRollout]) -> list[dict]:
-        """A checkpoint's record of `pending`: author, round and content hash each (the rollouts stay in the journal)."""
-        return [{"author": p.author, "round": p.round, "hash": rollout_content_hash(p.rollout).hex()} for p in pending]
+        """A checkpoint's record of `pending`: author, round, version, born and content hash each (the rollouts stay in the journal)."""
+        return [
+            {"author": p.author, "round": p.round, "version": p.policy_version, "born": p.born, "hash": rollout_content_hash(p.rollout).hex()}
+            for p in pending
+        ]
 
     def restore(self, entries: Sequence[dict], journal_rowid: int, store: RolloutStore) -> None:
         """Replace the pool with a checkpoint's `entries` (read back from the journal) plus the foreign
@@ -120,11 +125,12 @@ class ForeignPool:
             row = rows.get(bytes.fromhex(entry["hash"]))
             rollout = _decode_row(row.payload) if row is not None else None
             if rollout is not None:
-                pending.append(PendingRollout(entry["author"], int(entry["round"]), rollout))
+                born = float(entry.get("born", row.received_at))  # checkpoints before born was kept: when it arrived
+                pending.append(PendingRollout(entry["author"], int(entry["round"]), rollout, int(entry.get("version", row.policy_version)), born))
         for row in store.foreign_after(journal_rowid):
             rollout = _decode_row(row.payload)
             if rollout is not None:
-                pending.append(PendingRollout(row.author, row.round, rollout))
+                pending.append(PendingRollout(row.author, row.round, rollout, row.policy_version, row.received_at))
         self._pending = pending
 
 

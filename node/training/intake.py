@@ -2,7 +2,8 @@
 
 A peer's bytes pass, in order: envelope size, decode, signature and clock (protocol), announcing
 peer == author, replay (author, seq), batch schema with the vocabulary bound (protocol), model
-fingerprint, staleness, then per rollout: the task is one we can regenerate from its prompt id
+fingerprint, staleness (age in seconds by the signed timestamp, and policy-version distance: nodes
+share no round numbers, so a batch's round is only its author's step count), then per rollout: the task is one we can regenerate from its prompt id
 (a rollout whose spec is not, such as another reasoning-gym version or a dataset we do not hold,
 is skipped and counted by reason, never trusted), the prompt tokens are exactly our chat prompt
 for it, and the claimed reward equals the reward our own verifier computes. In a private swarm the author must be on the allowlist. The outcome
@@ -52,10 +53,8 @@ class AdmissionReason(StrEnum):
     AUTHOR_MISMATCH = "author_mismatch"  # announced by one peer, signed by another
     REPLAY = "replay"  # (author, seq) seen before
     FINGERPRINT = "fingerprint_mismatch"  # another model or tokenizer
-    STALE = "stale"  # older than the staleness window
-    FUTURE = "future_round"  # claims a round we cannot have reached
-    STALE_VERSION = "stale_version"  # policy more than staleness_versions behind ours
-    FUTURE_VERSION = "future_version"  # policy more than staleness_versions ahead of ours
+    STALE = "stale"  # signed more than staleness_seconds ago
+    STALE_VERSION = "stale_version"  # policy more than staleness_versions from ours, either way
     UNKNOWN_TASK = "unknown_task"  # no rollout's prompt id is one we can regenerate (ignored, not trusted)
     PROMPT_MISMATCH = "prompt_mismatch"  # prompt tokens differ from our chat prompt for the task
     REWARD_MISMATCH = "reward_mismatch"  # claimed reward differs from our verifier's
@@ -71,6 +70,7 @@ class Admission:
     author: str = ""
     rollouts: tuple[Rollout, ...] = ()
     policy_version: int = -1
+    born: float = 0.0  # when the author signed the batch (its envelope's timestamp)
     signed_by: str = ""  # peer id whose signature verified ("" if it did not): who to score for a reject
 
     def blame(self, holder: str) -> str:
@@ -121,7 +121,7 @@ class Intake:
         tasks: TaskSource,
         tokenizer,
         store: RolloutStore,
-        staleness_rounds: int,
+        staleness_seconds: float,
         staleness_versions: int | None = None,
         allowlist: frozenset[bytes] | None = None,
         limits: Limits = DEFAULT_LIMITS,
@@ -131,7 +131,7 @@ class Intake:
         self.tasks = tasks
         self.tokenizer = tokenizer
         self.store = store
-        self.staleness_rounds = staleness_rounds
+        self.staleness_seconds = staleness_seconds
         self.staleness_versions = staleness_versions
         self.allowlist = allowlist
         self.limits = limits
@@ -154,37 +154,38 @@ class Intake:
         """An intake with the `train` section's staleness window; a private swarm admits its allowlist's authors only."""
         return cls(
             fingerprint=fingerprint, vocab_size=vocab_size, tasks=tasks, tokenizer=tokenizer, store=store,
-            staleness_rounds=train.staleness_rounds, staleness_versions=train.staleness_versions,
+            staleness_seconds=train.staleness_seconds, staleness_versions=train.staleness_versions,
             allowlist=private.allowlist if private is not None else None,
         )
 
-    def _round_stale(self, round_index: int, current_round: int) -> bool:
-        return round_index < current_round - self.staleness_rounds
-
     def _version_stale(self, policy_version: int, current_version: int | None) -> bool:
         window = self.staleness_versions
-        return window is not None and current_version is not None and policy_version < current_version - window
+        return window is not None and current_version is not None and policy_version >= 0 and abs(policy_version - current_version) > window
 
-    def still_fresh(self, round_index: int, policy_version: int, *, current_round: int, current_version: int | None) -> bool:
-        """Whether an admitted rollout may still be trained on: inside the round and policy-version windows.
+    def version_window(self, current_version: int | None):
+        """Whether a batch from a policy version may still be used while ours is `current_version` (gossip's pre-filter)."""
+        return lambda policy_version: not self._version_stale(policy_version, current_version)
+
+    def still_fresh(self, born: float, policy_version: int, *, current_version: int | None, now: float | None = None) -> bool:
+        """Whether an admitted rollout may still be trained on: younger than staleness_seconds, within the version window.
 
         The staleness policy has one owner, this class: `admit` ignores batches outside the
-        windows, and the runtime asks this before it trains on a rollout admitted rounds ago. A
-        `policy_version` below 0 (not known) passes the version window.
+        windows, gossip fetches none it can tell are (`version_window`), and the runtime asks this
+        before it trains on a rollout admitted steps ago. A `policy_version` below 0 (not known)
+        passes the version window.
         """
-        if self._round_stale(round_index, current_round):
-            return False
-        return policy_version < 0 or not self._version_stale(policy_version, current_version)
+        now = time.time() if now is None else now
+        return now - born <= self.staleness_seconds and not self._version_stale(policy_version, current_version)
 
-    def admit(self, announced_by: str, data: bytes, *, current_round: int, current_version: int | None = None) -> Admission:
+    def admit(self, announced_by: str, data: bytes, *, current_version: int | None = None) -> Admission:
         """Run every check on one envelope; never raises on bad input.
 
         With ``current_version`` (our policy version) and ``staleness_versions`` set, a batch whose
-        policy is more than that many versions behind ours is ignored, and more than that many
-        ahead (as in the round check, a claim our lock-step swarm cannot produce) is rejected.
+        policy is more than that many versions from ours (behind or ahead: a fast node runs far
+        ahead of a slow one) is ignored.
         """
         try:
-            admission = self._admit(announced_by, data, current_round, current_version)
+            admission = self._admit(announced_by, data, current_version)
         except Exception as exc:  # a bug here must not take the receive loop down
             log.exception("intake failed on an envelope from %s", announced_by)
             admission = Admission("reject", "internal_error", repr(exc), announced_by)
@@ -195,14 +196,14 @@ class Intake:
             log.debug("%s envelope from %s: %s %s", admission.outcome, announced_by, admission.reason, admission.detail)
         return admission
 
-    def _admit(self, announced_by: str, data: bytes, current_round: int, current_version: int | None) -> Admission:
+    def _admit(self, announced_by: str, data: bytes, current_version: int | None) -> Admission:
         verdict, envelope = open_envelope(data, limits=self.limits, expected_kind=Kind.ROLLOUTS)
         if not verdict.ok or envelope is None:
             return Admission("reject", verdict.reason.value, verdict.detail, announced_by)
-        admission = self._admit_signed(envelope, announced_by, current_round, current_version)
+        admission = self._admit_signed(envelope, announced_by, current_version)
         return dataclasses.replace(admission, signed_by=envelope.peer_id)
 
-    def _admit_signed(self, envelope: Envelope, announced_by: str, current_round: int, current_version: int | None) -> Admission:
+    def _admit_signed(self, envelope: Envelope, announced_by: str, current_version: int | None) -> Admission:
         author = envelope.peer_id
         if self.allowlist is not None and envelope.author not in self.allowlist:
             return Admission("reject", AdmissionReason.NOT_ALLOWED, "author is not on the private swarm's allowlist", author)
@@ -213,13 +214,9 @@ class Intake:
             return Admission("reject", verdict.reason.value, verdict.detail, author)
         if batch.fingerprint != self.fingerprint:
             return Admission("ignore", AdmissionReason.FINGERPRINT, f"{batch.fingerprint} != ours {self.fingerprint}", author)
-        if batch.round > current_round + 1:
-            return Admission("reject", AdmissionReason.FUTURE, f"round {batch.round} while we are at {current_round}", author)
-        if self._round_stale(batch.round, current_round):
-            return Admission("ignore", AdmissionReason.STALE, f"round {batch.round} < {current_round} - {self.staleness_rounds}", author)
-        window = self.staleness_versions
-        if window is not None and current_version is not None and batch.policy_version > current_version + window:
-            return Admission("reject", AdmissionReason.FUTURE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
+        age = time.time() - envelope.timestamp  # signed; a future timestamp was refused with the envelope
+        if age > self.staleness_seconds:
+            return Admission("ignore", AdmissionReason.STALE, f"signed {age:.0f} s ago (> {self.staleness_seconds:g} s)", author)
         if self._version_stale(batch.policy_version, current_version):
             return Admission("ignore", AdmissionReason.STALE_VERSION, f"version {batch.policy_version}, ours {current_version}", author)
         usable: list[Rollout] = []
@@ -260,7 +257,7 @@ class Intake:
         self.store.add_rollouts(rows)
         if not fresh:
             return Admission("ignore", AdmissionReason.DUPLICATE, "", author)
-        return Admission("accept", "ok", "", author, tuple(fresh), batch.policy_version)
+        return Admission("accept", "ok", "", author, tuple(fresh), batch.policy_version, born=envelope.timestamp)
 
     def _check_rollout(self, rollout: Rollout, task: Task) -> tuple[str, str] | None:
         expected = self._prompt_ids(task)

@@ -102,7 +102,7 @@ class Follower:
         return report
 
     def _read_head(self) -> None:
-        for item in self.gossip.fetch_round(HEAD_SLOT, timeout=self.fetch_timeout, topic=HEAD_TOPIC):
+        for item in self.gossip.fetch_slot(HEAD_SLOT, topic=HEAD_TOPIC, timeout=self.fetch_timeout):
             body = self._open(item.author_peer_id, item.body)
             if body is None:
                 continue
@@ -151,7 +151,7 @@ class Follower:
         return [have[i] for i in range(header.chunks)]
 
     def _fetch_slot(self, topic: str, version: int, chunk: int) -> None:
-        for item in self.gossip.fetch_round(delta_slot(version, chunk), timeout=self.fetch_timeout, topic=topic):
+        for item in self.gossip.fetch_slot(delta_slot(version, chunk), topic=topic, timeout=self.fetch_timeout):
             body = self._open(item.author_peer_id, item.body)
             if body is None:
                 continue

@@ -1,4 +1,5 @@
-"""Gossip over real hivemind on 127.0.0.1 (no mocks): index records, fetch, relay, refused records, solo mode, shutdown."""
+"""Gossip over real hivemind on 127.0.0.1 (no mocks): slot and rollout-index records, fetch, relay, refused records,
+solo mode, shutdown."""
 
 from __future__ import annotations
 
@@ -11,22 +12,31 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+from hivemind.dht.routing import DHTID
 
-from hivespec.node.swarm.gossip import CHUNK_BYTES, Gossip, GossipError
+from hivespec.node.config import SwarmConfig
+from hivespec.node.swarm.dht_guard import MAX_RECORDS_PER_KEY
+from hivespec.node.swarm.gossip import Gossip, GossipError
+from hivespec.node.swarm.index import bucket_of, placement_path
 from hivespec.node.swarm.peers import PeerScores
-from hivespec.node.swarm.transfer import BadBody, download
+from hivespec.node.swarm.transfer import CHUNK_BYTES, BadBody, download
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
-from hivespec.protocol.keys import rollout_round_key
+from hivespec.protocol.keys import delta_key
 
 SWARM = "test-gossip"
 pytestmark = pytest.mark.timeout(180)
 
 
-def start_node(initial_peers: list[str] = (), **kwargs) -> Gossip:
-    kwargs.setdefault("bootstrap_timeout", 10.0)
-    node = Gossip(Identity.generate(), swarm=SWARM, initial_peers=initial_peers, request_timeout=5.0, **kwargs)
+def swarm_config(initial_peers: list[str] = (), **settings) -> SwarmConfig:
+    settings.setdefault("bootstrap_timeout", 10.0)
+    settings.setdefault("request_timeout", 5.0)
+    return SwarmConfig(swarm=SWARM, initial_peers=list(initial_peers), **settings)
+
+
+def start_node(initial_peers: list[str] = (), *, peers: PeerScores | None = None, **settings) -> Gossip:
+    node = Gossip(Identity.generate(), swarm_config(initial_peers, **settings), peers=peers)
     node.start()
     return node
 
@@ -55,18 +65,18 @@ def test_every_node_gets_every_other_body(swarm: list[Gossip]) -> None:
     bodies = {node.identity.peer_id: os.urandom(200_000) for node in swarm}
     t0 = time.perf_counter()
     for node in swarm:
-        node.publish(0, bodies[node.identity.peer_id])
+        node.publish(0, bodies[node.identity.peer_id], topic="delta")
     publish_s = time.perf_counter() - t0
 
     for node in swarm:
         t0 = time.perf_counter()
-        got = node.wait_for_round(0, peers=2, timeout=30)
+        got = node.wait_for_slot(0, topic="delta", peers=2, timeout=30)
         fetch_s = time.perf_counter() - t0
         expected = {pid: body for pid, body in bodies.items() if pid != node.identity.peer_id}
         assert {f.author_peer_id: f.body for f in got} == expected
-        print(f"3 nodes x 200 KB: publish x3 {publish_s * 1e3:.0f} ms, wait_for_round {fetch_s * 1e3:.0f} ms")
+        print(f"3 nodes x 200 KB: publish x3 {publish_s * 1e3:.0f} ms, wait_for_slot {fetch_s * 1e3:.0f} ms")
         # Already fetched: a second poll returns nothing new.
-        assert node.fetch_round(0, timeout=5) == []
+        assert node.fetch_slot(0, topic="delta", timeout=5) == []
         assert node.stats()["bodies_fetched"] >= 2
 
     stats = swarm[0].stats()
@@ -78,35 +88,92 @@ def test_every_node_gets_every_other_body(swarm: list[Gossip]) -> None:
 def test_body_over_one_chunk_goes_through(swarm: list[Gossip]) -> None:
     author, reader = swarm[0], swarm[1]
     body = os.urandom(3 * CHUNK_BYTES + 12345)
-    author.publish(1, body)
-    got = reader.wait_for_round(1, peers=1, timeout=30)
+    author.publish(1, body, topic="delta")
+    got = reader.wait_for_slot(1, topic="delta", peers=1, timeout=30)
     assert [(f.author_peer_id, f.body) for f in got] == [(author.identity.peer_id, body)]
     with pytest.raises(ValueError, match="max_body_bytes"):
-        author.publish(1, b"\0" * (author.max_body_bytes + 1))
+        author.publish(1, b"\0" * (author.max_body_bytes + 1), topic="delta")
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        author.publish_rollouts(b"\0" * (author.max_body_bytes + 1), version=0)
 
 
 def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
     author, reader = swarm[0], swarm[2]
     author.publish(7, b"delta for version 7", topic="delta")
-    got = reader.wait_for_round(7, peers=1, timeout=30, topic="delta")
+    got = reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)
     assert [f.body for f in got] == [b"delta for version 7"]
-    assert reader.fetch_round(7, timeout=2) == []  # nothing under rollouts/7
+    assert reader.fetch_slot(7, topic="snapshot", timeout=2) == []  # nothing under snapshot/7
     with pytest.raises(ValueError, match="unknown gossip topic"):
         author.publish(7, b"x", topic="gradients")
+    with pytest.raises(ValueError, match="unknown gossip topic"):
+        author.publish(7, b"x", topic="rollouts")  # rollouts are found by recency, not by slot
 
 
-def test_a_late_node_catches_up_to_the_swarms_round(swarm: list[Gossip]) -> None:
-    """announced_by reads records without fetching bodies; swarm_round bisects over it."""
-    author, late = swarm[1], swarm[2]
-    for round_index in range(20, 31):
-        author.publish(round_index, f"round {round_index}".encode())
-    fetched_before = late.stats()["bodies_fetched"]
-    assert late.announced_by(25, timeout=5) == {author.identity.peer_id}
-    assert late.announced_by(31, timeout=5) == set()
-    assert late.stats()["bodies_fetched"] == fetched_before  # records only: no body was pulled
-    assert late.swarm_round(19, timeout=5.0) == 30  # peers are at round 30: skip 19..29
-    assert late.swarm_round(30, timeout=5.0) == 30
-    assert late.swarm_round(40, timeout=5.0) == 40  # nobody ahead: keep our round (a solo resume stays exact)
+def test_rollouts_are_found_by_recency_and_sampled_at_most_k_and_one_per_author(swarm: list[Gossip]) -> None:
+    """No round numbers: each author's newest batches are in the current bucket's index; a step takes at most K."""
+    author, other, reader = swarm
+    batches = {}
+    for node in (author, other):
+        for version in (3, 4):  # two batches each: the reader takes one per author per step
+            body = seal(node.identity, Kind.ROLLOUTS, version, os.urandom(20_000))
+            node.publish_rollouts(body, version=version)
+            batches[hashlib.sha256(body).digest()] = (node.identity.peer_id, version, body)
+    first = reader.sample_rollouts(k=4, max_age_s=120, timeout=20)
+    assert sorted(f.author_peer_id for f in first) == sorted([author.identity.peer_id, other.identity.peer_id])
+    for f in first:
+        assert batches[f.sha256] == (f.author_peer_id, f.version, f.body) and time.time() - f.born < 60
+    second = reader.sample_rollouts(k=1, max_age_s=120, timeout=20)  # K = 1: one more, never one fetched before
+    assert len(second) == 1 and second[0].sha256 not in {f.sha256 for f in first}
+    # A version window and an age limit the reader can tell from the index cost no download at all.
+    fetched = reader.stats()["bodies_fetched"]
+    assert reader.sample_rollouts(k=4, max_age_s=120, timeout=10, version_ok=lambda v: v > 4) == []
+    assert reader.sample_rollouts(k=4, max_age_s=1e-3, timeout=10) == []
+    assert reader.stats()["bodies_fetched"] == fetched
+    last = reader.sample_rollouts(k=4, max_age_s=120, timeout=20)
+    assert len(last) == 1 and len({f.sha256 for f in first + second + last}) == 4
+
+
+def test_a_full_index_key_splits_and_readers_still_find_every_author() -> None:
+    """index_key_records = 2 with 6 publishers: the root key holds 2, the rest go a level down; no key holds more."""
+    first = start_node(index_key_records=2)
+    nodes = [first] + [start_node(first.visible_maddrs, index_key_records=2) for _ in range(5)]
+    try:
+        for node in nodes:
+            node.publish_rollouts(seal(node.identity, Kind.ROLLOUTS, 1, os.urandom(5_000)), version=1)
+        reader = nodes[0]
+        authors = {n.identity.peer_id for n in nodes[1:]}
+        seen: set[str] = set()
+        for _ in range(40):  # random paths: the weighted draws reach every author in time
+            seen |= {f.author_peer_id for f in reader.sample_rollouts(k=2, max_age_s=120, timeout=10)}
+            if seen == authors:
+                break
+        assert seen == authors
+        assert 0 < max(n.stats()["max_records_per_key"] for n in nodes) <= 2 + 1  # + one racing writer at most
+        bucket = bucket_of(time.time(), nodes[0].config.index_bucket_s)
+        placed = [n._placed.get(bucket) for n in nodes]  # each node's key this bucket
+        roots = sum(key == placement_path(SWARM, bucket, n.identity.peer_id)[0] for key, n in zip(placed, nodes))
+        assert roots <= 3 and all(placed)
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_storing_peer_refuses_new_records_past_the_key_cap(swarm: list[Gossip]) -> None:
+    """Sybil identities cannot grow one key past MAX_RECORDS_PER_KEY: the storing peer refuses the newcomers."""
+    owner = swarm[0]
+    key = delta_key(SWARM, 999_999)
+    sybils = [Identity.generate() for _ in range(MAX_RECORDS_PER_KEY + 3)]
+
+    async def plant() -> list[bool]:
+        out = []
+        for me in sybils:
+            record, exp = index_record(me, key, [AnnouncedBody(me.peer_id, os.urandom(32), 100, time.time(), 1)], owner)
+            out.append(owner._dht.protocol.storage.store(DHTID.generate(source=key), record, exp, subkey=me.peer_id))
+        return out
+
+    stored = owner._call(plant(), 30)
+    assert stored[:MAX_RECORDS_PER_KEY] == [True] * MAX_RECORDS_PER_KEY and not any(stored[MAX_RECORDS_PER_KEY:])
+    assert owner.stats()["dht_key_full_refused"] == 3
 
 
 def index_record(identity: Identity, key: str, items: list[AnnouncedBody], holder: Gossip, *, expires: float | None = None) -> tuple[bytes, float]:
@@ -121,15 +188,15 @@ def test_forged_overwritten_and_oversized_records_are_refused(swarm: list[Gossip
     mallory = start_node(honest.visible_maddrs)
     try:
         round = 2
-        key = rollout_round_key(SWARM, round)
+        key = delta_key(SWARM, round)
         bogus = os.urandom(50_000)
-        item = AnnouncedBody(mallory.identity.peer_id, hashlib.sha256(bogus).digest(), len(bogus))
+        item = AnnouncedBody(mallory.identity.peer_id, hashlib.sha256(bogus).digest(), len(bogus), time.time(), 1)
         own, own_exp = index_record(mallory.identity, key, [item], mallory)
         impostor = Identity.generate()
         forged = bytearray(index_record(impostor, key, [item], mallory)[0])
         forged[-5] ^= 0xFF  # inside the signature, the last field of the msgpack map
         far, far_exp = index_record(mallory.identity, key, [item], mallory, expires=time.time() + 3e8)
-        other_key, other_exp = index_record(mallory.identity, rollout_round_key(SWARM, round + 1), [item], mallory)
+        other_key, other_exp = index_record(mallory.identity, delta_key(SWARM, round + 1), [item], mallory)
         attempts = {
             "overwrite": (victim.identity.peer_id, own, own_exp),  # someone else's subkey
             "forged": (impostor.peer_id, bytes(forged), own_exp),
@@ -161,13 +228,13 @@ def test_forged_overwritten_and_oversized_records_are_refused(swarm: list[Gossip
         assert sum(n.stats().get("dht_request_refused_too_large", 0) for n in (honest, victim, reader)) > 0
 
         body = os.urandom(100_000)
-        honest.publish(round, body)
-        got = reader.wait_for_round(round, peers=1, timeout=30)
+        honest.publish(round, body, topic="delta")
+        got = reader.wait_for_slot(round, topic="delta", peers=1, timeout=30)
         assert [(f.author_peer_id, f.body) for f in got] == [(honest.identity.peer_id, body)]
         # Nothing mallory planted reaches the reader: the DHT refuses it at store and at find time.
-        assert reader.fetch_round(round, timeout=5) == []
-        assert victim.fetch_round(round, timeout=5) == [] or all(
-            f.author_peer_id == honest.identity.peer_id for f in victim.fetch_round(round, timeout=5)
+        assert reader.fetch_slot(round, topic="delta", timeout=5) == []
+        assert victim.fetch_slot(round, topic="delta", timeout=5) == [] or all(
+            f.author_peer_id == honest.identity.peer_id for f in victim.fetch_slot(round, topic="delta", timeout=5)
         )
     finally:
         mallory.shutdown()
@@ -181,18 +248,18 @@ def test_a_holder_serving_other_bytes_is_scored_down() -> None:
     try:
         announced, served = b"what was announced", os.urandom(20_000)
         digest = hashlib.sha256(announced).digest()
-        key = rollout_round_key(SWARM, 0)
-        record, exp = index_record(liar.identity, key, [AnnouncedBody(liar.identity.peer_id, digest, len(served))], liar)
+        key = delta_key(SWARM, 0)
+        record, exp = index_record(liar.identity, key, [AnnouncedBody(liar.identity.peer_id, digest, len(served), time.time(), -1)], liar)
 
         async def plant() -> bool:
-            liar._bodies[digest] = (("rollouts", 0), served)  # serves other bytes than it signed for
+            liar.bodies.keep(digest, served)  # serves other bytes than it signed for
             return await liar._dht.store(key, record, exp, subkey=liar.identity.peer_id)
 
         assert liar._call(plant(), 30)
-        assert reader.fetch_round(0, timeout=10) == []
+        assert reader.fetch_slot(0, topic="delta", timeout=10) == []
         assert reader.stats()["bad_bodies"] == 1
         assert scores.snapshot()[liar.identity.peer_id]["rejected"] == 1
-        assert reader.fetch_round(0, timeout=5) == []  # not fetched again from the same holder
+        assert reader.fetch_slot(0, topic="delta", timeout=5) == []  # not fetched again from the same holder
         assert reader.stats()["bad_bodies"] == 1
     finally:
         for node in (reader, liar, first):
@@ -205,14 +272,14 @@ def test_a_body_outlives_its_author_through_a_holder() -> None:
     late = start_node(relay.visible_maddrs)
     try:
         body = seal(author.identity, Kind.ROLLOUTS, 1, os.urandom(150_000))
-        author.publish(0, body)
-        got = relay.wait_for_round(0, peers=1, timeout=30)
+        author.publish_rollouts(body, version=1)
+        got = relay.sample_rollouts(k=1, max_age_s=120, timeout=30)
         assert [f.body for f in got] == [body]
         deadline = time.monotonic() + 10
         while relay.stats().get("relay_records", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.1)  # the relay re-stores its record in the background
         author.shutdown()
-        got = late.wait_for_round(0, peers=1, timeout=30)
+        got = late.sample_rollouts(k=1, max_age_s=120, timeout=30)
         assert [(f.author_peer_id, f.holder, f.body) for f in got] == [(author.identity.peer_id, relay.identity.peer_id, body)]
         assert late.stats()["bodies_fetched_from_relay"] == 1
     finally:
@@ -227,24 +294,26 @@ def test_shutdown_is_clean_and_idempotent() -> None:
     pids = [p2pd_pid(first), p2pd_pid(second)]
     assert all(psutil.pid_exists(pid) for pid in pids)
     assert len(gossip_threads()) == threads_before + 2
-    second.publish(0, b"x" * 1000)
-    assert first.wait_for_round(0, peers=1, timeout=30)[0].body == b"x" * 1000
+    second.publish(0, b"x" * 1000, topic="delta")
+    assert first.wait_for_slot(0, topic="delta", peers=1, timeout=30)[0].body == b"x" * 1000
 
     for node in (first, second, first):
         node.shutdown()
     assert not any(psutil.pid_exists(pid) for pid in pids)
     assert len(gossip_threads()) == threads_before
     with pytest.raises(GossipError, match="start"):
-        first.publish(1, b"y")
+        first.publish_rollouts(b"y", version=0)
 
 
 def test_bad_arguments_fail_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="swarm name"):
-        Gossip(Identity.generate(), swarm="Not A Swarm!")
+        Gossip(Identity.generate(), SwarmConfig(swarm="Not A Swarm!"))
     with pytest.raises(ValueError, match="request_timeout"):
-        Gossip(Identity.generate(), swarm=SWARM, request_timeout=0)
+        swarm_config(request_timeout=0)
     with pytest.raises(GossipError, match="start"):
-        Gossip(Identity.generate(), swarm=SWARM).fetch_round(0, timeout=1)
+        Gossip(Identity.generate(), swarm_config()).fetch_slot(0, topic="delta", timeout=1)
+    with pytest.raises(GossipError, match="start"):
+        Gossip(Identity.generate(), swarm_config()).sample_rollouts(k=1, max_age_s=1, timeout=1)
 
 
 def test_unreachable_bootstrap_peer_means_visible_solo_mode() -> None:
@@ -253,8 +322,7 @@ def test_unreachable_bootstrap_peer_means_visible_solo_mode() -> None:
     dead_maddr = live.visible_maddrs[0]
     live.shutdown()
     children_before = {p.pid for p in psutil.Process().children()}
-    strict = Gossip(Identity.generate(), swarm=SWARM, initial_peers=[dead_maddr], request_timeout=2.0,
-                    bootstrap_timeout=2.0, require_peers=True)
+    strict = Gossip(Identity.generate(), swarm_config([dead_maddr], request_timeout=2.0, bootstrap_timeout=2.0, require_peers=True))
     with pytest.raises(GossipError, match="require_peers"):
         strict.start()
     assert {p.pid for p in psutil.Process().children() if p.is_running() and p.status() != "zombie"} <= children_before
@@ -264,7 +332,7 @@ def test_unreachable_bootstrap_peer_means_visible_solo_mode() -> None:
     try:
         assert time.monotonic() - t0 < 15
         assert solo.status()["solo"] and solo.status()["known_peers"] == 0
-        solo.publish(0, b"trained alone")  # a solo node keeps working
+        solo.publish(0, b"trained alone", topic="delta")  # a solo node keeps working
         # A peer that joins through the solo node ends solo mode for both.
         joiner = start_node(solo.visible_maddrs)
         try:
@@ -274,7 +342,7 @@ def test_unreachable_bootstrap_peer_means_visible_solo_mode() -> None:
             while solo.status()["solo"] and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not solo.status()["solo"]
-            assert joiner.wait_for_round(0, peers=1, timeout=30)[0].body == b"trained alone"
+            assert joiner.wait_for_slot(0, topic="delta", peers=1, timeout=30)[0].body == b"trained alone"
         finally:
             joiner.shutdown()
     finally:
@@ -287,7 +355,7 @@ def test_fetch_dials_a_holder_it_never_met() -> None:
     author, loner = start_node(), start_node()
     try:
         body = os.urandom(10_000)
-        author.publish(0, body)
+        author.publish(0, body, topic="delta")
         digest = hashlib.sha256(body).digest()
         got = loner._call(download(loner._p2p, author._p2p.peer_id, author.visible_maddrs, digest, len(body), timeout=10), 30)
         assert got == body

@@ -1,0 +1,126 @@
+"""The rollout index: fresh batches found by recency, in DHT keys of bounded size, sampled at bounded cost.
+
+Nodes share no round numbers. A holder announces the batches it serves in the index of the
+current time bucket (`bucket = floor(unix time / bucket_s)`), and a reader looks at the current
+and the previous bucket, so what it sees is at most two buckets old.
+
+Inside a bucket the records form a binary tree of DHT keys, `rollout_index_key(swarm, bucket,
+level, prefix)`: level 0 is one key, level l has 2^l keys, and a holder's key at level l is the
+first l bits of sha256(its peer id).
+- **Writing** (`placement_path`): a holder's record goes to the first key on its path that holds
+  fewer than `cap` other records, and stays there for the bucket (a re-store replaces its own
+  subkey, adding no record). The tree grows a level each time the bucket's publishers double past
+  `cap`, so a key holds at most `cap` records plus the few of writers racing for its last slot;
+  storing peers refuse any new subkey past `dht_guard.MAX_RECORDS_PER_KEY`, whoever writes.
+- **Reading** (`descend`): from level 0 down one random path while the key just read is full:
+  about log2(publishers / cap) + 1 keys of at most `cap` records each, whatever the swarm's size.
+  A record met at level l stands for the 2^l keys of its level of which the reader saw one, so
+  sampling weighs it by 2^l (inverse-probability weights: every publisher equally likely).
+- **Choosing** (`choose_claims`): at most K batches a step among the fresh claims (not ours, not
+  fetched, young enough, a policy version we accept), at most `per_author` from one author, drawn
+  without replacement with weight 2^l x trust x freshness, where trust mixes the author's peer
+  score with a floor of `explore` (a newcomer with no score is still drawn, so every honest peer
+  gets heard over time, and a few loud identities cannot crowd out the rest).
+
+Pure functions over plain data: `gossip.py` does the DHT reads and writes, `fetching.py` the downloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from hivespec.protocol.announce import AnnouncedBody
+from hivespec.protocol.keys import MAX_INDEX_LEVEL, rollout_index_key
+
+Claim = tuple[bytes, str, int]  # (sha256, author, size): one announced body
+
+
+def bucket_of(unix_time: float, bucket_s: float) -> int:
+    """The index bucket a moment falls in."""
+    return int(unix_time // bucket_s)
+
+
+def prefix_of(peer_id: str, level: int) -> int:
+    """The first `level` bits of sha256(peer id): the holder's key at that level of the tree."""
+    if level == 0:
+        return 0
+    digest = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
+    return digest >> (32 - level)
+
+
+def placement_path(swarm: str, bucket: int, peer_id: str) -> list[str]:
+    """A holder's keys in `bucket`, root first: it writes to the first one not full."""
+    return [rollout_index_key(swarm, bucket, level, prefix_of(peer_id, level)) for level in range(MAX_INDEX_LEVEL + 1)]
+
+
+def descend(swarm: str, bucket: int, rng: random.Random) -> Iterable[tuple[int, str]]:
+    """(level, key) of one random root-to-leaf path of `bucket`'s tree: the reader stops at the first key not full."""
+    prefix = 0
+    for level in range(MAX_INDEX_LEVEL + 1):
+        yield level, rollout_index_key(swarm, bucket, level, prefix)
+        prefix = 2 * prefix + rng.getrandbits(1)
+
+
+@dataclass
+class Candidate:
+    """One announced body as the reader saw it: who holds it and how much its record weighs."""
+
+    item: AnnouncedBody
+    holders: list = field(default_factory=list)  # gossip's holders (peer, p2p id, maddrs), in the order seen
+    weight: float = 1.0  # 2^level of the record it was met in (the largest, if met in several)
+
+    @property
+    def claim(self) -> Claim:
+        return self.item.sha256, self.item.author, self.item.size
+
+
+def choose_claims(
+    candidates: Sequence[Candidate],
+    *,
+    k: int,
+    per_author: int,
+    now: float,
+    max_age_s: float,
+    trust: Callable[[str], float],
+    explore: float,
+    rng: random.Random,
+    version_ok: Callable[[int], bool] | None = None,
+) -> list[Candidate]:
+    """Up to `k` candidates, at most `per_author` each, drawn without replacement (see the module docstring).
+
+    `trust(author)` is in [0, 1] (0.5 for a peer we never heard from); a candidate older than
+    `max_age_s`, born in the future by more than a bucket's slack, or whose version `version_ok`
+    refuses, is never chosen. Efraimidis-Spirakis keys (u^(1/w)) give a weighted sample in one sort.
+    """
+    keyed = []
+    for candidate in candidates:
+        item = candidate.item
+        age = now - item.born
+        if not -60.0 <= age <= max_age_s or (version_ok is not None and not version_ok(item.version)):
+            continue
+        freshness = max(0.05, 1.0 - max(age, 0.0) / max_age_s)
+        weight = candidate.weight * (explore + (1.0 - explore) * min(max(trust(item.author), 0.0), 1.0)) * freshness
+        if weight <= 0:
+            continue
+        keyed.append((math.log(rng.random() or 1e-300) / weight, candidate))
+    keyed.sort(key=lambda pair: pair[0], reverse=True)
+    chosen: list[Candidate] = []
+    taken: dict[str, int] = {}
+    for _, candidate in keyed:
+        author = candidate.item.author
+        if taken.get(author, 0) >= per_author:
+            continue
+        taken[author] = taken.get(author, 0) + 1
+        chosen.append(candidate)
+        if len(chosen) >= k:
+            break
+    return chosen
+
+
+def trust_from_score(score: float) -> float:
+    """A peer score (gossipsub-style: 0 unknown, positive for deliveries, below -50 graylisted) as trust in [0, 1]."""
+    return 1.0 / (1.0 + math.exp(-score / 10.0))

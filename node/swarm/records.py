@@ -1,0 +1,182 @@
+"""Index records in the DHT: ours written under a key, everyone's read back and checked.
+
+One record per (key, holder), stored under subkey = the holder's peer id and sealed as a
+`Kind.ANNOUNCE` envelope (`protocol/announce.py`): the bodies it serves, its libp2p id and
+multiaddrs, bound to its key and expiration. `store(key)` writes our record for a key from what
+we `hold` there; `read(key)` returns every other holder's valid record under it (the validator's
+checks, cached by content) and how many records the key holds, ours included.
+
+Loop-thread state: only gossip's event loop calls these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from hivespec.node.swarm.dht_guard import AnnounceValidator
+from hivespec.protocol.announce import MAX_ITEMS, MAX_MADDRS, Announce, AnnouncedBody, encode_announce
+from hivespec.protocol.envelope import Kind, seal
+from hivespec.protocol.identity import Identity
+from hivespec.protocol.private import PrivateSwarm
+
+logger = logging.getLogger(__name__)
+
+_PARSED = 65536  # parsed records kept (by content) so a record polled again is not re-verified
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A peer that serves bodies: its hivespec peer id, libp2p id and addresses (from its signed record)."""
+
+    peer: str
+    p2p_peer_id: PeerID
+    maddrs: tuple[str, ...]
+
+
+class IndexRecords:
+    """Our index records (what we hold under each key) and the reading of everyone's."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        validator: AnnounceValidator,
+        private: PrivateSwarm | None,
+        record_ttl: float,
+        stats: Counter,
+        max_keys: int = 256,
+    ) -> None:
+        self.identity = identity
+        self.validator = validator
+        self.private = private
+        self.record_ttl = record_ttl
+        self.max_keys = max_keys
+        self._stats = stats
+        self._dht: DHTNode | None = None
+        self._p2p_id = ""
+        self._maddrs: tuple[str, ...] = ()
+        self._held: OrderedDict[str, list[AnnouncedBody]] = OrderedDict()  # key -> our record's items, newest first
+        self._parsed: OrderedDict[bytes, tuple[str, Announce] | None] = OrderedDict()
+        self._seq_lock = threading.Lock()
+        self._seq = 0
+        self._last_expiry = 0.0
+
+    def attach(self, dht: DHTNode, p2p_id: str, maddrs: list[str]) -> None:
+        """Use this DHT node, announcing this libp2p id and these addresses (gossip's start)."""
+        self._dht, self._p2p_id, self._maddrs = dht, p2p_id, tuple(maddrs[:MAX_MADDRS])
+
+    def held(self, key: str) -> list[AnnouncedBody]:
+        """The items of our record under `key` (a live list: the caller adds to it, then `store`s)."""
+        held = self._held.setdefault(key, [])
+        self._held.move_to_end(key)
+        while len(self._held) > self.max_keys:
+            self._held.popitem(last=False)
+        return held
+
+    def holds(self, key: str) -> bool:
+        return bool(self._held.get(key))
+
+    def hold(self, key: str, item: AnnouncedBody, *, first: bool = False) -> bool:
+        """Add `item` to our record under `key` (first: our own newest body; else a relayed one, while there is room)."""
+        held = self.held(key)
+        if any(h.sha256 == item.sha256 for h in held):
+            return False
+        if first:
+            held.insert(0, item)
+            del held[MAX_ITEMS:]
+            return True
+        if len(held) >= MAX_ITEMS:
+            return False
+        held.append(item)
+        return True
+
+    async def store(self, key: str) -> bool:
+        """Write our record for `key` (what we hold there); False when no DHT peer accepted it."""
+        items = self.held(key)[:MAX_ITEMS]
+        # Strictly increasing: the DHT keeps a subkey's value only if its expiration is newer.
+        expires = max(get_dht_time() + self.record_ttl, self._last_expiry + 1e-3)
+        self._last_expiry = expires
+        body = encode_announce(Announce(key, expires, self._p2p_id, self._maddrs, tuple(items)))
+        if self.private is not None:
+            body = self.private.seal_index(body, context=DHTID.generate(source=key).to_bytes().hex())
+        with self._seq_lock:
+            # Microsecond wall clock as a floor keeps seq increasing across restarts of the node.
+            self._seq = max(self._seq + 1, time.time_ns() // 1000)
+            seq = self._seq
+        record = seal(self.identity, Kind.ANNOUNCE, seq, body)
+        self._stats["dht_stores"] += 1
+        stored = await self._dht.store(key, record, expiration_time=expires, subkey=self.identity.peer_id)
+        if not stored:
+            # Only our own replica may exist; peers can still find the record once they reach us.
+            self._stats["announce_store_failed"] += 1
+            logger.debug("%s: no DHT peer accepted our index record", key)
+        return bool(stored)
+
+    async def read(self, key: str, timeout: float) -> tuple[list[tuple[Holder, Announce]], int]:
+        """Every other holder's valid (holder, announce) under `key`, and how many records the key holds (ours too).
+
+        Invalid records are counted and skipped; a read that times out counts as an empty key.
+        """
+        self._stats["dht_gets"] += 1
+        try:
+            found = await asyncio.wait_for(self._dht.get(key, latest=True), timeout)
+        except TimeoutError:
+            self._stats["dht_get_timeouts"] += 1
+            return [], 0
+        if found is None or not isinstance(found.value, dict):
+            return [], 0
+        total = len(found.value)
+        self._stats["records_read"] += total
+        self._stats["max_records_per_key"] = max(self._stats["max_records_per_key"], total)
+        key_id = DHTID.generate(source=key).to_bytes()
+        records = []
+        for subkey, entry in found.value.items():
+            if subkey == self.identity.peer_id:
+                continue
+            parsed = self._parse(key, key_id, subkey, entry.value, entry.expiration_time)
+            if parsed is not None:
+                records.append(parsed)
+        return records, total
+
+    def _parse(self, key: str, key_id: bytes, subkey: object, value: object, expiration: float) -> tuple[Holder, Announce] | None:
+        """Validated (holder, announce) of one DHT entry, None if invalid (counted once); cached by content."""
+        if not isinstance(subkey, str) or not isinstance(value, bytes) or not isinstance(expiration, float):
+            self._stats["bad_records"] += 1
+            return None
+        digest = hashlib.sha256(f"{key}|{subkey}|{expiration!r}|".encode() + value).digest()
+        if digest in self._parsed:
+            self._parsed.move_to_end(digest)
+            cached = self._parsed[digest]
+            return None if cached is None else (_holder(subkey, cached[1]), cached[1])
+        record = DHTRecord(key_id, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration)
+        reason, checked = self.validator.check(record)
+        if checked is not None and checked[1].key != key:
+            reason, checked = "key_not_bound", None
+        self._parsed[digest] = None if checked is None else (subkey, checked[1])
+        while len(self._parsed) > _PARSED:
+            self._parsed.popitem(last=False)
+        if checked is None:
+            self._stats["bad_records"] += 1
+            logger.debug("skipped bad gossip record under %s by %r: %s", key, subkey[:40], reason)
+            return None
+        try:
+            return _holder(subkey, checked[1]), checked[1]
+        except ValueError:
+            self._parsed[digest] = None
+            return None
+
+
+def _holder(subkey: str, announce: Announce) -> Holder:
+    return Holder(subkey, PeerID.from_base58(announce.p2p), announce.maddrs)
