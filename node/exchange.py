@@ -98,7 +98,7 @@ class RoundExchange:
         interval = _POLL_MIN_S
         while True:
             if self.check is not None:
-                self.check(f"taking peers' batches in round {round_index}")
+                self.check("waiting for peers' new batches")
             left = max(0.0, deadline - time.monotonic())
             if self.progress is not None and swarm.expected_peers:
                 self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' new batches, {left:.0f}s left")

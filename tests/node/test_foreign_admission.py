@@ -37,30 +37,34 @@ def _envelope(tasks, tokenizer, peer, *, policy_version, round=3):
 
 @pytest.mark.parametrize(
     ("claimed", "outcome", "reason"),
-    [(6, "accept", "ok"), (2, "accept", "ok"), (1, "ignore", "stale_version"), (10, "accept", "ok"), (11, "reject", "future_version")],
+    [(6, "accept", "ok"), (2, "accept", "ok"), (1, "ignore", "stale_version"), (10, "accept", "ok"), (11, "ignore", "stale_version")],
 )
 def test_policy_version_window(tokenizer, claimed, outcome, reason):
     tasks, store = TaskSource(), RolloutStore(":memory:")
     intake = Intake(fingerprint=FINGERPRINT, vocab_size=len(tokenizer), tasks=tasks, tokenizer=tokenizer, store=store,
-                    staleness_rounds=2, staleness_versions=4)
+                    staleness_seconds=240, staleness_versions=4)
     peer = Identity.generate()
-    admission = intake.admit(peer.peer_id, _envelope(tasks, tokenizer, peer, policy_version=claimed), current_round=3, current_version=6)
+    admission = intake.admit(peer.peer_id, _envelope(tasks, tokenizer, peer, policy_version=claimed), current_version=6)
     assert (admission.outcome, admission.reason) == (outcome, reason)
     store.close()
 
 
-def _pending(author, prompt, rewards, *, round=5, version=9):
-    return [(author, round, Rollout(prompt, i, 0, np.zeros(2, np.uint32), np.zeros(1, np.uint32), np.zeros(1, np.float32), r, "stop"), version)
+NOW = 1_800_000_000.0
+
+
+def _pending(author, prompt, rewards, *, round=5, version=74, age=10.0):
+    return [(author, round, Rollout(prompt, i, 0, np.zeros(2, np.uint32), np.zeros(1, np.uint32), np.zeros(1, np.float32), r, "stop"), version,
+             NOW - age)
             for i, r in enumerate(rewards)]
 
 
 def _pool(pending, *, fraction=0.5):
-    # The intake owns the staleness window (the defaults': 2 rounds, 4 versions); the pool asks it.
+    # The intake owns the staleness window (the defaults': 240 s, 64 versions either way); the pool asks it.
     intake = Intake.from_config(NodeConfig().train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
                                 store=RolloutStore(":memory:"), private=None)
     pool = ForeignPool(foreign_fraction=fraction, still_fresh=intake.still_fresh)
-    for author, round_index, rollout, version in pending:
-        pool.admit(author, round_index, [rollout], version)
+    for author, round_index, rollout, version, born in pending:
+        pool.admit(author, round_index, [rollout], version, born=born)
     return pool
 
 
@@ -69,19 +73,27 @@ def test_mix_is_balanced_informative_first_and_drops_stale_versions():
         _pending("peer-a", "a-flat", [1.0, 1.0])
         + _pending("peer-a", "a-mixed", [1.0, 0.0])
         + _pending("peer-b", "b-mixed", [0.0, 1.0])
-        + _pending("peer-b", "b-old", [0.0, 1.0], version=5)  # 5 versions behind 10: dropped
-        + _pending("peer-c", "c-stale-round", [0.0, 1.0], round=1)  # outside the round window: dropped
+        + _pending("peer-b", "b-old", [0.0, 1.0], version=5)  # 69 versions behind 74: dropped
+        + _pending("peer-b", "b-ahead", [0.0, 1.0], version=200)  # a much faster node, 126 versions ahead: dropped
+        + _pending("peer-c", "c-stale", [0.0, 1.0], age=300)  # signed 300 s ago: dropped
+        + _pending("peer-c", "c-other-round", [0.0, 1.0], round=900, age=200)  # its round means nothing to us: kept
     )
-    chosen = pool.select(round_index=6, own_count=4, policy_version=10)  # budget: 4 foreign samples
-    assert sorted({p.rollout.prompt_id for p in chosen}) == ["a-mixed", "b-mixed"]
+    chosen = pool.select(round_index=6, own_count=6, policy_version=74, now=NOW)  # budget: 6 foreign samples
+    assert sorted({p.rollout.prompt_id for p in chosen}) == ["a-mixed", "b-mixed", "c-other-round"]
     assert [p.rollout.prompt_id for p in pool.pending] == ["a-flat", "a-flat"]
+
+
+def test_fresher_groups_go_first():
+    pool = _pool(_pending("peer-a", "a-older", [1.0, 0.0], age=100) + _pending("peer-a", "a-newer", [1.0, 0.0], age=5), fraction=1 / 3)
+    chosen = pool.select(round_index=0, own_count=4, policy_version=74, now=NOW)  # budget 2: one group
+    assert {p.rollout.prompt_id for p in chosen} == {"a-newer"}
 
 
 def test_mix_rotates_which_peer_goes_first():
     firsts = set()
     for round_index in (6, 7):
         pool = _pool(_pending("peer-a", "a", [1.0, 0.0]) + _pending("peer-b", "b", [1.0, 0.0]), fraction=1 / 3)
-        chosen = pool.select(round_index=round_index, own_count=4, policy_version=10)  # budget 2: one group
+        chosen = pool.select(round_index=round_index, own_count=4, policy_version=74, now=NOW)  # budget 2: one group
         assert len({p.author for p in chosen}) == 1
         firsts.add(chosen[0].author)
     assert firsts == {"peer-a", "peer-b"}
@@ -89,7 +101,7 @@ def test_mix_rotates_which_peer_goes_first():
 
 def test_a_stopped_step_puts_its_rollouts_back():
     pool = _pool(_pending("peer-a", "a", [1.0, 0.0]))
-    chosen = pool.select(round_index=5, own_count=4, policy_version=10)
+    chosen = pool.select(round_index=5, own_count=4, policy_version=74, now=NOW)
     assert len(chosen) == 2 and len(pool) == 0
     pool.put_back(chosen)
     assert pool.pending == tuple(chosen)

@@ -1,6 +1,7 @@
 """NodeState: a save and a restore put back the trainer, the engine (through WeightSync.reset), the pool and the providers."""
 
 import copy
+import time
 
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ def test_a_restore_puts_back_what_the_save_held(tmp_path):
     pool = _pool(store)
     admitted = [_rollout("a", 1.0, 0), _rollout("a", 0.0, 1)]
     store.add_rollouts([StoredRollout.from_rollout(r, author="peer", round=2, policy_version=0, own=False, received_at=1.0) for r in admitted])
-    pool.admit("peer", 2, admitted, 0)
+    pool.admit("peer", 2, admitted, 0, born=time.time())
     counter = _Counter()
     counter.value = 5
     state = _node_state(tmp_path, trainer, sync, engine, store, pool, {"counter": counter})

@@ -66,7 +66,7 @@ def test_sigterm_while_waiting_for_peers_stops_within_seconds_saves_and_resumes(
     assert time.monotonic() - sent < STOP_WITHIN_S
     log = (home / "node.log").read_text()
     assert "stopping at the next safe point of round 1 and saving a checkpoint" in log
-    assert "stopped in round 1 while waiting for peers' round-1 batches; nothing of round 1 was trained" in log
+    assert "stopped in round 1 while waiting for peers' new batches; nothing of round 1 was trained" in log
     assert "saved (resumes at round 1)" in log
     assert [e["event"] for e in _events(events)][-2:] == ["stopped", "done"]
     phases = [e["phase"] for e in _events(events) if e["event"] == "phase"]
