@@ -1,7 +1,6 @@
 """Admission of foreign rollouts: every check, with a real tokenizer, task source and SQLite store."""
 
 import dataclasses
-
 import time
 
 import numpy as np
