@@ -112,6 +112,9 @@ class RoundReport:
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase and for the round
     checkpoint: str = ""  # checkpoint saved after this round ("" = none)
     checkpoint_error: str = ""  # why a save after this round failed (the previous checkpoint is kept)
+    # Each foreign sample the step trained on: its age (s since its author signed it) and version lag (ours - its author's).
+    foreign_ages_s: tuple[float, ...] = ()
+    foreign_version_lags: tuple[int, ...] = ()
 
     @property
     def policy_version(self) -> int:
@@ -188,6 +191,8 @@ class RoundReport:
             "spec_draft_seconds": round(spec.draft_seconds, 4),
             "drafter_rollouts": self.drafter_rollouts,
             "policy_hash": self.policy_hash,
+            "foreign_ages_s": [round(a, 1) for a in self.foreign_ages_s],
+            "foreign_version_lags": list(self.foreign_version_lags),
         }
         return event
 
@@ -201,7 +206,7 @@ EVENT_FIELDS = (
     "watchdog_stalls", "importance_by_source", "importance_foreign", "kept_tokens", "ppo_clip_fraction", "kl",
     "swarm_solo", "swarm_reachability", "delta_chunks", "delta_published", "swarm_known_peers", "graylisted_peers",
     "peer_scores", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_tokens_per_forward",
-    "spec_draft_seconds", "drafter_rollouts", "policy_hash",
+    "spec_draft_seconds", "drafter_rollouts", "policy_hash", "foreign_ages_s", "foreign_version_lags",
 )
 
 

@@ -226,7 +226,10 @@ class Node:
         self.progress.beat("train")
         self.control.check("gossiping")
         self.progress.phase("training", f"round {round_index}")
-        foreign = self.pool.select(round_index, len(own), self.trainer.version)
+        version, now = self.trainer.version, time.time()
+        foreign = self.pool.select(round_index, len(own), version, now=now)
+        foreign_mix = {"foreign_ages_s": tuple(now - p.born for p in foreign),
+                       "foreign_version_lags": tuple(version - p.policy_version for p in foreign)}
         samples = [TrainSample.from_rollout(r, OWN) for r in own] + [TrainSample.from_rollout(p.rollout, p.author) for p in foreign]
         self.trainer.between_micro_batches = self.progress.training(round_index)
         try:
@@ -267,6 +270,7 @@ class Node:
             engine_mismatch=self.sync.mismatched_elements(),
             drafter_rollouts=self.feed.observed,
             seconds={k: round(v, 3) for k, v in timings.items()},
+            **foreign_mix,
         )
 
     # ----- the round's steps, in order ------------------------------------------------------

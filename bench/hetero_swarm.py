@@ -1,0 +1,152 @@
+"""Unequal machines on the public preset: nobody waits for the slowest, and everybody shares both ways.
+
+Three real `hivespec join` processes on 127.0.0.1, the demo model, the `public` preset (no
+waiting: `swarm.expected_peers` 0): one fast node that does an eighth of the slow nodes' work per
+step (1 prompt x 2 completions against 4 x 4) and two slow ones. Two phases of `--minutes` each,
+with the same three processes on the machine, so CPU contention is equal:
+
+  shared  all three in one swarm
+  apart   the fast node alone in a swarm of its own, the two slow nodes in another (sharing off for it)
+
+Counted over each phase's steady window, which starts once every node has published a batch
+(before that there is nothing to share) and ends with the phase:
+  foreign_step_share    per node (shared phase): share of its steps that trained on foreign samples
+  fast_rate_vs_solo     the fast node's steps per minute shared / apart (1.0: sharing costs it nothing)
+  foreign_age_s         age of the foreign samples trained on (s since their author signed them), median and p95
+  foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
+
+    python bench/hetero_swarm.py            # 7 minutes per phase
+    python bench/hetero_swarm.py --quick    # 4 minutes per phase
+
+Ends with one line `RESULT {json}`. Targets (issue 22): foreign_step_share_min >= 0.9, fast_rate_vs_solo >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from swarm_harness import SwarmNode, prepare_model, wait_ready
+
+POLL_S = 0.5
+PRINT_EVERY_S = 30.0
+COMMON = [
+    "swarm.host=127.0.0.1", "swarm.port=0", "swarm.use_auto_relay=false", "swarm.bootstrap_timeout=20",
+    "status.enabled=false", "checkpoint.every_rounds=0", "checkpoint.at_exit=false",
+]
+FAST = ["rollout.prompts_per_round=1", "rollout.num_generations=2"]
+SLOW = ["rollout.prompts_per_round=4", "rollout.num_generations=4"]
+
+
+class PublicNode(SwarmNode):
+    preset: ClassVar[str] = "public"
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "p95": None, "samples": 0}
+    ordered = sorted(values)
+    return {"median": round(statistics.median(ordered), 2), "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 2),
+            "samples": len(ordered)}
+
+
+def run_phase(root: Path, minutes: float, *, shared: bool) -> dict:
+    """Start the three nodes (one swarm, or the fast node apart), run `minutes`, stop them; per-node step records."""
+    name = "shared" if shared else "apart"
+    fast = PublicNode("fast", root / name / "fast", COMMON + FAST + [f"swarm.swarm=hetero-{name}-fast" if not shared else "swarm.swarm=hetero"], 3)
+    slow = [PublicNode(f"slow-{i}", root / name / f"slow-{i}", COMMON + SLOW + [f"swarm.swarm=hetero-{name}" if not shared else "swarm.swarm=hetero"], 3)
+            for i in range(2)]
+    nodes = [fast, *slow]
+    started = time.monotonic()
+    arrivals: dict[str, list[tuple[float, dict]]] = {n.name: [] for n in nodes}
+    try:
+        slow[0].start([])
+        first = wait_ready(slow[0])
+        slow[1].start(first)
+        fast.start(first if shared else [])
+        for node in nodes[:2]:
+            wait_ready(node)
+        print(f"[{name}] 3 nodes up after {time.monotonic() - started:.0f}s; running {minutes:g} min", flush=True)
+        end = time.monotonic() + minutes * 60
+        next_print = time.monotonic() + PRINT_EVERY_S
+        while time.monotonic() < end:
+            for node in nodes:
+                for event in node.poll():
+                    if event["event"] == "round":
+                        arrivals[node.name].append((time.monotonic(), event))
+                if not node.alive():
+                    raise RuntimeError(f"{node.name} exited ({node.process.returncode}):\n{node.log_text()[-3000:]}")
+            if time.monotonic() >= next_print:
+                next_print += PRINT_EVERY_S
+                counts = ", ".join(
+                    f"{n}: {len(a)} steps, {sum(e['foreign_used'] > 0 for _, e in a)} with foreign" for n, a in arrivals.items()
+                )
+                print(f"[{name} {time.monotonic() - started:5.0f}s] {counts}", flush=True)
+            time.sleep(POLL_S)
+    finally:
+        for node in nodes:
+            node.stop(timeout=30)
+    return {"arrivals": arrivals, "end": time.monotonic()}
+
+
+def steady(arrivals: dict[str, list[tuple[float, dict]]], end: float) -> tuple[float, dict[str, list[dict]]]:
+    """The window from the moment every node has finished (so published) a step, and each node's steps that ended in it."""
+    firsts = [records[0][0] for records in arrivals.values() if records]
+    if len(firsts) < len(arrivals):
+        return 0.0, {name: [] for name in arrivals}
+    start = max(firsts)
+    return end - start, {name: [e for t, e in records if t > start] for name, records in arrivals.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 minutes per phase instead of 7")
+    parser.add_argument("--minutes", type=float, help="minutes per phase (default 7, quick 4)")
+    parser.add_argument("--dir", help="working directory (default: a temporary one)")
+    args = parser.parse_args()
+    minutes = args.minutes or (4.0 if args.quick else 7.0)
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hetero-swarm-"))
+    from hivespec.node.model.precision import cpu_facts
+
+    print(f"hetero_swarm: {minutes:g} min per phase in {root}; CPU {json.dumps(cpu_facts())}", flush=True)
+    prepare_model()
+    phases = {}
+    for shared in (True, False):
+        phase = run_phase(root, minutes, shared=shared)
+        seconds, steps = steady(phase["arrivals"], phase["end"])
+        phases["shared" if shared else "apart"] = (seconds, steps)
+
+    seconds, steps = phases["shared"]
+    share = {name: round(sum(e["foreign_used"] > 0 for e in s) / len(s), 3) if s else 0.0 for name, s in steps.items()}
+    ages = [a for s in steps.values() for e in s for a in e["foreign_ages_s"]]
+    lags = [float(v) for s in steps.values() for e in s for v in e["foreign_version_lags"]]
+    apart_seconds, apart_steps = phases["apart"]
+    rate_shared = len(steps["fast"]) / (seconds / 60) if seconds > 0 else 0.0
+    rate_apart = len(apart_steps["fast"]) / (apart_seconds / 60) if apart_seconds > 0 else 0.0
+    for name, s in steps.items():
+        print(f"shared {name}: {len(s)} steps in {seconds:.0f}s, {share[name]:.0%} trained on foreign samples", flush=True)
+    print(f"fast node: {rate_shared:.2f} steps/min shared, {rate_apart:.2f} apart ({len(apart_steps['fast'])} steps in "
+          f"{apart_seconds:.0f}s)", flush=True)
+    result = {
+        "foreign_step_share": share,
+        "foreign_step_share_min": min(share.values()),
+        "fast_rate_vs_solo": round(rate_shared / rate_apart, 3) if rate_apart else None,
+        "fast_steps_per_min": {"shared": round(rate_shared, 2), "apart": round(rate_apart, 2)},
+        "steps": {name: len(s) for name, s in steps.items()},
+        "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
+        "foreign_age_s": _percentiles(ages),
+        "foreign_version_lag": _percentiles(lags),
+        "minutes_per_phase": minutes,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
