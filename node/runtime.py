@@ -230,7 +230,7 @@ class Node:
         foreign = self.pool.select(round_index, len(own), version, now=now)
         foreign_mix = {"foreign_ages_s": tuple(now - p.born for p in foreign),
                        "foreign_version_lags": tuple(version - p.policy_version for p in foreign)}
-        samples = [TrainSample.from_rollout(r, OWN) for r in own] + [TrainSample.from_rollout(p.rollout, p.author) for p in foreign]
+        samples = [TrainSample.from_rollout(r, OWN) for r in own] + [TrainSample.from_rollout(p.rollout, p.author, advantage=p.advantage) for p in foreign]
         self.trainer.between_micro_batches = self.progress.training(round_index)
         try:
             step = train_step_with_oom_retry(self.trainer, samples, on_retry=self._count_oom)

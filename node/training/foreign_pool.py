@@ -1,8 +1,9 @@
 """The pool of admitted foreign rollouts waiting to be trained on, and which of them a step takes.
 
-Owns three moves: `admit` queues what intake accepted; `select` takes a step's SAPO-style share
-(whole prompt groups, balanced over authors, informative and fresh first) after dropping what
-aged out; `restore` rebuilds the pool after a resume from the checkpoint's entries plus what was
+Owns three moves: `admit` queues what intake accepted, with each rollout's GRPO advantage over
+its author's whole group; `select` takes a step's SAPO-style share (prompt groups, balanced over
+authors, informative and fresh first; a group larger than what is left of the budget gives its
+most informative samples, keeping their whole-group advantages) after dropping what aged out; `restore` rebuilds the pool after a resume from the checkpoint's entries plus what was
 journaled after it. It never validates a rollout (intake did) and never touches torch: rollouts
 stay wire `Rollout`s until the trainer's samples are made from them.
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from hivespec.node.training.advantages import group_advantages
 from hivespec.protocol.rollout import Rollout, decode_rollout, rollout_content_hash
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ class PendingRollout:
     rollout: Rollout
     policy_version: int = -1  # the author's policy version when it sampled (-1: unknown)
     born: float = 0.0  # when the author signed the batch (unix s)
+    advantage: float = 0.0  # GRPO advantage over the author's whole group of this prompt, as admitted
 
 
 class FreshCheck(Protocol):
@@ -62,7 +65,9 @@ class ForeignPool:
 
     def admit(self, author: str, round_index: int, rollouts: Iterable[Rollout], policy_version: int = -1, *, born: float) -> None:
         """Queue rollouts intake accepted from `author` (signed at `born`) during our round `round_index`."""
-        self._pending.extend(PendingRollout(author, round_index, r, policy_version, born) for r in rollouts)
+        rollouts = list(rollouts)
+        advantages = group_advantages([r.reward for r in rollouts], [r.prompt_id for r in rollouts])
+        self._pending.extend(PendingRollout(author, round_index, r, policy_version, born, a) for r, a in zip(rollouts, advantages, strict=True))
 
     def put_back(self, items: Iterable[PendingRollout]) -> None:
         """Return rollouts a step took but never trained on (a stop inside the step), as they were."""
@@ -91,7 +96,11 @@ class ForeignPool:
             flat = len({i.rollout.reward for i in items}) < 2
             return flat, -max(i.born for i in items), min(abs(i.policy_version - policy_version) for i in items)
 
-        queues = {author: sorted(by_prompt.values(), key=priority) for author, by_prompt in groups.items()}
+        # A group larger than the budget left gives its most informative samples first.
+        queues = {
+            author: [sorted(items, key=lambda i: -abs(i.advantage)) for items in sorted(by_prompt.values(), key=priority)]
+            for author, by_prompt in groups.items()
+        }
         authors = sorted(queues)
         if authors:
             shift = round_index % len(authors)
@@ -100,7 +109,7 @@ class ForeignPool:
         while len(chosen) < budget and any(queues.values()):
             for author in authors:
                 if queues[author] and len(chosen) < budget:
-                    chosen.extend(queues[author].pop(0))
+                    chosen.extend(queues[author].pop(0)[: budget - len(chosen)])
         taken = {id(p) for p in chosen}
         self._pending = [p for p in self._pending if id(p) not in taken]
         return chosen
@@ -109,7 +118,8 @@ class ForeignPool:
     def entries(pending: Sequence[PendingRollout]) -> list[dict]:
         """A checkpoint's record of `pending`: author, round, version, born and content hash each (the rollouts stay in the journal)."""
         return [
-            {"author": p.author, "round": p.round, "version": p.policy_version, "born": p.born, "hash": rollout_content_hash(p.rollout).hex()}
+            {"author": p.author, "round": p.round, "version": p.policy_version, "born": p.born, "advantage": p.advantage,
+             "hash": rollout_content_hash(p.rollout).hex()}
             for p in pending
         ]
 
@@ -120,17 +130,23 @@ class ForeignPool:
         A journal row that no longer decodes is left out (logged).
         """
         rows = store.get([bytes.fromhex(e["hash"]) for e in entries])
-        pending = []
+        pending, saved_advantage = [], []
         for entry in entries:
             row = rows.get(bytes.fromhex(entry["hash"]))
             rollout = _decode_row(row.payload) if row is not None else None
             if rollout is not None:
                 born = float(entry.get("born", row.received_at))  # checkpoints before born was kept: when it arrived
                 pending.append(PendingRollout(entry["author"], int(entry["round"]), rollout, int(entry.get("version", row.policy_version)), born))
+                saved_advantage.append(entry.get("advantage"))
         for row in store.foreign_after(journal_rowid):
             rollout = _decode_row(row.payload)
             if rollout is not None:
                 pending.append(PendingRollout(row.author, row.round, rollout, row.policy_version, row.received_at))
+                saved_advantage.append(None)
+        # Advantages not in the checkpoint: over each author's group of the prompt as restored.
+        computed = group_advantages([p.rollout.reward for p in pending], [f"{p.author}/{p.rollout.prompt_id}" for p in pending])
+        for item, saved, fresh in zip(pending, saved_advantage, computed, strict=True):
+            item.advantage = float(saved) if saved is not None else fresh
         self._pending = pending
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -36,6 +36,7 @@ from hivespec.kernels.importance import (
     importance_weights,
 )
 from hivespec.kernels.logprobs import token_logprobs
+from hivespec.node.training.advantages import group_advantages
 
 if TYPE_CHECKING:
     from hivespec.node.config import TrainConfig
@@ -59,10 +60,15 @@ class TrainSample:
     reward: float
     group: str
     source: str = OWN
+    advantage: float | None = None  # precomputed over its whole group (a step may take part of a peer's group)
 
     @classmethod
-    def from_rollout(cls, rollout: Rollout, source: str) -> TrainSample:
-        """A wire rollout as a sample of `source` (OWN or its author's peer id), grouped by its prompt id."""
+    def from_rollout(cls, rollout: Rollout, source: str, *, advantage: float | None = None) -> TrainSample:
+        """A wire rollout as a sample of `source` (OWN or its author's peer id), grouped by its prompt id.
+
+        `advantage` given: use it as is (computed over the author's whole group when it was admitted);
+        else it is computed within this step's samples of the same group.
+        """
         return cls(
             prompt_ids=rollout.prompt_ids.tolist(),
             completion_ids=rollout.completion_ids.tolist(),
@@ -70,6 +76,7 @@ class TrainSample:
             reward=rollout.reward,
             group=rollout.prompt_id,
             source=source,
+            advantage=advantage,
         )
 
 
@@ -132,23 +139,6 @@ class StepStats:
     clip_fraction: float = 0.0
     kl: float | None = None
     source_samples: dict[str, int] = field(default_factory=dict)  # samples per source (OWN or a peer id)
-
-
-def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float = 1e-4) -> list[float]:
-    """GRPO advantages: (r - mean) / (std + eps) within each group; 0 for groups of one or no spread."""
-    members: dict[str, list[int]] = defaultdict(list)
-    for index, group in enumerate(groups):
-        members[group].append(index)
-    advantages = [0.0] * len(rewards)
-    for indices in members.values():
-        values = [rewards[i] for i in indices]
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        if len(values) < 2 or std < 1e-8:
-            continue
-        for i in indices:
-            advantages[i] = (rewards[i] - mean) / (std + eps)
-    return advantages
 
 
 @dataclass
@@ -344,8 +334,10 @@ class Trainer:
     def _plan(self, samples: Sequence[TrainSample], sources: list[str]) -> Iterator[_MicroBatch]:
         """Micro batches: samples with an advantage first (with autograd), then the rest; each
         sorted by length so padding stays small."""
-        advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
-        usable = [(s, a) for s, a in zip(samples, advantages) if len(s.completion_ids) > 0]
+        grouped = [s for s in samples if s.advantage is None]
+        computed = dict(zip(map(id, grouped), group_advantages([s.reward for s in grouped], [s.group for s in grouped]), strict=True))
+        advantages = [s.advantage if s.advantage is not None else computed[id(s)] for s in samples]
+        usable = [(s, a) for s, a in zip(samples, advantages, strict=True) if len(s.completion_ids) > 0]
         trained = sorted((p for p in usable if p[1] != 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
         idle = sorted((p for p in usable if p[1] == 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
         index = {source: i for i, source in enumerate(sources)}

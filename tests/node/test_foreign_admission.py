@@ -9,6 +9,7 @@ from hivespec.node.tasks.source import TaskSource
 from hivespec.node.training.foreign_pool import ForeignPool
 from hivespec.node.training.intake import Intake
 from hivespec.node.training.store import RolloutStore, StoredRollout
+from hivespec.node.training.trainer import TrainSample
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
@@ -63,8 +64,11 @@ def _pool(pending, *, fraction=0.5):
     intake = Intake.from_config(NodeConfig().train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
                                 store=RolloutStore(":memory:"), private=None)
     pool = ForeignPool(foreign_fraction=fraction, still_fresh=intake.still_fresh)
+    batches: dict[tuple, list[Rollout]] = {}  # one admitted batch per author and prompt group, as intake hands them over
     for author, round_index, rollout, version, born in pending:
-        pool.admit(author, round_index, [rollout], version, born=born)
+        batches.setdefault((author, round_index, version, born, rollout.prompt_id), []).append(rollout)
+    for (author, round_index, version, born, _), rollouts in batches.items():
+        pool.admit(author, round_index, rollouts, version, born=born)
     return pool
 
 
@@ -122,3 +126,16 @@ def test_restore_reads_the_checkpointed_pool_and_what_was_journaled_after_it():
     assert [(p.author, p.round, p.rollout.prompt_id, p.rollout.reward) for p in restored.pending] == [
         ("peer-a", 3, "a", 1.0), ("peer-a", 3, "a", 0.0), ("peer-b", 4, "b", 0.0)
     ]
+
+
+def test_a_group_larger_than_the_budget_gives_part_of_itself_with_whole_group_advantages():
+    # A fast node's step of 2 own samples takes 2 of a slow peer's 4-sample group, not all 4:
+    # its training cost stays what foreign_fraction says, and the advantages stay those of the whole group.
+    pool = _pool(_pending("peer-a", "a", [1.0, 0.0, 0.0, 0.0]))
+    whole = [p.advantage for p in pool.pending]
+    assert whole[0] > 0 > whole[1] == whole[2] == whole[3]
+    chosen = pool.select(round_index=0, own_count=2, policy_version=74, now=NOW)  # budget 2
+    assert len(chosen) == 2 and chosen[0].advantage == whole[0]  # the most informative sample first
+    assert len(pool) == 2 and all(p.advantage == whole[1] for p in pool.pending)
+    samples = [TrainSample.from_rollout(p.rollout, p.author, advantage=p.advantage) for p in chosen]
+    assert [s.advantage for s in samples] == [p.advantage for p in chosen]

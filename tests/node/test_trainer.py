@@ -8,12 +8,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.kernels.importance import importance_weights
 from hivespec.node.model.loader import load_model
+from hivespec.node.training.advantages import group_advantages
 from hivespec.node.training.trainer import (
     OWN,
     ImportanceSettings,
     Trainer,
     TrainSample,
-    group_advantages,
 )
 
 
