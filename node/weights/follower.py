@@ -62,7 +62,7 @@ class Follower:
         self.gossip, self.engine, self.leader = gossip, engine, leader
         self.fetch_timeout, self.max_lag = fetch_timeout, max_lag
         # Deltas are fetched while their gossip records live; accept envelopes that old.
-        self._envelope_limits = dataclasses.replace(limits, max_clock_skew_s=limits.max_clock_skew_s + gossip.record_ttl)
+        self._envelope_limits = dataclasses.replace(limits, max_clock_skew_s=limits.max_clock_skew_s + gossip.config.record_ttl)
         self.base_version, self.base_hash = engine.version, engine.hash
         self.base_bits = engine.snapshot_bits()
         self.head: PolicyHead | None = None

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.weights.follower import Follower
 from hivespec.node.weights.publisher import DELTA_TOPIC, PolicyPublisher
@@ -34,7 +35,7 @@ def _engine_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _start(identity: Identity, initial_peers=()) -> Gossip:
-    node = Gossip(identity, swarm=SWARM, initial_peers=initial_peers, request_timeout=5.0, bootstrap_timeout=10.0, keep_rounds=64)
+    node = Gossip(identity, SwarmConfig(swarm=SWARM, initial_peers=list(initial_peers), request_timeout=5.0, bootstrap_timeout=10.0))
     node.start()
     return node
 
