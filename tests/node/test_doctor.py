@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hivespec.node.config import load_config
+from hivespec.node.config import SwarmConfig, load_config
 from hivespec.node.doctor import check_checkpoints, check_disk, check_identity, check_ports, run_checks
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.swarm.gossip import Gossip
@@ -65,7 +65,7 @@ def test_checkpoint_line_reports_a_torn_newest_checkpoint(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_network_checks_find_a_live_peer_and_its_clock_and_fail_on_a_dead_one(tmp_path):
-    peer = Gossip(Identity.generate(), swarm="doctor-test")
+    peer = Gossip(Identity.generate(), SwarmConfig(swarm="doctor-test"))
     peer.start()
     try:
         config = _config(tmp_path, **{"swarm.initial_peers": f"[{peer.visible_maddrs[0]!r}]"})
