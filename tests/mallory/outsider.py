@@ -1,10 +1,11 @@
 """An outsider of a private swarm, as a real process: it knows a member's address and the DHT key, not the secret.
 
-Usage: python -P outsider.py <member maddr> <swarm> <round> <ciphertext sha256 hex> <marker hex>
+Usage: python -P outsider.py <member maddr> <swarm> <index key> <ciphertext sha256 hex> <marker hex> <size>
 
-It tries to read (the raw DHT records, and the body by its hash from the member) and to inject
-(its own signed rollout, announced in the swarm's key). It prints one JSON line: what it saw
-and what the members' DHT accepted from it.
+It tries to read (the raw DHT records under the rollout index key the member wrote, and the body
+by its hash from the member) and to inject (its own signed rollout, announced in the swarm's
+current index bucket). It prints one JSON line: what it saw and what the members' DHT accepted
+from it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.transfer import download
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
-from hivespec.protocol.keys import rollout_round_key
 
 
 async def snoop(maddr: str, key: str, digest: bytes, size_hint: int, marker: bytes) -> dict:
@@ -48,15 +49,14 @@ async def snoop(maddr: str, key: str, digest: bytes, size_hint: int, marker: byt
 
 
 def main() -> None:
-    maddr, swarm, round_, digest_hex, marker_hex, size = sys.argv[1:7]
-    key = rollout_round_key(swarm, int(round_))
+    maddr, swarm, key, digest_hex, marker_hex, size = sys.argv[1:7]
     result = asyncio.run(snoop(maddr, key, bytes.fromhex(digest_hex), int(size), bytes.fromhex(marker_hex)))
     # Inject: a public-mode node of the same swarm name publishes its own signed rollout.
     me = Identity.generate()
-    gossip = Gossip(me, swarm=swarm, initial_peers=[maddr], request_timeout=5.0, bootstrap_timeout=10)
+    gossip = Gossip(me, SwarmConfig(swarm=swarm, initial_peers=[maddr], request_timeout=5.0, bootstrap_timeout=10.0))
     gossip.start()
     try:
-        gossip.publish(int(round_), seal(me, Kind.ROLLOUTS, 1, b"outsider rollout " + os.urandom(64)))
+        gossip.publish_rollouts(seal(me, Kind.ROLLOUTS, 1, b"outsider rollout " + os.urandom(64)), version=0)
         result["injected_store_failed"] = gossip.stats().get("announce_store_failed", 0)
     finally:
         gossip.shutdown()

@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.config import SwarmConfig
+from hivespec.node.swarm.gossip import Fetched, Gossip
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.private import (
@@ -27,6 +29,16 @@ SWARM = "test-private"
 
 def lab(*members: Identity, secret: bytes = b"\x11" * 32) -> PrivateSwarm:
     return PrivateSwarm.create(SWARM, secret, {m.public_key for m in members})
+
+
+def sample_until(node: Gossip, timeout: float) -> list[Fetched]:
+    """Sample rollout batches until some arrive or `timeout` s pass (a record may take a moment to reach the DHT)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = node.sample_rollouts(k=4, max_age_s=600.0, timeout=5.0)
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
 
 
 def test_bodies_round_trip_and_fail_anywhere_else() -> None:
@@ -65,21 +77,27 @@ def test_settings_are_validated() -> None:
 def test_an_outsider_can_neither_inject_nor_read(tmp_path: Path) -> None:
     alice, bob = Identity.generate(), Identity.generate()
     swarm = lab(alice, bob)
-    a = Gossip(alice, swarm=SWARM, private=swarm, request_timeout=5.0)
+    a = Gossip(alice, SwarmConfig(swarm=SWARM, request_timeout=5.0), private=swarm)
     a.start()
-    b = Gossip(bob, swarm=SWARM, private=swarm, initial_peers=a.visible_maddrs, request_timeout=5.0)
+    b = Gossip(bob, SwarmConfig(swarm=SWARM, initial_peers=a.visible_maddrs, request_timeout=5.0), private=swarm)
     b.start()
     try:
         marker = os.urandom(16)
         body = seal(alice, Kind.ROLLOUTS, 1, marker * 100)
-        a.publish(0, body)
-        got = b.wait_for_round(0, peers=1, timeout=30)
+        a.publish_rollouts(body, version=1)
+        got = sample_until(b, timeout=30)
         assert [(f.author_peer_id, f.body) for f in got] == [(alice.peer_id, body)]  # members read each other
-        (digest, (_, wire)), = a._bodies.items()
+        digest = got[0].sha256
+        wire = a.bodies.lookup(digest)
+        assert len(a.bodies) == 1 and wire is not None
         assert marker not in wire and hashlib.sha256(wire).digest() == digest
+        # The index key publish_rollouts announced under (the first alice placed a record under): the bucket's root
+        # key in a swarm this small, which anyone who knows the swarm name and the clock can compute.
+        key = next(iter(a._placed.values()))
+        assert key.startswith(f"hivespec/{SWARM}/rollouts/") and key.endswith("/0/0")
 
         # The outsider even gets the ciphertext's hash and size, which it could not learn itself.
-        command = [sys.executable, "-P", str(ROOT / "tests/mallory/outsider.py"), a.visible_maddrs[0], SWARM, "0",
+        command = [sys.executable, "-P", str(ROOT / "tests/mallory/outsider.py"), a.visible_maddrs[0], SWARM, key,
                    digest.hex(), marker.hex(), str(len(wire))]
         result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=150, check=False)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -90,7 +108,8 @@ def test_an_outsider_can_neither_inject_nor_read(tmp_path: Path) -> None:
 
         # Its own announce was refused by the members' validators; members fetch nothing from it.
         assert seen["injected_store_failed"] == 1
-        assert b.fetch_round(0, timeout=5) == [] and a.fetch_round(0, timeout=5) == []
+        assert b.sample_rollouts(k=4, max_age_s=600.0, timeout=5.0) == []
+        assert a.sample_rollouts(k=4, max_age_s=600.0, timeout=5.0) == []
         refused = a.validator.rejected + b.validator.rejected
         assert refused["not_on_allowlist"] >= 1, refused
         assert a.stats()["bodies_fetched"] == 0
