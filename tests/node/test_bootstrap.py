@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm.bootstrap import (
     PEERS_ENV,
     HomeLock,
@@ -94,7 +95,7 @@ def test_bootstrap_command_prints_maddrs_and_refuses_a_second_instance(tmp_path:
         assert "already running with the identity" in second.stderr
 
         # A node joins through it.
-        node = Gossip(Identity.generate(), swarm="test-bootstrap", initial_peers=[maddr], bootstrap_timeout=10)
+        node = Gossip(Identity.generate(), SwarmConfig(swarm="test-bootstrap", initial_peers=[maddr], bootstrap_timeout=10.0))
         node.start()
         try:
             status = node.status()

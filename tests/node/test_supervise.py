@@ -11,6 +11,7 @@ import textwrap
 import psutil
 import pytest
 
+from hivespec.node.config import SwarmConfig
 from hivespec.node.supervise import Watchdog, is_out_of_memory
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.supervisor import Backoff, GossipSupervisor
@@ -82,7 +83,7 @@ def test_gossip_is_rebuilt_with_the_same_identity_after_p2pd_is_sigkilled():
     built = []
 
     def factory() -> Gossip:
-        gossip = Gossip(identity, swarm="supervise-test", request_timeout=5.0)
+        gossip = Gossip(identity, SwarmConfig(swarm="supervise-test", request_timeout=5.0))
         gossip.start()
         built.append(gossip)
         return gossip
@@ -98,7 +99,7 @@ def test_gossip_is_rebuilt_with_the_same_identity_after_p2pd_is_sigkilled():
         assert rebuilt is built[1] and supervisor.restarts == 1
         assert supervisor.healthy()
         assert rebuilt.identity.peer_id == identity.peer_id
-        rebuilt.publish(0, b"still gossiping after the restart")
+        rebuilt.publish_rollouts(b"still gossiping after the restart", version=0)
         assert len(_p2pd_children()) == 1
     finally:
         for gossip in built:
