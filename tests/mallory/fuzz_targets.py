@@ -9,6 +9,7 @@ Any exception that escapes is a crash. Seeds are valid messages; inputs are seed
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Callable
@@ -37,12 +38,14 @@ from hivespec.protocol.announce import (
 from hivespec.protocol.delta import PolicyHead, decode_head, encode_head, read_header
 from hivespec.protocol.envelope import Kind, open_envelope, seal
 from hivespec.protocol.identity import Identity
+from hivespec.protocol.keys import rollout_index_key
 from hivespec.protocol.private import PrivateSwarm
 from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_batch, encode_batch
 
 VOCAB = 1000
 SWARM = "fuzz"
-KEY = "hivespec/fuzz/rollouts/3"
+KEY = rollout_index_key(SWARM, 3, 0, 0)  # the root key of time bucket 3's rollout index
+ROLLOUT_CONTEXT = f"hivespec/{SWARM}/rollouts"  # a private swarm's AEAD context of rollout bodies (Gossip._rollout_context)
 P2P_ID = "12D3KooWGAeBwmWNYQwRDrDzeVdFxeWDrou7MZ99wpNfUjFJzWJV"
 _ALICE = Identity.from_private_bytes(bytes(range(32)))
 _NOW = time.time()
@@ -65,7 +68,7 @@ def _batch() -> bytes:
 
 
 def _announce(expires: float) -> bytes:
-    item = AnnouncedBody(_ALICE.peer_id, hashlib.sha256(b"body").digest(), 1234)
+    item = AnnouncedBody(_ALICE.peer_id, hashlib.sha256(b"body").digest(), 1234, _NOW, 1)
     return encode_announce(Announce(KEY, expires, P2P_ID, ("/ip4/127.0.0.1/tcp/1",), (item,)))
 
 
@@ -73,7 +76,7 @@ _ENVELOPE = seal(_ALICE, Kind.ROLLOUTS, 7, _batch(), timestamp=_NOW)
 _EXPIRES = _NOW + 300.0
 _RECORD = seal(_ALICE, Kind.ANNOUNCE, 8, _announce(_EXPIRES), timestamp=_NOW)
 _PRIVATE = PrivateSwarm.create(SWARM, b"\x07" * 32, {_ALICE.public_key})
-_SEALED_BODY = _PRIVATE.seal_body(_ENVELOPE, context=KEY)
+_SEALED_BODY = _PRIVATE.seal_body(_ENVELOPE, context=ROLLOUT_CONTEXT)
 _VALIDATOR = AnnounceValidator(SWARM, max_ttl=600, max_body_bytes=4 << 20)
 _KEY_ID = DHTID.generate(source=KEY).to_bytes()
 _SUBKEY = MSGPackSerializer.dumps(_ALICE.peer_id)
@@ -110,8 +113,9 @@ def _announce_target(data: bytes) -> str:
     verdict, announce = decode_announce(data, max_body_bytes=4 << 20)
     if not verdict.ok:
         return "ok"
-    sane = (0 < len(announce.items) <= 9 and all(len(i.sha256) == 32 and i.size > 0 for i in announce.items)
-            and len(announce.maddrs) <= 8)
+    sane = (0 < len(announce.items) <= 9 and len(announce.maddrs) <= 8
+            and all(len(i.sha256) == 32 and i.size > 0 and math.isfinite(i.born) and i.born >= 0 and -1 <= i.version < 2**53
+                    for i in announce.items))
     return "ok" if sane else "accepted"
 
 
@@ -136,7 +140,7 @@ def _record_fields_target(data: bytes) -> str:
 
 
 def _private_target(data: bytes) -> str:
-    verdict, plain = _PRIVATE.open_body(data, context=KEY)
+    verdict, plain = _PRIVATE.open_body(data, context=ROLLOUT_CONTEXT)
     return "accepted" if verdict.ok and plain != _ENVELOPE else "ok"
 
 

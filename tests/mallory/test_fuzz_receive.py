@@ -14,6 +14,7 @@ from hivemind.proto import dht_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.protocol.identity import Identity
 
@@ -61,7 +62,7 @@ find_requests = st.builds(
 
 @pytest.fixture(scope="module")
 def live_node():
-    node = Gossip(Identity.generate(), swarm="fuzz", request_timeout=5.0)
+    node = Gossip(Identity.generate(), SwarmConfig(swarm="fuzz", request_timeout=5.0))
     node.start()
     yield node
     node.shutdown()
