@@ -1,9 +1,12 @@
 """Soak: 3 nodes on loopback train for a long time; are memory, file descriptors and errors flat?
 
 Every `--sample-every` seconds it records, per node, the resident memory and the open file
-descriptors of the node process and its p2pd child. After a warm-up (the first 20 % of the run,
-while caches and allocator pools fill) it fits a least-squares line to each series and reports
-the worst node's slope per hour. "Unhandled" counts tracebacks and CRITICAL lines in the node
+descriptors of the node process and of its p2pd child, apart. After a warm-up (the first 20 % of
+the run, while caches and allocator pools fill) it reports the worst node's slope per hour of the
+minimum RSS of each window of `--window-minutes` (default 5): a round's transient peaks (activations,
+optimizer state, the allocator's free lists) swing RSS by hundreds of MB, so a plain fit of every
+sample cannot tell a leak from where in the swing the run happened to end; the floor of each window
+grows only when memory is kept. The plain least-squares slope of every sample is reported beside it. "Unhandled" counts tracebacks and CRITICAL lines in the node
 logs, watchdog stall reports, and nodes that exited on their own. As a side-by-side ratio it
 prints the worst node's RSS at the end over its RSS at the end of the warm-up.
 
@@ -11,7 +14,9 @@ prints the worst node's RSS at the end over its RSS at the end of the warm-up.
     python bench/soak.py --quick            # 4 minutes
     python bench/soak.py --model smollm2-135m-instruct --minutes 30
 
-Ends with one line `RESULT {json}` with `rss_slope_mb_per_h`, `fd_slope_per_h`, `unhandled`.
+Ends with one line `RESULT {json}` with `rss_slope_mb_per_h` (the robust figure: window minima of node + p2pd),
+`python_rss_slope_mb_per_h` and `p2pd_rss_slope_mb_per_h` (the same, each process apart), `fit_rss_slope_mb_per_h`
+(every sample), `fd_slope_per_h`, `unhandled`.
 """
 
 from __future__ import annotations
@@ -30,16 +35,30 @@ from swarm_harness import SwarmNode, prepare_model, start_swarm
 _UNHANDLED = re.compile(r"^Traceback \(most recent call last\)|\bCRITICAL\b|watchdog: loop .* made no progress", re.MULTILINE)
 
 
-def _usage(node: SwarmNode) -> tuple[float, int] | None:
-    """(RSS in MB, open fds) of a node process plus its children (p2pd)."""
+def _usage(node: SwarmNode) -> tuple[float, int, float] | None:
+    """(RSS in MB of the node process plus its children, open fds, RSS in MB of the p2pd children alone)."""
     try:
         process = psutil.Process(node.process.pid)
-        members = [process, *process.children(recursive=True)]
+        children = process.children(recursive=True)
+        members = [process, *children]
         rss = sum(p.memory_info().rss for p in members) / 1e6
         fds = sum(p.num_fds() for p in members)
+        p2pd = sum(c.memory_info().rss for c in children if "p2pd" in c.name()) / 1e6
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    return rss, fds
+    return rss, fds, p2pd
+
+
+def _window_minima(points: list[tuple[float, float]], window_s: float) -> list[tuple[float, float]]:
+    """(window middle, minimum) of each full window of `window_s` seconds: the floor a leak raises and a swing does not."""
+    if not points:
+        return []
+    start = points[0][0]
+    windows: dict[int, list[float]] = {}
+    for t, y in points:
+        windows.setdefault(int((t - start) // window_s), []).append(y)
+    last = int((points[-1][0] - start) // window_s)
+    return [(start + (i + 0.5) * window_s, min(ys)) for i, ys in sorted(windows.items()) if i < last or len(windows) == 1]
 
 
 def _slope_per_hour(points: list[tuple[float, float]]) -> float:
@@ -61,6 +80,7 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--model", default="tiny", help="tiny (default) or smollm2-135m-instruct")
     parser.add_argument("--sample-every", type=float, default=10.0)
+    parser.add_argument("--window-minutes", type=float, default=None, help="window of the robust slope's minima (default 5, quick 1)")
     parser.add_argument("--dir", help="keep node homes here (default: a temp dir)")
     args = parser.parse_args()
     minutes = args.minutes or (4.0 if args.quick else 30.0)
@@ -76,7 +96,7 @@ def main() -> int:
     print(f"soak: {args.nodes} nodes, model {args.model}, {minutes:.0f} min; homes in {root}", flush=True)
     nodes = start_swarm(root, args.nodes, sets)
     started = time.monotonic()
-    series: dict[str, list[tuple[float, float, int]]] = {n.name: [] for n in nodes}
+    series: dict[str, list[tuple[float, float, int, float]]] = {n.name: [] for n in nodes}
     exited = []
     next_print = started
     while time.monotonic() - started < minutes * 60:
@@ -104,11 +124,15 @@ def main() -> int:
         node.poll()
 
     warmup = 0.2 * minutes * 60
-    rss_slopes, fd_slopes, growth = {}, {}, {}
+    window_s = 60 * (args.window_minutes or (1.0 if args.quick else 5.0))
+    rss_slopes, python_slopes, p2pd_slopes, fit_slopes, fd_slopes, growth = {}, {}, {}, {}, {}, {}
     for name, points in series.items():
         steady = [p for p in points if p[0] >= warmup]
-        rss_slopes[name] = _slope_per_hour([(t, rss) for t, rss, _ in steady])
-        fd_slopes[name] = _slope_per_hour([(t, fds) for t, _, fds in steady])
+        rss_slopes[name] = _slope_per_hour(_window_minima([(t, rss) for t, rss, _, _ in steady], window_s))
+        python_slopes[name] = _slope_per_hour(_window_minima([(t, rss - p2pd) for t, rss, _, p2pd in steady], window_s))
+        p2pd_slopes[name] = _slope_per_hour(_window_minima([(t, p2pd) for t, _, _, p2pd in steady], window_s))
+        fit_slopes[name] = _slope_per_hour([(t, rss) for t, rss, _, _ in steady])
+        fd_slopes[name] = _slope_per_hour([(t, fds) for t, _, fds, _ in steady])
         if steady:
             growth[name] = steady[-1][1] / steady[0][1]
     unhandled_lines = {n.name: len(_UNHANDLED.findall(n.log_text())) for n in nodes}
@@ -120,6 +144,10 @@ def main() -> int:
         "nodes": args.nodes,
         "rounds": {n.name: len(n.rounds()) for n in nodes},
         "rss_slope_mb_per_h": round(max(rss_slopes.values(), key=abs), 2),
+        "python_rss_slope_mb_per_h": round(max(python_slopes.values(), key=abs), 2),
+        "p2pd_rss_slope_mb_per_h": round(max(p2pd_slopes.values(), key=abs), 2),
+        "fit_rss_slope_mb_per_h": round(max(fit_slopes.values(), key=abs), 2),
+        "window_minutes": window_s / 60,
         "fd_slope_per_h": round(max(fd_slopes.values(), key=abs), 2),
         "unhandled": unhandled,
         "unhandled_by_node": unhandled_lines,
@@ -128,6 +156,7 @@ def main() -> int:
         "rss_mb_end": {k: round(v[-1][1], 1) for k, v in series.items() if v},
         "fds_end": {k: v[-1][2] for k, v in series.items() if v},
         "rss_slopes_mb_per_h": {k: round(v, 2) for k, v in rss_slopes.items()},
+        "fit_rss_slopes_mb_per_h": {k: round(v, 2) for k, v in fit_slopes.items()},
         "fd_slopes_per_h": {k: round(v, 2) for k, v in fd_slopes.items()},
     }
     print("RESULT " + json.dumps(result), flush=True)
