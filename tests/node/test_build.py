@@ -57,7 +57,7 @@ def test_follow_in_a_private_swarm_through_a_bootstrap_peer(tmp_path: Path) -> N
         # The leader's side: its gossip from the same factory a node's build uses.
         leader_config = _config(homes["leader"], initial_peers=entry, **private)
         _, leader_lock, leader = claim_home(leader_config)
-        factory = make_gossip(leader_config.swarm, leader, homes["leader"], keep_rounds=64)
+        factory = make_gossip(leader_config.swarm, leader, homes["leader"])
         assert factory.private is not None and factory.bootstrap == [("config", m) for m in entry]
         leader_gossip = factory()
         try:
