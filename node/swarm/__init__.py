@@ -1,12 +1,19 @@
 """The swarm: everything that talks to hivemind (p2pd, the DHT) lives here, nothing else in hivespec does.
 
-The rest of the node sees `Gossip` (publish a signed body under a topic and slot, fetch or wait
-for others'), never a hivemind type; import-linter holds that line (`pyproject.toml`). Only
+The rest of the node sees `Gossip` (rollouts: publish a batch and sample peers' fresh ones by
+recency; weight topics: publish a body under a topic and slot, fetch or wait for others'), never
+a hivemind type; import-linter holds that line (`pyproject.toml`). Only
 `hivespec doctor`'s network checks import hivemind outside this package, on purpose.
 
-- `gossip.py`: `Gossip` (hivemind `P2P` + `DHTNode` on a private event-loop thread: index
-  records in the DHT, bodies over a stream; `from_config` reads the `swarm` section),
-  `Fetched`, `GossipError`.
+- `gossip.py`: `Gossip` (hivemind `P2P` + `DHTNode` on a private event-loop thread, built from
+  the `swarm` section: index records in the DHT, bodies over a stream), `Fetched`, `GossipError`.
+- `records.py`: `IndexRecords` (our signed index record under a key, everyone's read back and
+  checked), `Holder`.
+- `bodies.py`: `BodyStore` (the bodies we serve, bounded by age and bytes, and their stream handler).
+- `fetching.py`: `Fetcher` (a claim's body from one of its holders: size and sha256 checked,
+  liars scored down), `Fetched`.
+- `index.py`: the rollout index by recency (time buckets, a tree of bounded keys, choosing K
+  fresh batches by peer score with exploration); pure functions.
 - `transfer.py`: the body stream "hivespec.rollouts.v1" (request by sha256; the length and the
   hash are checked against the announced ones), `BadBody`.
 - `dht_guard.py`: `AnnounceValidator` (a hivemind `RecordValidatorBase` for our index records)
