@@ -1,15 +1,19 @@
 """Mallory: a hostile peer as a real process (real hivemind, real Ed25519 keys, our own code turned against us).
 
-Usage: python -P mallory.py <honest maddr> <swarm> <victim peer id> <victim libp2p id> <honest peer id> <round> <linger s> <out.json>
+Usage: python -P mallory.py <honest maddr> <swarm> <victim peer id> <victim libp2p id> <honest peer id> <linger s> <out.json>
 
-It joins the swarm through the honest node and, for slots `round - 1` and `round`, announces and
-serves: rollouts signed by itself with NaN / inf / positive log-probs, out-of-vocabulary ids,
-mismatched lengths, a false reward, a future round and a future policy version; an envelope that
-claims the honest node as author with a forged signature; a body that does not match its
-announced hash; and the honest node's own envelopes (replays). In the DHT it tries to overwrite
-the honest node's and the victim's records, to store a far-future expiration, an oversized and a
-malformed value, and sends raw garbage to the victim's DHT handlers and body stream. It writes
-what it attempted to `out.json` and keeps serving for `linger` seconds.
+It joins the swarm through the honest node and announces in the rollout index (by recency, like
+any node: `publish_rollouts` into the current bucket) and serves: rollouts signed by itself with
+NaN / inf / positive log-probs, out-of-vocabulary ids, mismatched lengths, a false reward, a
+batch signed long ago but announced as fresh, and a batch from a far-future policy version
+announced as version 0; an envelope that claims the honest node as author with a forged
+signature. In a second record, under the root keys of the previous and the next bucket (a reader
+in either bucket sees one), it announces the honest node's own envelopes as its own (replays)
+and a body whose announced size does not match what it serves. In the DHT it tries to overwrite
+the honest node's and the victim's records under the current bucket's root key, to store a
+far-future expiration, an oversized and a malformed value, and sends raw garbage to the victim's
+DHT handlers and body stream. It writes what it attempted to `out.json` and keeps serving for
+`linger` seconds.
 """
 
 from __future__ import annotations
@@ -24,16 +28,16 @@ import time
 import numpy as np
 from hivemind.p2p import PeerID
 
-from hivespec.node.config import load_config
+from hivespec.node.config import SwarmConfig, load_config
 from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint
 from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.swarm.index import bucket_of, placement_path
 from hivespec.node.swarm.transfer import STREAM_NAME
 from hivespec.node.tasks.source import TaskSource
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.codec import pack
 from hivespec.protocol.envelope import Kind, open_envelope, seal, signed_message
 from hivespec.protocol.identity import Identity
-from hivespec.protocol.keys import rollout_round_key
 from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
 
 
@@ -50,7 +54,11 @@ def rollouts(tasks: TaskSource, tokenizer, round_: int, count: int = 2) -> list[
 
 
 def attacks(me: Identity, honest_key: bytes, fingerprint: str, vocab: int, base: list[Rollout], round_: int, seq: int) -> dict[str, bytes]:
-    """name -> sealed envelope bytes, one per content attack."""
+    """name -> sealed envelope bytes, one per content attack (nine: one index record's worth, `MAX_ITEMS`).
+
+    A batch's round is only its author's own counter (nodes share no round numbers), so a "future
+    round" is no attack any more; a stale signature announced as fresh is.
+    """
     def batch(rs: list[Rollout], *, rnd: int = round_, version: int = 0) -> bytes:
         return encode_batch(RolloutBatch(rnd, version, fingerprint, tuple(rs)))
 
@@ -76,10 +84,11 @@ def attacks(me: Identity, honest_key: bytes, fingerprint: str, vocab: int, base:
         "out_of_vocab": batch([oov]),
         "mismatched_lengths": mismatched,
         "false_reward": batch([false_reward]),
-        "future_round": batch(base, rnd=round_ + 50),
-        "future_policy_version": batch(base, version=10_000),
+        "future_policy_version": batch(base, version=10_000),  # announced as version 0: the reader's filter passes it
     }
     out = {name: seal(me, Kind.ROLLOUTS, seq + i, body) for i, (name, body) in enumerate(bodies.items())}
+    # Valid content signed 250 s ago (past staleness_seconds, within the clock window), announced as born now.
+    out["stale_signature"] = seal(me, Kind.ROLLOUTS, seq + 50, batch(base), timestamp=time.time() - 250)
     # Claims the honest node wrote it; signed with Mallory's key.
     body = batch(base)
     ts = time.time()
@@ -113,44 +122,57 @@ async def raw_attacks(g: Gossip, victim_p2p: PeerID) -> dict[str, str]:
 
 
 def main() -> None:
-    maddr, swarm, victim_id, victim_p2p, honest_id, round_s, linger_s, out_path = sys.argv[1:9]
-    round_ = int(round_s)
+    maddr, swarm, victim_id, victim_p2p, honest_id, linger_s, out_path = sys.argv[1:8]
+    round_ = 1  # the batches' own round field: Mallory's counter, which no reader compares with its own
     config = load_config("tiny")
     tokenizer = load_tokenizer(config.model.name)
     model = load_model(config.model.name)
     fingerprint = model_fingerprint(model.config, tokenizer)
     tasks = TaskSource.from_config(config.tasks)
     me = Identity.generate()
-    g = Gossip(me, swarm=swarm, initial_peers=[maddr], request_timeout=5.0, bootstrap_timeout=10)
+    g = Gossip(me, SwarmConfig(swarm=swarm, initial_peers=[maddr], request_timeout=5.0, bootstrap_timeout=10.0))
     g.start()
     tally: dict[str, object] = {"mallory": me.peer_id, "announced": [], "dht": {}}
     try:
         # The honest node's public key and envelopes, read like any peer would.
-        honest = [f for r in (round_ - 2, round_ - 1) if r >= 0 for f in g.fetch_round(r, timeout=10)]
-        honest = [f for f in honest if f.author_peer_id == honest_id]
+        honest = [f for f in g.sample_rollouts(k=8, max_age_s=240.0, timeout=10.0) if f.author_peer_id == honest_id]
         honest_key = Identity.generate().public_key
         if honest:
             _, env = open_envelope(honest[0].body, limits=g._relay_limits)
             honest_key = env.author
         seq = time.time_ns() // 1000
-        for slot in (round_ - 1, round_):
-            bodies = attacks(me, honest_key, fingerprint, model.config.vocab_size, rollouts(tasks, tokenizer, slot), slot, seq + 1000 * slot)
-            for name, data in bodies.items():
-                g.publish(slot, data)
-                tally["announced"].append(f"{slot}:{name}")
-        for f in honest:
-            # Replays: the honest node's own envelopes, served again by Mallory as a holder.
-            for slot in (round_ - 1, round_):
-                g.publish(slot, f.body)
-                tally["announced"].append(f"{slot}:replay")
+        bodies = attacks(me, honest_key, fingerprint, model.config.vocab_size, rollouts(tasks, tokenizer, round_), round_, seq)
+        for name, data in bodies.items():
+            g.publish_rollouts(data, version=0)
+            tally["announced"].append(name)
+
+        junk = os.urandom(2000)
+        lying = AnnouncedBody(me.peer_id, hashlib.sha256(junk).digest(), 3_000_000, time.time(), 0)  # announced size != served
+
+        async def extra_record() -> list[str]:
+            """Replays and the size lie in a second record, under the previous and the next bucket's root keys."""
+            items = [(lying, junk)]
+            # Replays: the honest node's own envelopes, announced and served again by Mallory as their author.
+            items += [(AnnouncedBody(me.peer_id, hashlib.sha256(f.body).digest(), len(f.body), time.time(), 0), f.body) for f in honest]
+            bucket = bucket_of(time.time(), g.config.index_bucket_s)
+            stored = []
+            for b in (bucket - 1, bucket + 1):
+                key = await g._placed_key(b)
+                for item, wire in items:
+                    g.bodies.keep(item.sha256, wire)
+                    g.records.hold(key, item, first=True)
+                if await g.records.store(key):
+                    stored.append(key)
+            return stored
+
+        tally["extra_record_keys"] = g._call(extra_record(), 30)
+        tally["announced"] += ["size_lie"] + ["replay"] * len(honest)
 
         async def dht_attacks() -> dict[str, bool]:
             out = {}
-            key = rollout_round_key(swarm, round_)
-            junk = os.urandom(2000)
-            item = AnnouncedBody(me.peer_id, hashlib.sha256(junk).digest(), 3_000_000)  # announced size != served
-            g._bodies[item.sha256] = (("rollouts", round_), junk)
+            key = placement_path(swarm, bucket_of(time.time(), g.config.index_bucket_s), me.peer_id)[0]  # the bucket's root key
             exp = time.time() + 60
+            item = lying
 
             def record(expires: float, items=(item,)) -> bytes:
                 body = encode_announce(Announce(key, expires, g._p2p.peer_id.to_base58(), tuple(g.visible_maddrs), items))

@@ -1,9 +1,9 @@
 """Mallory (a real hostile process) against two honest nodes that keep training: nothing of hers gets in.
 
 The honest node H and the victim V are full nodes (tiny model, real hivemind, SQLite). Mallory
-(mallory.py) joins through H and attacks V's round; V must stay up, accept only H's rollouts,
-score Mallory down to the graylist, and after a restart with the same home still refuse
-replays of envelopes it already admitted.
+(mallory.py) joins through H and announces her batches in the rollout index where V's next step
+looks; V must stay up, accept only H's rollouts, score Mallory down to the graylist, and after a
+restart with the same home still refuse replays of envelopes it already admitted.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def node(home: Path, peers: list[str], name: str):
         "swarm.round_timeout": "20", "swarm.bootstrap_timeout": "10", "status.enabled": "false",
         "checkpoint.every_rounds": "0", "checkpoint.at_exit": "false", "checkpoint.resume": "false",
         "swarm.initial_peers": json.dumps(peers),
+        # A step may take all of one author's announced batches (the default takes 1 per author, so
+        # graylisting Mallory would take several steps): every attack reaches intake in one step.
+        "swarm.max_foreign_batches": "16", "swarm.max_batches_per_peer": "16",
     })
     return build_node(config)
 
@@ -59,8 +62,7 @@ def test_mallory_gets_nothing_in_and_honest_nodes_keep_training(tmp_path: Path) 
 
         out = tmp_path / "mallory.json"
         command = [sys.executable, "-P", str(ROOT / "tests/mallory/mallory.py"), honest.gossip.visible_maddrs[0], SWARM,
-                   victim.identity.peer_id, victim.gossip._p2p.peer_id.to_base58(), honest.identity.peer_id, "1", "90",
-                   str(out)]
+                   victim.identity.peer_id, victim.gossip._p2p.peer_id.to_base58(), honest.identity.peer_id, "90", str(out)]
         mallory_proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(1200):
             if out.exists() or mallory_proc.poll() is not None:
@@ -77,8 +79,7 @@ def test_mallory_gets_nothing_in_and_honest_nodes_keep_training(tmp_path: Path) 
         assert report.admissions.accepted > 0 and report.engine_mismatch == 0
 
         # Every accepted rollout is the honest node's; none is Mallory's.
-        rows = victim.store.rollouts_for_round(1) + victim.store.rollouts_for_round(0)
-        assert {r.author for r in rows if not r.own} == {honest.identity.peer_id}
+        assert {r.author for r in victim.store.foreign_after(0)} == {honest.identity.peer_id}
         scores = victim.peer_scores.snapshot()
         assert scores[mallory_id]["graylisted"], scores
         assert scores[mallory_id]["accepted"] == 0
@@ -98,9 +99,16 @@ def test_mallory_gets_nothing_in_and_honest_nodes_keep_training(tmp_path: Path) 
         victim.close()
         victim = node(tmp_path / "v", honest.gossip.visible_maddrs, "victim")
         assert victim.peer_scores.graylisted(mallory_id)
-        fetched = victim.gossip.fetch_round(1, timeout=15)  # fresh gossip: refetches round 1 from the honest node
-        admissions = [victim.intake.admit(f.author_peer_id, f.body, current_round=1) for f in fetched]
-        assert fetched and all(a.outcome == "ignore" and a.reason == "replay" for a in admissions), admissions
+        # Fresh gossip: it fetches the honest node's batches of rounds 0 and 1 again, which are still fresh.
+        fetched = victim.gossip.sample_rollouts(k=16, max_age_s=victim.intake.staleness_seconds, timeout=15.0)
+        admissions = {f.sha256: (f, victim.intake.admit(f.author_peer_id, f.body, current_version=victim.trainer.version))
+                      for f in fetched}
+        replays = [a for f, a in admissions.values() if f.author_peer_id == honest.identity.peer_id]
+        assert replays and all(a.outcome == "ignore" and a.reason == "replay" for a in replays), admissions
+        # Mallory's bodies that the honest node relayed before it graylisted her: sample_rollouts skips graylisted
+        # holders but not graylisted authors, so these may be fetched again; intake refuses every one of them.
+        others = [(f.author_peer_id, a) for f, a in admissions.values() if f.author_peer_id != honest.identity.peer_id]
+        assert all(author == mallory_id and a.outcome != "accept" for author, a in others), others
     finally:
         if mallory_proc is not None:
             mallory_proc.terminate()
