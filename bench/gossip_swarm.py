@@ -1,8 +1,8 @@
 """Loopback swarm propagation: N gossip processes vs direct all-to-all TCP of the same bytes, in one run.
 
-Each round every node publishes a ~150 KB sealed rollout batch (topic "rollouts") and a ~3 MB
-sealed payload (topic "delta", sent in 1 MiB stream chunks), then polls until it holds every
-other node's two items. Per item we take the time until the *last* node has it (from the
+Each round every node publishes a ~150 KB sealed rollout batch (announced in the rollout index by
+recency, `publish_rollouts`, and read with `sample_rollouts`) and a ~3 MB sealed payload (slot topic
+"delta", sent in 1 MiB stream chunks), then polls until it holds every other node's two items. Per item we take the time until the *last* node has it (from the
 round's start signal); p50/p95 are over items and rounds. The baseline sends the same bytes
 from every node to every other node over plain TCP sockets, same processes, same round start.
 
@@ -53,13 +53,14 @@ def tcp_bytes_sent(pids: set[int]) -> dict[tuple[str, str], int]:
 
 
 def child(index: int, bootstrap: str) -> None:
+    from hivespec.node.config import SwarmConfig
     from hivespec.node.swarm.gossip import Gossip
-    from hivespec.protocol.envelope import Kind, seal
+    from hivespec.protocol.envelope import Kind, open_envelope, seal
     from hivespec.protocol.identity import Identity
 
     me = Identity.generate()
-    gossip = Gossip(me, swarm="bench", initial_peers=[bootstrap] if bootstrap != "-" else [], request_timeout=10.0,
-                    bootstrap_timeout=20.0)
+    gossip = Gossip(me, SwarmConfig(swarm="bench", initial_peers=[bootstrap] if bootstrap != "-" else [], request_timeout=10.0,
+                                    bootstrap_timeout=20.0))
     gossip.start()
     server = socket.create_server(("127.0.0.1", 0))
     arrivals: dict[str, float] = {}
@@ -98,14 +99,19 @@ def child(index: int, bootstrap: str) -> None:
         got: dict[str, float] = {}
         sent = 0
         if cmd["op"] == "gossip":
-            gossip.publish(r, rollouts, topic="rollouts")
+            gossip.publish_rollouts(rollouts, version=r)
             gossip.publish(r, delta, topic="delta")
             deadline = time.time() + cmd["timeout"]
             interval = 0.02
             while time.time() < deadline and len(got) < 2 * (n - 1):
-                for topic in ("rollouts", "delta"):
-                    for f in gossip.fetch_round(r, timeout=5.0, topic=topic):
-                        got[f"{topic}:{f.author_peer_id}"] = time.time() - t0
+                # Rollouts carry no round: this round's batch is the one sealed with this round's sequence number
+                # (a batch missed in an earlier round may still arrive now; it does not count).
+                for f in gossip.sample_rollouts(k=n - 1, max_age_s=120.0, timeout=5.0):
+                    _, envelope = open_envelope(f.body)
+                    if envelope is not None and envelope.seq == r * 2 + 1:
+                        got[f"rollouts:{f.author_peer_id}"] = time.time() - t0
+                for f in gossip.fetch_slot(r, topic="delta", timeout=5.0):
+                    got[f"delta:{f.author_peer_id}"] = time.time() - t0
                 time.sleep(interval)
                 interval = min(interval * 2, 0.2)
         else:
