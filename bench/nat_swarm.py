@@ -2,9 +2,10 @@
 
 The topology is bench/net_topology.py (Linux network namespaces, nftables masquerade, no port
 forwarding). Every node is a DHT-only publisher of the demo's payload sizes (a ~150 KB sealed
-rollout batch and a ~3 MB sealed delta per round, as bench/gossip_swarm.py), started with the
-`public` preset's swarm settings: the public node listens on 203.0.113.10:31337 with a fixed
-p2p key; the home nodes bootstrap from it and reserve relay slots on it (swarm.use_auto_relay).
+rollout batch announced in the rollout index by recency and a ~3 MB sealed delta in a slot per
+round, as bench/gossip_swarm.py), started with the `public` preset's swarm settings: the public
+node listens on 203.0.113.10:31337 with a fixed p2p key; the home nodes bootstrap from it and
+reserve relay slots on it (swarm.use_auto_relay).
 Each received body is checked as usual: gossip checks size and sha256, and the child opens the
 envelope and checks that it is signed by the announced author.
 
@@ -58,17 +59,18 @@ def child(argv: list[str]) -> None:
     if os.environ.get("NAT_SWARM_DEBUG"):
         logging.getLogger("hivespec.node.swarm.gossip").setLevel(logging.DEBUG)
 
+    import dataclasses
+
     from hivespec.node.config import load_config
     from hivespec.node.swarm.gossip import Gossip
     from hivespec.protocol.envelope import Kind, open_envelope, seal
     from hivespec.protocol.identity import Identity
 
-    swarm = load_config("public").swarm  # the preset under test: relay and re-bootstrap settings
+    # The preset under test (relay and re-bootstrap settings), on this node's address and bootstrap peers.
+    swarm = dataclasses.replace(load_config("public").swarm, swarm="natbench", host=args.host, port=args.port,
+                                initial_peers=args.bootstrap, nat_port_map=False, request_timeout=10.0)
     me = Identity.generate()
-    gossip = Gossip(me, swarm="natbench", host=args.host, port=args.port, initial_peers=args.bootstrap,
-                    bootstrap_timeout=swarm.bootstrap_timeout, rebootstrap_interval=swarm.rebootstrap_interval,
-                    use_relay=swarm.use_relay, use_auto_relay=swarm.use_auto_relay, nat_port_map=False,
-                    p2p_identity_path=args.p2p_key, request_timeout=10.0)
+    gossip = Gossip(me, swarm, p2p_identity_path=args.p2p_key)
     gossip.start()
     print(json.dumps({"peer": me.peer_id, "p2p": str(gossip._p2p.peer_id), "maddrs": gossip.visible_maddrs}), flush=True)
     for line in sys.stdin:
@@ -87,21 +89,30 @@ def child(argv: list[str]) -> None:
         bad = 0
         for topic, body in bodies.items():
             try:
-                gossip.publish(r, body, topic=topic)
+                if topic == "rollouts":
+                    gossip.publish_rollouts(body, version=r)
+                else:
+                    gossip.publish(r, body, topic=topic)
             except Exception as exc:  # noqa: BLE001 - an unreachable swarm is what some phases measure
                 print(f"publish {topic} {r} failed: {exc}", file=sys.stderr, flush=True)
         deadline = time.time() + cmd["timeout"]
         interval = 0.02
         while time.time() < deadline and len(got) < 2 * cmd["others"]:
             for topic in TOPICS:
-                # Bounded like Gossip.wait_for_round (request_timeout): a body slower than that is cut and re-fetched.
-                for fetched in gossip.fetch_round(r, timeout=min(gossip.request_timeout, max(0.1, deadline - time.time())),
-                                                  topic=topic):
+                # Bounded by request_timeout: a body slower than that is cut and re-fetched.
+                timeout = min(gossip.request_timeout, max(0.1, deadline - time.time()))
+                if topic == "rollouts":
+                    # Rollouts carry no round: a batch missed in an earlier round may arrive now; only this round's counts.
+                    fetched_now = gossip.sample_rollouts(k=cmd["others"], max_age_s=240.0, timeout=timeout)
+                else:
+                    fetched_now = gossip.fetch_slot(r, topic=topic, timeout=timeout)
+                for fetched in fetched_now:
                     verdict, envelope = open_envelope(fetched.body)
                     if not verdict.ok or envelope is None or envelope.peer_id != fetched.author_peer_id:
                         bad += 1
                         continue
-                    got[f"{topic}:{fetched.author_peer_id}"] = time.time() - t0
+                    if envelope.seq == 2 * r + (1 if topic == "rollouts" else 2):
+                        got[f"{topic}:{fetched.author_peer_id}"] = time.time() - t0
             time.sleep(interval)
             interval = min(interval * 2, 0.2)
         stats = gossip.stats()
