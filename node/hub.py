@@ -8,6 +8,9 @@ peers must hold the same weights. A repo not cached is downloaded unless ``HF_HU
 set. When neither works the error names the repo, the revision and the cache folder.
 
 Only the files a caller lists are fetched (``allow_patterns``), never the whole repo.
+
+The other way, ``push_folder`` uploads an exported model folder (`hivespec export --push-to-hub`)
+with the token ``hf auth login`` stored or ``$HF_TOKEN``.
 """
 
 from __future__ import annotations
@@ -96,3 +99,33 @@ def resolve_snapshot(
     if not commit:
         raise HubError(f"{where}: the cache folder {path} is not a snapshot named by its commit; clear it and retry")
     return Snapshot(repo_id, path, commit)
+
+
+def push_folder(folder: Path, repo_id: str, *, private: bool = False, commit_message: str = "", api=None) -> str:
+    """Upload every file of ``folder`` to the Hub model repo ``repo_id`` (created if missing); the commit's URL.
+
+    Needs a token (``hf auth login``, or ``$HF_TOKEN``) and the network. Raises HubError naming
+    the repo and the fix when there is no token, ``HF_HUB_OFFLINE`` is set, or the upload fails.
+    ``api`` stands in for ``huggingface_hub.HfApi`` in tests.
+    """
+    from huggingface_hub import HfApi, get_token
+
+    if "/" not in repo_id or not _REPO_ID.fullmatch(repo_id):
+        raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repo id; use owner/name, e.g. alice/smollm2-swarm-grpo")
+    if api is None:
+        token = get_token()
+        if not token:
+            raise HubError(f"no Hugging Face token to upload to {repo_id}: run `hf auth login` or set HF_TOKEN "
+                           f"(the folder {folder} is complete; upload it later with `hf upload {repo_id} {folder}`)")
+        if _offline():
+            raise HubError(f"HF_HUB_OFFLINE is set: not uploading to {repo_id}; unset it, or upload later with "
+                           f"`hf upload {repo_id} {folder}`")
+        api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                                   commit_message=commit_message or "hivespec export")
+    except Exception as error:  # noqa: BLE001 - network, auth, permissions: all end in the same message
+        raise HubError(f"uploading {folder} to {repo_id} failed ({type(error).__name__}: {' '.join(str(error).split())[:240]}); "
+                       f"check the token's write access and the network, then `hf upload {repo_id} {folder}`") from None
+    return str(getattr(commit, "commit_url", commit))
