@@ -1,7 +1,8 @@
 """The node's status server: ``/status`` (JSON), ``/metrics`` (Prometheus) and ``/control`` on loopback.
 
 - ``GET /status``: the `StatusBoard`'s snapshot as JSON (`protocol.status.encode_status`).
-- ``GET /metrics``: Prometheus text exposition format 0.0.4, ``hivespec_`` metrics.
+- ``GET /metrics``: Prometheus text exposition format 0.0.4, ``hivespec_`` metrics, written by
+  prometheus_client from the same snapshot (`prometheus_text`).
 - ``POST /control`` with ``{"paused": true|false}`` and the header ``X-Hivespec-Control: 1``:
   pause or resume training (between rounds). The custom header keeps web pages out: a browser
   cannot send it cross-origin without a CORS preflight, which this server never answers; and a
@@ -20,10 +21,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from hivespec.node.status.board import RunControl, StatusBoard
 from hivespec.protocol.status import StatusSnapshot
@@ -34,90 +40,97 @@ STATUS_FILE = "status.json"  # in the node's home: where `hivespec status` finds
 CONTROL_HEADER = "X-Hivespec-Control"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _MAX_CONTROL_BYTES = 1024
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what prometheus_client's generate_latest writes
 
 
 # ----- Prometheus -------------------------------------------------------------------------
 
 
 def prometheus_text(snapshot: StatusSnapshot, log_counts: dict[str, int] | None = None) -> str:
-    """The snapshot as Prometheus text exposition format 0.0.4 (``hivespec_`` metrics)."""
-    out: list[str] = []
+    """The snapshot as Prometheus text exposition format 0.0.4 (``hivespec_`` metrics), written by prometheus_client.
 
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float | None]]) -> None:
-        rows = [(labels, value) for labels, value in samples if value is not None and math.isfinite(value)]
-        if not rows:
-            return
-        out.append(f"# HELP hivespec_{name} {help_text}")
-        out.append(f"# TYPE hivespec_{name} {kind}")
-        for labels, value in rows:
-            label_text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items())
-            out.append(f"hivespec_{name}{{{label_text}}} {_number(value)}" if label_text else f"hivespec_{name} {_number(value)}")
-
-    node = snapshot.node
-    last = snapshot.rounds[-1] if snapshot.rounds else None
-    metric("info", "gauge", "Node identity; the value is always 1.", [(
-        {"name": node.name, "peer_id": node.peer_id, "swarm": node.swarm, "model": node.model, "role": node.role}, 1,
-    )])
-    metric("uptime_seconds", "gauge", "Seconds since the node started.", [({}, node.uptime_s)])
-    metric("round", "gauge", "Last finished round (-1 before the first).", [({}, node.round)])
-    metric("policy_version", "gauge", "Version of the node's policy weights.", [({}, node.policy_version)])
-    metric("paused", "gauge", "1 while training is paused.", [({}, 1 if node.paused else 0)])
-    metric("peers_seen", "gauge", "Peers whose rollout batches reached this node.", [({}, len(snapshot.peers))])
-    gossip = snapshot.gossip
-    metric("known_peers", "gauge", "Peers in the DHT routing table.", [({}, gossip.known_peers)])
-    metric("gossip_bytes_total", "counter", "Rollout body bytes fetched from (in) and served to (out) peers.",
-           [({"direction": "in"}, gossip.bytes_in), ({"direction": "out"}, gossip.bytes_out)])
-    metric("gossip_bodies_total", "counter", "Rollout bodies fetched from and served to peers.",
-           [({"direction": "in"}, gossip.bodies_fetched), ({"direction": "out"}, gossip.bodies_served)])
-    metric("intake_batches_total", "counter", "Foreign rollout batches by admission outcome.",
-           [({"outcome": k}, v) for k, v in sorted(snapshot.intake.outcomes.items())])
-    metric("intake_reasons_total", "counter", "Foreign rollout batches by admission reason.",
-           [({"reason": k}, v) for k, v in sorted(snapshot.intake.reasons.items())])
-    metric("accepted_rollouts_total", "counter", "Foreign rollouts accepted.", [({}, snapshot.intake.accepted_rollouts)])
-    metric("store_rollouts", "gauge", "Rollouts in the journal.",
-           [({"origin": "own"}, snapshot.store.own), ({"origin": "foreign"}, snapshot.store.foreign)])
-    metric("peer_batches_total", "counter", "Rollout batches received per peer.",
-           [({"peer": p.peer_id, "name": p.name}, p.batches) for p in snapshot.peers])
-    metric("peer_accepted_rollouts_total", "counter", "Rollouts accepted per peer.",
-           [({"peer": p.peer_id, "name": p.name}, p.accepted) for p in snapshot.peers])
-    metric("peer_rejected_batches_total", "counter", "Rollout batches rejected per peer.",
-           [({"peer": p.peer_id, "name": p.name}, p.rejected) for p in snapshot.peers])
-    if last is not None:
-        metric("reward_mean", "gauge", "Mean reward of own rollouts in the last round.", [({}, last.reward_mean)])
-        metric("foreign_reward_mean", "gauge", "Mean reward of foreign rollouts accepted in the last round.",
-               [({}, last.foreign_reward_mean)])
-        metric("loss", "gauge", "Training loss of the last step.", [({}, last.loss)])
-        metric("round_seconds", "gauge", "Wall time of the last round.", [({}, last.seconds)])
-        metric("tokens_per_second", "gauge", "Generated tokens per second of rollout time, last round.",
-               [({}, last.tokens_per_second)])
-        metric("tokens_per_target_forward", "gauge", "Speculative decoding: tokens per target-model forward, last round.",
-               [({}, last.tokens_per_target_forward)])
-        metric("delta_bytes", "gauge", "Bytes of the last sparse weight delta.", [({}, last.delta_bytes)])
-        metric("delta_density", "gauge", "Share of weights that changed in the last delta.", [({}, last.delta_density)])
-    trainer = snapshot.trainer
-    metric("foreign_share", "gauge", "Share of the last step's samples that came from peers.", [({}, trainer.foreign_share)])
-    for attr in ("kept_fraction", "truncated_fraction", "masked_fraction", "ess_fraction", "mean_weight", "max_weight"):
-        metric(f"tis_{attr}", "gauge", f"Importance weights of the last step by sample source: {attr.replace('_', ' ')}.",
-               [({"source": source.source}, getattr(source, attr)) for source in trainer.sources])
-    metric("versions_behind", "gauge", "Follower: policy versions behind the swarm.", [({}, snapshot.sync.versions_behind)])
-    metric("engine_mismatch_elements", "gauge", "Engine weights that differ from the trainer's cast (0 = bit-exact).",
-           [({}, snapshot.sync.engine_mismatch)])
-    if log_counts:
-        metric("log_records_total", "counter", "WARNING-or-worse log records.",
-               [({"level": level}, count) for level, count in sorted(log_counts.items())])
-    return "\n".join(out) + "\n"
+    A fresh registry per call with one collector that reads the snapshot: nothing global, and
+    every scrape shows the snapshot as it is now. Non-finite and missing values are left out.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snapshot, log_counts or {}))
+    return generate_latest(registry).decode()
 
 
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _SnapshotCollector(Collector):
+    """One status snapshot as metric families (the names and labels `/metrics` has always served)."""
 
+    def __init__(self, snapshot: StatusSnapshot, log_counts: dict[str, int]) -> None:
+        self.snapshot = snapshot
+        self.log_counts = log_counts
 
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
+    def collect(self) -> Iterator[Metric]:
+        families: list[Metric] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float | None]]) -> None:
+            rows = [(labels, float(value)) for labels, value in samples if value is not None and math.isfinite(value)]
+            if not rows:
+                return
+            family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_type(f"hivespec_{name}", help_text, labels=list(rows[0][0]))
+            for labels, value in rows:
+                family.add_metric([labels[key] for key in rows[0][0]], value)
+            families.append(family)
+
+        snapshot = self.snapshot
+        node = snapshot.node
+        last = snapshot.rounds[-1] if snapshot.rounds else None
+        metric("info", "gauge", "Node identity; the value is always 1.", [(
+            {"name": node.name, "peer_id": node.peer_id, "swarm": node.swarm, "model": node.model, "role": node.role}, 1,
+        )])
+        metric("uptime_seconds", "gauge", "Seconds since the node started.", [({}, node.uptime_s)])
+        metric("round", "gauge", "Last finished round (-1 before the first).", [({}, node.round)])
+        metric("policy_version", "gauge", "Version of the node's policy weights.", [({}, node.policy_version)])
+        metric("paused", "gauge", "1 while training is paused.", [({}, 1 if node.paused else 0)])
+        metric("peers_seen", "gauge", "Peers whose rollout batches reached this node.", [({}, len(snapshot.peers))])
+        gossip = snapshot.gossip
+        metric("known_peers", "gauge", "Peers in the DHT routing table.", [({}, gossip.known_peers)])
+        metric("gossip_bytes_total", "counter", "Rollout body bytes fetched from (in) and served to (out) peers.",
+               [({"direction": "in"}, gossip.bytes_in), ({"direction": "out"}, gossip.bytes_out)])
+        metric("gossip_bodies_total", "counter", "Rollout bodies fetched from and served to peers.",
+               [({"direction": "in"}, gossip.bodies_fetched), ({"direction": "out"}, gossip.bodies_served)])
+        metric("intake_batches_total", "counter", "Foreign rollout batches by admission outcome.",
+               [({"outcome": k}, v) for k, v in sorted(snapshot.intake.outcomes.items())])
+        metric("intake_reasons_total", "counter", "Foreign rollout batches by admission reason.",
+               [({"reason": k}, v) for k, v in sorted(snapshot.intake.reasons.items())])
+        metric("accepted_rollouts_total", "counter", "Foreign rollouts accepted.", [({}, snapshot.intake.accepted_rollouts)])
+        metric("store_rollouts", "gauge", "Rollouts in the journal.",
+               [({"origin": "own"}, snapshot.store.own), ({"origin": "foreign"}, snapshot.store.foreign)])
+        metric("peer_batches_total", "counter", "Rollout batches received per peer.",
+               [({"peer": p.peer_id, "name": p.name}, p.batches) for p in snapshot.peers])
+        metric("peer_accepted_rollouts_total", "counter", "Rollouts accepted per peer.",
+               [({"peer": p.peer_id, "name": p.name}, p.accepted) for p in snapshot.peers])
+        metric("peer_rejected_batches_total", "counter", "Rollout batches rejected per peer.",
+               [({"peer": p.peer_id, "name": p.name}, p.rejected) for p in snapshot.peers])
+        if last is not None:
+            metric("reward_mean", "gauge", "Mean reward of own rollouts in the last round.", [({}, last.reward_mean)])
+            metric("foreign_reward_mean", "gauge", "Mean reward of foreign rollouts accepted in the last round.",
+                   [({}, last.foreign_reward_mean)])
+            metric("loss", "gauge", "Training loss of the last step.", [({}, last.loss)])
+            metric("round_seconds", "gauge", "Wall time of the last round.", [({}, last.seconds)])
+            metric("tokens_per_second", "gauge", "Generated tokens per second of rollout time, last round.",
+                   [({}, last.tokens_per_second)])
+            metric("tokens_per_target_forward", "gauge", "Speculative decoding: tokens per target-model forward, last round.",
+                   [({}, last.tokens_per_target_forward)])
+            metric("delta_bytes", "gauge", "Bytes of the last sparse weight delta.", [({}, last.delta_bytes)])
+            metric("delta_density", "gauge", "Share of weights that changed in the last delta.", [({}, last.delta_density)])
+        trainer = snapshot.trainer
+        metric("foreign_share", "gauge", "Share of the last step's samples that came from peers.", [({}, trainer.foreign_share)])
+        for attr in ("kept_fraction", "truncated_fraction", "masked_fraction", "ess_fraction", "mean_weight", "max_weight"):
+            metric(f"tis_{attr}", "gauge", f"Importance weights of the last step by sample source: {attr.replace('_', ' ')}.",
+                   [({"source": source.source}, getattr(source, attr)) for source in trainer.sources])
+        metric("versions_behind", "gauge", "Follower: policy versions behind the swarm.", [({}, snapshot.sync.versions_behind)])
+        metric("engine_mismatch_elements", "gauge", "Engine weights that differ from the trainer's cast (0 = bit-exact).",
+               [({}, snapshot.sync.engine_mismatch)])
+        if self.log_counts:
+            metric("log_records_total", "counter", "WARNING-or-worse log records.",
+                   [({"level": level}, count) for level, count in sorted(self.log_counts.items())])
+        yield from families
 
 
 # ----- the HTTP server ----------------------------------------------------------------------
@@ -179,7 +192,7 @@ def _handler_for(board: StatusBoard, control: RunControl) -> type[BaseHTTPReques
                 self._send(HTTPStatus.OK, board.snapshot_bytes(), "application/json")
             elif path == "/metrics":
                 text = prometheus_text(board.snapshot(), dict(board.logs.counts))
-                self._send(HTTPStatus.OK, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+                self._send(HTTPStatus.OK, text.encode(), METRICS_CONTENT_TYPE)
             elif path == "/":
                 self._send(HTTPStatus.OK, b"hivespec node: GET /status (JSON), GET /metrics (Prometheus), POST /control\n",
                            "text/plain; charset=utf-8")
