@@ -49,14 +49,11 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import itertools
 import json
 import os
 import shutil
-import struct
 import sys
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,94 +311,21 @@ class Evaluator:
 
 # ----- plot ---------------------------------------------------------------------------------------
 
-# 3x5 glyphs (rows top to bottom, 3 bits each) for the plot's few labels.
-_FONT = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", " ": "000000000000000",
-    "A": "010101111101101", "D": "110101101101110", "E": "111100110100111", "H": "101101111101101",
-    "L": "100100100100111", "N": "110101101101101", "O": "111101101101111", "R": "110101110101101",
-    "S": "111100111001111", "U": "101101101101111", "W": "101101101111101", "/": "001001010100100",
-    "V": "101101101101010", "F": "111100110100100", "I": "111010010010111", "P": "110101110100100",
-    "T": "111010010010010", "C": "111100100100111", "M": "101111111101101", "G": "111100101101111",
-    "-": "000000111000000", ":": "000010000010000",
-}
-
-
-def write_png(path: Path, pixels: list[list[tuple[int, int, int]]]) -> None:
-    """A truecolor 8-bit PNG from rows of (r, g, b) (zlib + CRC chunks; no imaging library needed)."""
-    height, width = len(pixels), len(pixels[0])
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
 def plot_curves(path: Path, curves: dict[str, tuple[list[float], tuple[int, int, int]]], title: str) -> None:
-    """Reward per round (y 0..1) for each named curve, with axes, grid, tick labels and a legend."""
-    width, height, left, right, top, bottom = 640, 400, 50, 20, 40, 40
-    img = [[(255, 255, 255)] * width for _ in range(height)]
-    pw, ph = width - left - right, height - top - bottom
-    rounds = max((len(c) for c, _ in curves.values()), default=1)
+    """Reward per round (y 0..1) for each named curve (RGB color 0..255), with axes, grid, tick labels and a legend (matplotlib)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    def put(x: int, y: int, color: tuple[int, int, int]) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            img[y][x] = color
-
-    def text(x: int, y: int, s: str, color=(0, 0, 0), scale: int = 2) -> None:
-        for ch in s.upper():
-            glyph = _FONT.get(ch, _FONT[" "])
-            for row in range(5):
-                for col in range(3):
-                    if glyph[row * 3 + col] == "1":
-                        for dy in range(scale):
-                            for dx in range(scale):
-                                put(x + col * scale + dx, y + row * scale + dy, color)
-            x += 4 * scale
-
-    def to_px(i: int, value: float) -> tuple[int, int]:
-        x = left + (round(i * pw / (rounds - 1)) if rounds > 1 else pw // 2)
-        return x, top + round((1.0 - value) * ph)
-
-    def line(a: tuple[int, int], b: tuple[int, int], color, thick: int = 1) -> None:
-        steps = max(abs(b[0] - a[0]), abs(b[1] - a[1]), 1)
-        for k in range(steps + 1):
-            x = a[0] + (b[0] - a[0]) * k // steps
-            y = a[1] + (b[1] - a[1]) * k // steps
-            for d in range(-(thick // 2), thick // 2 + 1):
-                put(x, y + d, color)
-                put(x + d, y, color)
-
-    for tick in range(5):
-        y = top + round(tick * ph / 4)
-        line((left, y), (left + pw, y), (225, 225, 225))
-        text(8, y - 5, f"{1 - tick / 4:.2f}")
-    for i in range(rounds):
-        x, _ = to_px(i, 0.0)
-        line((x, top + ph), (x, top + ph + 4), (0, 0, 0))
-        if rounds <= 20 or i % 5 == 0:
-            text(x - 4, top + ph + 8, str(i))
-    line((left, top), (left, top + ph), (0, 0, 0))
-    line((left, top + ph), (left + pw, top + ph), (0, 0, 0))
-    text(left, 10, title)
-    text(left + pw - 70, top + ph + 24, "ROUND")
-    legend_y = top + 8
+    figure = Figure(figsize=(6.4, 4.0), dpi=100, layout="constrained")
+    ax = figure.subplots()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for name, (curve, color) in curves.items():
-        points = [to_px(i, v) for i, v in enumerate(curve)]
-        for a, b in itertools.pairwise(points):
-            line(a, b, color, thick=3)
-        for x, y in points:
-            for dx in range(-3, 4):
-                for dy in range(-3, 4):
-                    put(x + dx, y + dy, color)
-        line((left + pw - 150, legend_y + 4), (left + pw - 120, legend_y + 4), color, thick=3)
-        text(left + pw - 112, legend_y, name, color)
-        legend_y += 16
-    write_png(path, img)
+        ax.plot(range(len(curve)), curve, marker="o", linewidth=2.5, color=tuple(c / 255 for c in color), label=name)
+    ax.set(title=title, xlabel="round", ylabel="mean reward", ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", metadata={"Software": None})
 
 
 # ----- main ---------------------------------------------------------------------------------------
@@ -593,8 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"solo {heldout_solo:.3f} +- {heldout_solo_se:.3f} {summary['solo']['heldout']}; "
           f"shared - solo {heldout_diff:+.3f} +- {heldout_diff_se:.3f} (paired over questions)")
     plot = Path(args.plot)
-    plot_curves(plot, {"SHARED": (shared_curve[:rounds], (31, 119, 180)), "SOLO": (solo_curve[:rounds], (255, 127, 14))},
-                f"MEAN REWARD PER ROUND  N {s.nodes}")
+    plot_curves(plot, {"shared": (shared_curve[:rounds], (31, 119, 180)), "solo": (solo_curve[:rounds], (255, 127, 14))},
+                f"Mean reward per round over {s.nodes} nodes")
     print(f"plot: {plot}; total {time.monotonic() - bench_started:.0f}s", flush=True)
     result = {
         "cumulative_reward_ratio": round(ratio, 4) if ratio is not None else None,

@@ -174,6 +174,7 @@ def run_demo(
         return 1
     except _Stopped:
         _report_stop(children, started)
+        _closing_lines(root, children)
         return 128 + stop.signum
     except KeyboardInterrupt:
         print("hivespec demo: interrupted", file=sys.stderr)
@@ -183,6 +184,7 @@ def run_demo(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     _summary(children, time.perf_counter() - started)
+    _closing_lines(root, children)
     return 0
 
 
@@ -387,3 +389,23 @@ def _summary(children: list[_Child], wall: float) -> None:
             f"  round {index}: {slowest:6.1f}s  mean reward {reward:.2f}  "
             f"foreign rollouts accepted by every node: {'yes' if accepted else 'no'}"
         )
+
+
+def _closing_lines(root: Path, children: list[_Child]) -> None:
+    """The demo's last lines: the run's report (written now), each node's policy and log, and how to export a policy."""
+    if not any(c.reports for c in children):
+        return
+    from hivespec.node.run_report import write_report
+
+    try:
+        written = write_report(root)
+        print(f"\nreport: {written[-1]} (plots: {', '.join(p.name for p in written[:-1])}; again: hivespec report {root})")
+    except Exception as exc:  # noqa: BLE001 - the run itself succeeded; say why there is no report and go on
+        print(f"\nno report ({type(exc).__name__}: {exc}); try: hivespec report {root}")
+    for child in children:
+        policy = child.home / "policy.json"
+        print(f"{child.name}: policy {policy if policy.is_file() else '(none kept)'}, log {child.home / 'node.log'}, "
+              f"events {child.events_path}")
+    kept = next((c for c in children if (c.home / "policy.json").is_file()), None)
+    if kept is not None:
+        print(f"export a node's policy: hivespec export --home {kept.home} --out {root / (kept.name + '-model')}", flush=True)

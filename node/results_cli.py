@@ -1,4 +1,4 @@
-"""The commands for what a run leaves behind: ``hivespec export`` (and the report and evaluation commands beside it).
+"""The commands for what a run leaves behind: ``hivespec export`` (a model folder) and ``hivespec report`` (plots).
 
 `add_result_commands(sub)` adds their parsers to the ``hivespec`` command line (node/cli.py calls
 it once). Like the rest of the CLI, nothing heavy is imported until a command runs, and every
@@ -40,8 +40,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from hivespec.node.run_report import write_report
+
+    run_dir = Path(args.run_dir).expanduser()
+    written = write_report(run_dir, Path(args.out).expanduser() if args.out else None)
+    print(f"report of {run_dir}: {written[-1]}")
+    for path in written[:-1]:
+        print(f"  {path}")
+    return 0
+
+
 def add_result_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``export`` to the ``hivespec`` subcommands."""
+    """Add ``export`` and ``report`` to the ``hivespec`` subcommands."""
     export = sub.add_parser("export", help="write a node's trained policy as a Hugging Face model folder with a model card")
     export.add_argument("--home", help="the node's data directory: its latest policy (default $HIVESPEC_HOME or the user data dir)")
     export.add_argument("--checkpoint", metavar="DIR", help="export this checkpoint (a ckpt-NNNNNN folder, or a folder of them: the newest)")
@@ -54,3 +65,8 @@ def add_result_commands(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub model repo (owner/name; needs a token)")
     export.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     export.set_defaults(func=cmd_export)
+
+    report = sub.add_parser("report", help="plot a run's rounds (reward, foreign samples and weights, phase times) and summarize it")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a demo run directory (node-<i>/events.jsonl), or a folder of events logs")
+    report.add_argument("--out", metavar="DIR", help="where to write the PNGs and summary.md (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)
