@@ -98,6 +98,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(format_report_line(report.to_dict()), flush=True)
 
         node.run(on_report)
+        _keep_policy(node)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         if node.stop_report:
@@ -114,6 +115,15 @@ def cmd_join(args: argparse.Namespace) -> int:
     finally:
         node.close()
     return 0
+
+
+def _keep_policy(node) -> None:
+    """When the rounds are over: keep the node's latest policy where `hivespec export` finds it (node/latest_policy.py)."""
+    from hivespec.node.latest_policy import keep_node_policy
+
+    if keep_node_policy(node) is not None:
+        print(f"policy kept in {node_home(node.config)} (export it: hivespec export --home {node_home(node.config)} --out DIR)",
+              flush=True)
 
 
 def _stop_with_parent() -> None:
@@ -212,6 +222,7 @@ def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
     def run_rounds() -> None:
         try:
             node.run(lambda report: events.write({"event": "round", **report.to_dict()}) if events else None)
+            _keep_policy(node)
             if events:
                 events.write({"event": "done", "name": node.name})
         except Exception as exc:  # shown in the dashboard's log; the exit code says so too
@@ -501,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(config, "public")
     config.add_argument("--keys", action="store_true", help="list every config key, its default and its meaning")
     config.set_defaults(func=cmd_config)
+
+    from hivespec.node.results_cli import add_result_commands
+
+    add_result_commands(sub)  # export, report, eval: what a run leaves behind
     return parser
 
 

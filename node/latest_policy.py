@@ -16,7 +16,10 @@ sees a record naming weights that are not complete; the record carries the weigh
 which `hivespec export` checks before it trusts the file. A failed write (disk full) is logged
 and costs only the export: the run's result is not touched.
 
-Owns no loop: the round loop calls `keep_node_policy` once, as `Node.run` returns.
+Owns no loop. `hivespec join` calls `keep_node_policy` once `Node.run` has returned (node/cli.py,
+with and without the dashboard). Its natural home is the end of `Node.run` itself (node/runtime.py,
+after the at-exit checkpoint, before `self.status.finished()`), where every embedding of `Node`
+would get it; the runtime is another engineer's file, so the CLI calls it until then.
 """
 
 from __future__ import annotations
