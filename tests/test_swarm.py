@@ -34,3 +34,13 @@ def test_three_nodes_two_rounds_every_node_accepts_foreign_rollouts(tmp_path):
             assert 0 <= report["delta_density"] <= 1  # the tiny random model may earn no reward, hence no update
             assert report["delta_bytes"] == 0 and not report["delta_published"]  # no followers: nothing coded
     assert "foreign rollouts accepted by every node: yes" in result.stdout
+    # The demo's last lines: the report it wrote, each node's policy, the export command.
+    assert f"report: {tmp_path / 'report' / 'summary.md'}" in result.stdout
+    assert {p.name for p in (tmp_path / "report").iterdir()} == {"summary.md", "reward.png", "foreign.png", "phases.png"}
+    for name in reports:
+        record = json.loads((tmp_path / name / "policy.json").read_text())
+        # The tiny preset saves a checkpoint at exit: the record names its weights instead of copying them.
+        assert record["policy_version"] == 2 and record["weights"].startswith("checkpoints/ckpt-")
+        assert (tmp_path / name / record["weights"]).is_file()
+        assert f"{name}: policy {tmp_path / name / 'policy.json'}" in result.stdout
+    assert f"export a node's policy: hivespec export --home {tmp_path / 'node-0'}" in result.stdout

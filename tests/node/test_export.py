@@ -9,7 +9,6 @@ the trainer's bit for bit. The rest builds homes and checkpoints by hand.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -26,7 +25,6 @@ from hivespec.node.export import checkpoint_policy, export_policy, find_policy
 from hivespec.node.hub import HubError, push_folder
 from hivespec.node.latest_policy import RECORD_FILE, PolicyRecord, keep_latest_policy, read_record
 from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint
-from hivespec.node.results_cli import add_result_commands
 from hivespec.node.training.checkpoint import (
     MODEL_FILE,
     CheckpointManager,
@@ -48,13 +46,6 @@ AutoTokenizer.from_pretrained(folder)
 with torch.no_grad():
     save_file({"logits": model(input_ids=load_file(inputs)["ids"]).logits.contiguous()}, out)
 """
-
-
-def _export_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    add_result_commands(parser.add_subparsers())
-    args = parser.parse_args(["export", *argv])
-    return args.func(args)
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +89,12 @@ def test_a_run_keeps_its_policy_and_the_export_reloads_bit_exact_in_plain_transf
     assert any(not torch.equal(trained[k], v) for k, v in model_tensors(start).items()), "the optimizer never stepped"
     assert sum(r.train.trained_samples for r in reports) > 0
 
-    assert _export_cli("--home", str(home), "--out", str(out)) == 0
+    from hivespec.node.cli import main
+
+    assert main(["export", "--home", str(home), "--out", str(out)]) == 0  # the `hivespec export` command line
     names = {p.name for p in out.iterdir()}
-    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"} <= names
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md",
+            "hivespec_policy.json"} <= names
     inputs, logits = tmp_path / "ids.safetensors", tmp_path / "logits.safetensors"
     save_file({"ids": ids}, str(inputs))
     subprocess.run([sys.executable, "-P", "-c", RELOAD, str(out), str(inputs), str(logits)], check=True, timeout=300,
