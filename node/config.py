@@ -10,16 +10,19 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import ipaddress
+import math
 import os
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import platformdirs
 import yaml
+
+from hivespec.protocol.errors import UserError
 
 ENV_PREFIX = "HIVESPEC_"
 MAX_STALENESS_S = 270.0  # protocol's clock window (300 s) less a margin for fetching and intake
@@ -27,23 +30,95 @@ HOME_ENV = "HIVESPEC_HOME"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration value or key is wrong; the message names the key and the fix."""
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """Something else the user typed (a flag, a file it names) is wrong; the message names it and the fix, on one line."""
 
 
-def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    """A dataclass field carrying its help text (shown by ``hivespec config``)."""
+@dataclass(frozen=True)
+class Bounds:
+    """A numeric field's range, declared next to the field: ``ge``/``gt`` below, ``le``/``lt`` above.
+
+    ``note`` says what the edge values mean or why the bound is there; it is shown with the error
+    and in ``hivespec config --keys``. ``None`` (a nullable field left unset) is always in range.
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    note: str = ""
+
+    def holds(self, value: float) -> bool:
+        return not (
+            (self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt)
+        )
+
+    def __str__(self) -> str:
+        def num(x: float) -> str:
+            return str(x) if isinstance(x, int) else f"{x:g}"
+
+        low, high = (self.ge if self.ge is not None else self.gt), (self.le if self.le is not None else self.lt)
+        if low is None or high is None:
+            bound = f">= {num(self.ge)}" if self.ge is not None else f"> {num(self.gt)}" if self.gt is not None else (
+                f"<= {num(self.le)}" if self.le is not None else f"< {num(self.lt)}")  # type: ignore[arg-type]
+        elif isinstance(self.ge, int) and isinstance(self.le, int):
+            bound = f"in {self.ge}..{self.le}"
+        else:
+            bound = f"in {'[' if self.ge is not None else '('}{num(low)}, {num(high)}{']' if self.le is not None else ')'}"
+        return f"{bound} ({self.note})" if self.note else bound
+
+
+def _help(
+    text: str,
+    default: Any = dataclasses.MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    note: str = "",
+    **kwargs: Any,
+) -> Any:
+    """A dataclass field carrying its help text (shown by ``hivespec config``) and, for numbers, its range."""
+    metadata: dict[str, Any] = {"help": text}
+    if (ge, gt, le, lt) != (None, None, None, None):
+        metadata["range"] = Bounds(ge, gt, le, lt, note)
     if default is dataclasses.MISSING:
-        return field(metadata={"help": text}, **kwargs)
-    return field(default=default, metadata={"help": text})
+        return field(metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata)
+
+
+class _Section:
+    """A config section: `__post_init__` checks every declared range, then the section's own cross-field rules.
+
+    ``SECTION`` is the dotted prefix its keys are named with in messages (``"train."``).
+    """
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            bounds = f.metadata.get("range")
+            value = getattr(self, f.name)
+            if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if math.isnan(value) or not bounds.holds(value):  # NaN is in no range
+                raise ConfigError(f"{self.SECTION}{f.name} must be {bounds}, got {value!r}")
+        self.check()
+
+    def check(self) -> None:
+        """Rules that tie several fields together (each field's own range is declared next to it)."""
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
+    SECTION: ClassVar[str] = "model."
+
     name: str = _help(
         "'smollm2-135m-instruct' (embedded GGUF), 'tiny' (random init, tests), a local HF folder, or a Hugging Face model id "
         "(e.g. Qwen/Qwen2.5-0.5B-Instruct: the HF cache first, else a download)", "smollm2-135m-instruct")
@@ -60,28 +135,32 @@ class ModelConfig:
         "bf16 autocast for trainer forwards (fp32 master weights keep small updates); 'auto': on where this device "
         "runs it faster (measured once per machine on CPU, bf16 support on CUDA)", "auto")
     device: str = _help("torch device for engine and trainer", "cpu")
-    threads: int | None = _help("torch threads per node; default: cores / local nodes", None)
+    threads: int | None = _help("torch threads per node; default: cores / local nodes", None, ge=1, note="or null")
     engine: Literal["native", "vllm"] = _help(
         "rollout engine: 'native' (torch, any device, lossless keyed speculative rollouts) or 'vllm' "
         "(CUDA only, pip install 'hivespec[gpu]'; vLLM's suffix/ngram speculative decoding)", "native")
     vllm_gpu_memory_utilization: float = _help(
-        "model.engine vllm: share of GPU memory vLLM takes for weights and KV cache (the trainer needs the rest)", 0.5)
+        "model.engine vllm: share of GPU memory vLLM takes for weights and KV cache (the trainer needs the rest)", 0.5,
+        gt=0, le=1)
 
-    def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"model.threads must be >= 1 or null, got {self.threads}")
+    def check(self) -> None:
+        if not self.device.strip():
+            raise ConfigError("model.device is empty; set cpu, cuda or cuda:N")
         if self.engine == "vllm" and self.engine_dtype == "float64":
             raise ConfigError("model.engine vllm samples in bfloat16 or float32, got model.engine_dtype float64; "
                               "set model.engine_dtype: bfloat16 (or use model.engine: native)")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"model.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+
+
+TASK_FAMILIES = ("arith", "count", "jsonl", "rg")
 
 
 @dataclass
-class TaskMix:
+class TaskMix(_Section):
+    SECTION: ClassVar[str] = "tasks.mix."
+
     family: str = _help("task family: 'arith', 'count', 'jsonl' or 'rg' (reasoning-gym: pip install 'hivespec[rg]')", "arith")
-    difficulty: int = _help("difficulty knob of the family (arith 1..6, count 1..5; jsonl and rg: 1)", 1)
-    weight: float = _help("relative sampling weight", 1.0)
+    difficulty: int = _help("difficulty knob of the family (arith 1..6, count 1..5; jsonl and rg: 1)", 1, ge=1)
+    weight: float = _help("relative sampling weight", 1.0, gt=0)
     name: str | None = _help(
         "rg: the reasoning-gym dataset (e.g. leg_counting); jsonl: a .jsonl/.json/.parquet file or a Hugging Face "
         "dataset id (default: tasks.jsonl_path)", None)
@@ -95,9 +174,9 @@ class TaskMix:
     answer_check: Literal["number", "math"] = _help(
         "jsonl: 'number' compares numbers; 'math' verifies with math-verify (GSM8K '#### N', MATH \\boxed{})", "number")
 
-    def __post_init__(self) -> None:
-        if self.weight <= 0:
-            raise ConfigError(f"tasks.mix weight must be > 0, got {self.weight} for {self.family}")
+    def check(self) -> None:
+        if self.family not in TASK_FAMILIES:
+            raise ConfigError(f"unknown task family {self.family!r} in tasks.mix; use one of {', '.join(TASK_FAMILIES)}")
         if not isinstance(self.config, dict):
             raise ConfigError(f"tasks.mix config must be a mapping of the dataset's fields, got {self.config!r}")
         if self.config and self.family != "rg":
@@ -110,112 +189,94 @@ class TaskMix:
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(_Section):
+    SECTION: ClassVar[str] = "tasks."
+
     mix: list[TaskMix] = _help("task families to draw prompts from", default_factory=lambda: [TaskMix("arith", 1), TaskMix("count", 1)])
     jsonl_path: str | None = _help("JSONL file of {question, answer} lines for the 'jsonl' family", None)
     heldout_fraction: float = _help(
-        "share of questions (chosen by a hash of their text) never drawn for training, kept for held-out evaluation", 0.0
-    )
+        "share of questions (chosen by a hash of their text) never drawn for training, kept for held-out evaluation", 0.0,
+        ge=0, lt=1)
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.heldout_fraction < 1:
-            raise ConfigError(f"tasks.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
-
-
-@dataclass
-class RolloutConfig:
-    prompts_per_round: int = _help("prompts this node draws each round", 4)
-    num_generations: int = _help("completions per prompt (the GRPO group size)", 4)
-    max_completion_length: int = _help("maximum new tokens per completion", 64)
-    temperature: float = _help("sampling temperature (0 = greedy)", 1.0)
-    top_p: float = _help("nucleus sampling mass", 1.0)
-    max_batch_size: int = _help("sequences decoded together", 16)
-
-    def __post_init__(self) -> None:
-        for name in ("prompts_per_round", "num_generations", "max_completion_length", "max_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+    def check(self) -> None:
+        if not self.mix:
+            raise ConfigError("tasks.mix is empty; give at least one entry, e.g. [{family: arith, difficulty: 1}]")
 
 
 @dataclass
-class TrainConfig:
-    learning_rate: float = _help("AdamW learning rate", 2e-5)
-    weight_decay: float = _help("AdamW weight decay", 0.0)
-    max_grad_norm: float = _help("gradient norm clip", 1.0)
+class RolloutConfig(_Section):
+    SECTION: ClassVar[str] = "rollout."
+
+    prompts_per_round: int = _help("prompts this node draws each round", 4, ge=1)
+    num_generations: int = _help("completions per prompt (the GRPO group size)", 4, ge=1)
+    max_completion_length: int = _help("maximum new tokens per completion", 64, ge=1)
+    temperature: float = _help("sampling temperature (0 = greedy)", 1.0, ge=0, note="0 = greedy")
+    top_p: float = _help("nucleus sampling mass", 1.0, gt=0, le=1, note="1 = no nucleus cut")
+    max_batch_size: int = _help("sequences decoded together", 16, ge=1)
+
+
+@dataclass
+class TrainConfig(_Section):
+    SECTION: ClassVar[str] = "train."
+
+    learning_rate: float = _help("AdamW learning rate", 2e-5, gt=0)
+    weight_decay: float = _help("AdamW weight decay", 0.0, ge=0)
+    max_grad_norm: float = _help("gradient norm clip", 1.0, gt=0)
     tis_clip: float | None = _help(
         "truncated importance sampling cap C: weight = min(pi/mu, C) (slime --tis-clip, verl rollout_is_threshold); "
-        "null: no truncation (needs tis_mask: token)", 2.0)
+        "null: no truncation (needs tis_mask: token)", 2.0, ge=1, note="weights are truncated at C; or null")
     tis_mask: Literal["none", "token", "sequence"] = _help(
         "filter outside [tis_mask_low, tis_mask_high]: 'token' masks tokens by pi/mu (IcePop, verl rollout_rs=token), "
         "'sequence' masks whole sequences by their geometric-mean ratio (verl rollout_rs=geometric); masked tokens "
         "leave the loss and its denominator", "sequence")
-    tis_mask_low: float = _help("lower ratio bound of tis_mask", 0.5)
-    tis_mask_high: float = _help("upper ratio bound of tis_mask", 2.0)
+    tis_mask_low: float = _help("lower ratio bound of tis_mask", 0.5, gt=0, le=1, note="the band must hold ratio 1")
+    tis_mask_high: float = _help("upper ratio bound of tis_mask", 2.0, ge=1, note="the band must hold ratio 1")
     tis_veto: float | None = _help(
-        "mask tokens whose behaviour probability is below this (slime/verl veto; 1e-4 is typical); null: off", None)
+        "mask tokens whose behaviour probability is below this (slime/verl veto; 1e-4 is typical); null: off", None,
+        gt=0, lt=1, note="a probability, or null")
     importance_sampling: bool = _help(
         "false trains on every sample as if on-policy (RL Swarm's behaviour; only for comparisons)", True)
-    ppo_epochs: int = _help("optimizer steps per batch; > 1 reuses it with PPO clipping (verl ppo_epochs, TRL num_iterations)", 1)
-    clip_epsilon: float = _help("PPO ratio clip: pi/pi_old kept in [1 - eps, 1 + eps] (TRL epsilon, verl clip_ratio)", 0.2)
+    ppo_epochs: int = _help("optimizer steps per batch; > 1 reuses it with PPO clipping (verl ppo_epochs, TRL num_iterations)", 1,
+                            ge=1)
+    clip_epsilon: float = _help("PPO ratio clip: pi/pi_old kept in [1 - eps, 1 + eps] (TRL epsilon, verl clip_ratio)", 0.2,
+                                gt=0, lt=1, note="0.2 is PPO's default")
     kl_coef: float = _help(
-        "weight of a k3 KL penalty to each sample's behaviour policy (TRL beta, verl kl_loss_coef); 0: off", 0.0)
-    foreign_fraction: float = _help("at most this share of a step's samples come from peers", 0.5)
+        "weight of a k3 KL penalty to each sample's behaviour policy (TRL beta, verl kl_loss_coef); 0: off", 0.0, ge=0)
+    foreign_fraction: float = _help("at most this share of a step's samples come from peers", 0.5, ge=0, lt=1)
     staleness_seconds: float = _help(
         "use foreign rollouts at most this many seconds old (by the author's signed timestamp); nodes never share "
         "round numbers, so age is measured in seconds; at most 270 (envelopes signed over 300 s ago are refused as "
-        "replays)", 240.0)
+        "replays)", 240.0, gt=0, le=MAX_STALENESS_S, note="envelopes signed over 300 s ago are refused as replays")
     staleness_versions: int = _help(
         "use foreign rollouts whose author's policy version is at most this far from ours, either way (a fast node "
-        "is many versions ahead of a slow one; the importance weights correct what remains)", 64)
-    micro_batch_size: int = _help("sequences per forward/backward", 8)
+        "is many versions ahead of a slow one; the importance weights correct what remains)", 64, ge=0)
+    micro_batch_size: int = _help("sequences per forward/backward", 8, ge=1)
 
-    def __post_init__(self) -> None:
-        if self.tis_clip is not None and self.tis_clip < 1:
-            raise ConfigError(f"train.tis_clip must be >= 1 (weights are truncated at C), got {self.tis_clip}")
+    def check(self) -> None:
         if self.tis_clip is None and self.tis_mask != "token":
             raise ConfigError("train.tis_clip: null leaves weights unbounded unless train.tis_mask is 'token'; set tis_clip: 2.0")
-        if not 0 < self.tis_mask_low <= 1 <= self.tis_mask_high:
-            raise ConfigError(
-                f"train.tis_mask_low / tis_mask_high must satisfy 0 < low <= 1 <= high, got {self.tis_mask_low}, {self.tis_mask_high}"
-            )
-        if self.tis_veto is not None and not 0 < self.tis_veto < 1:
-            raise ConfigError(f"train.tis_veto must be a probability in (0, 1) or null, got {self.tis_veto}")
-        if self.ppo_epochs < 1:
-            raise ConfigError(f"train.ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        if not 0 < self.clip_epsilon < 1:
-            raise ConfigError(f"train.clip_epsilon must be in (0, 1), got {self.clip_epsilon}; 0.2 is PPO's default")
-        if self.kl_coef < 0:
-            raise ConfigError(f"train.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.staleness_versions < 0 or not 0 < self.staleness_seconds <= MAX_STALENESS_S:
-            raise ConfigError(
-                f"train.staleness_versions must be >= 0 and train.staleness_seconds in (0, {MAX_STALENESS_S:g}] (envelopes "
-                f"signed over 300 s ago are refused as replays), got {self.staleness_versions} and {self.staleness_seconds}")
-        if not 0 <= self.foreign_fraction < 1:
-            raise ConfigError(f"train.foreign_fraction must be in [0, 1), got {self.foreign_fraction}")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 
 
 @dataclass
-class PrivateSwarmConfig:
+class PrivateSwarmConfig(_Section):
+    SECTION: ClassVar[str] = "swarm.private."
+
     allowlist_file: str | None = _help(
         "private swarm: file of members' Ed25519 public keys (hex, one per line); set = private, the swarm name is its id", None)
     secret_file: str | None = _help("private swarm: file holding the 32-byte swarm secret as 64 hex digits (or $HIVESPEC_SWARM_SECRET)", None)
 
 
 @dataclass
-class SwarmConfig:
+class SwarmConfig(_Section):
+    SECTION: ClassVar[str] = "swarm."
+
     swarm: str = _help("swarm name; nodes only see records of the same swarm", "local")
     host: str = _help("address to listen on", "127.0.0.1")
-    port: int = _help("TCP port (0 = any free port)", 0)
+    port: int = _help("TCP port (0 = any free port)", 0, ge=0, le=65535, note="0 = any free port")
     initial_peers: list[str] = _help("multiaddrs to bootstrap from (also: $HIVESPEC_INITIAL_PEERS, peers_file, the peer cache)", default_factory=list)
     peers_file: str | None = _help("file of bootstrap multiaddrs, one per line (# comments)", None)
-    bootstrap_timeout: float = _help("seconds to retry bootstrap peers at start before running solo", 20.0)
-    rebootstrap_interval: float = _help("seconds between re-bootstraps (heals a split DHT; faster while solo)", 60.0)
+    bootstrap_timeout: float = _help("seconds to retry bootstrap peers at start before running solo", 20.0, ge=0)
+    rebootstrap_interval: float = _help("seconds between re-bootstraps (heals a split DHT; faster while solo)", 60.0, gt=0)
     require_peers: bool = _help("refuse to start when no bootstrap peer answers, instead of running solo", False)
     announce_maddrs: list[str] = _help("public multiaddrs to announce (port forwarding, a public IP behind 1:1 NAT)", default_factory=list)
     use_relay: bool = _help("libp2p circuit relay: reach peers behind NAT through relays", True)
@@ -223,33 +284,33 @@ class SwarmConfig:
         "behind NAT yourself: reserve relay slots on the bootstrap peers and announce <relay>/p2p-circuit addresses "
         "(the public preset's default; a node with a public IP or forwarded port sets false)", False)
     nat_port_map: bool = _help("ask the router for a port mapping (UPnP / NAT-PMP)", False)
-    record_ttl: float = _help("seconds an index record lives in the DHT (validators refuse longer)", 600.0)
-    request_timeout: float = _help("seconds one DHT request or body download may take", 10.0)
-    start_timeout: float = _help("seconds p2pd and the DHT get to start", 30.0)
+    record_ttl: float = _help("seconds an index record lives in the DHT (validators refuse longer)", 600.0, gt=0)
+    request_timeout: float = _help("seconds one DHT request or body download may take", 10.0, gt=0)
+    start_timeout: float = _help("seconds p2pd and the DHT get to start", 30.0, gt=0)
     max_foreign_batches: int = _help(
         "K: peers' batches a step fetches at most, chosen among fresh announcements by peer score with exploration "
-        "(bounds a node's download and verification work, whatever the swarm's size)", 4)
-    max_batches_per_peer: int = _help("batches a step takes from one author at most (a few loud peers cannot crowd out the rest)", 1)
+        "(bounds a node's download and verification work, whatever the swarm's size)", 4, ge=1)
+    max_batches_per_peer: int = _help("batches a step takes from one author at most (a few loud peers cannot crowd out the rest)", 1,
+                                      ge=1)
     index_bucket_s: float = _help(
         "seconds per index bucket: announcements are found by recency (the current and previous buckets' keys), "
-        "never by round number", 30.0)
+        "never by round number", 30.0, gt=0)
     index_key_records: int = _help(
         "records one index key holds at most; a full key splits into two keys of the next level (by peer-id prefix), "
-        "so a key's size is bounded whatever the swarm's size", 16)
+        "so a key's size is bounded whatever the swarm's size", 16, ge=1)
     announce_seconds: float = _help(
         "seconds a batch we serve (our own or relayed) stays announced in the current index bucket; match "
-        "train.staleness_seconds", 240.0)
-    keep_seconds: float = _help("seconds our own and relayed bodies are kept to serve to peers", 600.0)
-    keep_bytes: int = _help("bytes of bodies kept to serve to peers at most", 256 * 2**20)
+        "train.staleness_seconds", 240.0, gt=0)
+    keep_seconds: float = _help("seconds our own and relayed bodies are kept to serve to peers", 600.0, gt=0)
+    keep_bytes: int = _help("bytes of bodies kept to serve to peers at most", 256 * 2**20, ge=1)
     expected_peers: int = _help(
         "peers with a new batch a step waits for, at most round_timeout (0 = never wait: the public swarm's setting; "
-        "a small swarm of equal nodes such as the demo may wait). Batches are matched by recency, never by round number", 0)
-    round_timeout: float = _help("seconds a step waits at most for expected_peers' new batches", 120.0)
+        "a small swarm of equal nodes such as the demo may wait). Batches are matched by recency, never by round number", 0,
+        ge=0, note="0 = never wait")
+    round_timeout: float = _help("seconds a step waits at most for expected_peers' new batches", 120.0, gt=0)
     private: PrivateSwarmConfig = field(default_factory=PrivateSwarmConfig)
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"swarm.port must be in 0..65535 (0 = any free port), got {self.port}")
+    def check(self) -> None:
         try:
             ipaddress.IPv4Address(self.host)
         except ValueError:
@@ -257,119 +318,98 @@ class SwarmConfig:
                 f"swarm.host must be an IPv4 address to listen on (127.0.0.1 for this machine only, 0.0.0.0 for all), "
                 f"got {self.host!r}"
             ) from None
-        if min(self.max_foreign_batches, self.max_batches_per_peer, self.index_key_records, self.keep_bytes) < 1:
-            raise ConfigError(
-                "swarm.max_foreign_batches, max_batches_per_peer, index_key_records and keep_bytes must be >= 1, got "
-                f"{self.max_foreign_batches}, {self.max_batches_per_peer}, {self.index_key_records}, {self.keep_bytes}")
-        timings = ("request_timeout", "start_timeout", "index_bucket_s", "announce_seconds", "keep_seconds", "round_timeout")
-        if min(getattr(self, name) for name in timings) <= 0:
-            raise ConfigError(
-                "swarm." + ", ".join(timings) + " must be > 0, got " + ", ".join(str(getattr(self, name)) for name in timings))
-        if self.expected_peers < 0:
-            raise ConfigError(f"swarm.expected_peers must be >= 0 (0 = never wait), got {self.expected_peers}")
-        if self.bootstrap_timeout < 0 or self.rebootstrap_interval <= 0 or self.record_ttl <= 0:
-            raise ConfigError(
-                f"swarm.bootstrap_timeout must be >= 0 and rebootstrap_interval, record_ttl > 0; got "
-                f"{self.bootstrap_timeout}, {self.rebootstrap_interval}, {self.record_ttl}"
-            )
 
 
 DEFAULT_STATUS_PORT = 4483
 
 
 @dataclass
-class StatusConfig:
+class StatusConfig(_Section):
+    SECTION: ClassVar[str] = "status."
+
     enabled: bool = _help("serve status JSON (/status) and Prometheus metrics (/metrics) for the dashboard", True)
     host: str = _help("loopback address of the status server: 127.0.0.1, ::1 or localhost", "127.0.0.1")
-    port: int = _help("status server port (0 = any free port; the chosen URL goes to <home>/status.json)", DEFAULT_STATUS_PORT)
+    port: int = _help("status server port (0 = any free port; the chosen URL goes to <home>/status.json)", DEFAULT_STATUS_PORT,
+                      ge=0, le=65535, note="0 = any free port")
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.host not in ("127.0.0.1", "::1", "localhost"):
             raise ConfigError(
                 f"status.host must be a loopback address (127.0.0.1, ::1 or localhost), got {self.host!r}; "
                 "/control can pause training, so reach a remote node's status through an SSH tunnel instead"
             )
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"status.port must be in 0..65535 (0 = any free port), got {self.port}")
 
 
 @dataclass
-class CheckpointConfig:
-    every_rounds: int = _help("save a checkpoint every N rounds (0 = only when the run ends or is stopped)", 10)
-    keep: int = _help("complete checkpoints kept on disk, newest first (>= 1; older ones are the fallback if the newest is torn)", 2)
+class CheckpointConfig(_Section):
+    SECTION: ClassVar[str] = "checkpoint."
+
+    every_rounds: int = _help("save a checkpoint every N rounds (0 = only when the run ends or is stopped)", 10,
+                              ge=0, note="0 = only at exit")
+    keep: int = _help("complete checkpoints kept on disk, newest first (older ones are the fallback if the newest is torn)", 2,
+                      ge=1, note="the previous checkpoint is the fallback")
     dir: str | None = _help("checkpoint directory (default: <home>/checkpoints)", None)
     at_exit: bool = _help("save a checkpoint when the run ends or is stopped (SIGINT/SIGTERM finish the round first)", True)
     resume: bool = _help("resume from the newest good checkpoint at start (--no-resume starts from the initial weights)", True)
 
-    def __post_init__(self) -> None:
-        if self.every_rounds < 0:
-            raise ConfigError(f"checkpoint.every_rounds must be >= 0 (0 = only at exit), got {self.every_rounds}")
-        if self.keep < 1:
-            raise ConfigError(f"checkpoint.keep must be >= 1 (the previous checkpoint is the fallback), got {self.keep}")
+    def check(self) -> None:
+        if self.dir is not None and not self.dir.strip():
+            raise ConfigError("checkpoint.dir is empty; give a folder or null for <home>/checkpoints")
 
 
 @dataclass
-class SuperviseConfig:
-    stall_after: float = _help("seconds without progress before the watchdog reports a loop as stalled", 600.0)
-    gossip_probe_every: float = _help("seconds between liveness probes of gossip (p2pd and its event loop)", 15.0)
+class SuperviseConfig(_Section):
+    SECTION: ClassVar[str] = "supervise."
 
-    def __post_init__(self) -> None:
-        if self.stall_after <= 0 or self.gossip_probe_every <= 0:
-            raise ConfigError(
-                f"supervise.stall_after and supervise.gossip_probe_every must be > 0, got {self.stall_after} and {self.gossip_probe_every}"
-            )
+    stall_after: float = _help("seconds without progress before the watchdog reports a loop as stalled", 600.0, gt=0)
+    gossip_probe_every: float = _help("seconds between liveness probes of gossip (p2pd and its event loop)", 15.0, gt=0)
 
 
 @dataclass
-class SpeculationConfig:
+class SpeculationConfig(_Section):
+    SECTION: ClassVar[str] = "speculation."
+
     enabled: bool = _help("lossless speculative rollouts (suffix-automaton drafter); the calibrated policy still turns it off where it cannot pay", True)
-    num_speculative_tokens: int = _help("most draft tokens per sequence per step (long prompts get all, medium half, short a quarter)", 16)
-    min_prob: float = _help("stop a draft where its empirical probability falls below this", 0.1)
-    spec_factor: float = _help("a draft is at most this many times the length of the suffix it matched", 2.0)
-    window: int = _help("recent rollouts per prompt the drafter indexes", 16)
-    global_max_tokens: int = _help("tokens of recent rollouts (all prompts) in the drafter's global index", 32768)
-    max_prompts: int = _help("prompts the drafter keeps windows for (least recently used evicted)", 1024)
-    rebuild_rollouts: int = _help("stored rollouts replayed into the drafter at start-up (0 = start empty)", 2048)
+    num_speculative_tokens: int = _help("most draft tokens per sequence per step (long prompts get all, medium half, short a quarter)", 16,
+                                        ge=1)
+    min_prob: float = _help("stop a draft where its empirical probability falls below this", 0.1, ge=0, le=1)
+    spec_factor: float = _help("a draft is at most this many times the length of the suffix it matched", 2.0, gt=0)
+    window: int = _help("recent rollouts per prompt the drafter indexes", 16, ge=1)
+    global_max_tokens: int = _help("tokens of recent rollouts (all prompts) in the drafter's global index", 32768, ge=1)
+    max_prompts: int = _help("prompts the drafter keeps windows for (least recently used evicted)", 1024, ge=1)
+    rebuild_rollouts: int = _help("stored rollouts replayed into the drafter at start-up (0 = start empty)", 2048,
+                                  ge=0, note="0 = start empty")
     trace_file: str | None = _help(
         "append a rollout trace (JSON lines, .gz for gzip: own and accepted foreign rollouts in the order the drafter is fed) "
         "for bench/drafter_replay.py; recorded whether speculation is on or off (null: no trace)", None
     )
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.trace_file is not None and not self.trace_file.strip():
             raise ConfigError("speculation.trace_file is empty; give a file path or null for no trace")
-        for name in ("num_speculative_tokens", "window", "global_max_tokens", "max_prompts"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"speculation.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.min_prob <= 1:
-            raise ConfigError(f"speculation.min_prob must be in [0, 1], got {self.min_prob}")
-        if self.spec_factor <= 0:
-            raise ConfigError(f"speculation.spec_factor must be > 0, got {self.spec_factor}")
-        if self.rebuild_rollouts < 0:
-            raise ConfigError(f"speculation.rebuild_rollouts must be >= 0, got {self.rebuild_rollouts}")
 
 
 @dataclass
-class SyncConfig:
+class SyncConfig(_Section):
+    SECTION: ClassVar[str] = "sync."
+
     publish: bool = _help("act as a leader: publish each step's weight delta, periodic snapshots and the head for followers", False)
-    snapshot_every: int = _help("a leader publishes the cumulative delta from the base checkpoint every this many versions", 8)
-    max_lag: int = _help("a follower more than this many versions behind jumps to the latest snapshot", 16)
-    poll_interval: float = _help("seconds between a follower's polls of its leader's head", 2.0)
-    fetch_timeout: float = _help("seconds a follower waits for one delta chunk", 10.0)
-
-    def __post_init__(self) -> None:
-        if self.snapshot_every < 1 or self.max_lag < 0:
-            raise ConfigError(f"sync.snapshot_every must be >= 1 and sync.max_lag >= 0, got {self.snapshot_every}, {self.max_lag}")
-        if self.poll_interval <= 0 or self.fetch_timeout <= 0:
-            raise ConfigError(f"sync.poll_interval and sync.fetch_timeout must be > 0, got {self.poll_interval}, {self.fetch_timeout}")
+    snapshot_every: int = _help("a leader publishes the cumulative delta from the base checkpoint every this many versions", 8, ge=1)
+    max_lag: int = _help("a follower more than this many versions behind jumps to the latest snapshot", 16, ge=0)
+    poll_interval: float = _help("seconds between a follower's polls of its leader's head", 2.0, gt=0)
+    fetch_timeout: float = _help("seconds a follower waits for one delta chunk", 10.0, gt=0)
+    leader_timeout: float = _help(
+        "seconds a follower waits for its leader's first head before it gives up (a wrong peer id, a leader not "
+        "publishing, no shared bootstrap peer)", 300.0, gt=0)
 
 
 @dataclass
-class NodeConfig:
+class NodeConfig(_Section):
     name: str | None = _help("display name (default: derived from the identity key)", None)
     home: str | None = _help("data directory for identity, store and logs (default: user data dir)", None)
-    seed: int | None = _help("seed for prompts and sampling (null: derived from the identity)", None)
-    rounds: int = _help("rounds to run (0 = forever)", 5)
+    seed: int | None = _help("seed for prompts and sampling (null: derived from the identity)", None,
+                             ge=0, le=2**63 - 1, note="or null")
+    rounds: int = _help("rounds to run (0 = forever)", 5, ge=0, note="0 = forever")
     model: ModelConfig = field(default_factory=ModelConfig)
     tasks: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -539,7 +579,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
 
 
 def describe(cls: type = NodeConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every field: the documented flag list."""
+    """(dotted key, default, help) for every field: the documented flag list; a number's range ends its help."""
     rows = []
     for f in dataclasses.fields(cls):
         hint = typing.get_type_hints(cls)[f.name]
@@ -547,5 +587,7 @@ def describe(cls: type = NodeConfig, prefix: str = "") -> list[tuple[str, str, s
             rows.extend(describe(hint, f"{prefix}{f.name}."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
+        bounds = f.metadata.get("range")
+        text = f.metadata.get("help", "") + (f" [{bounds}]" if bounds is not None else "")
+        rows.append((f"{prefix}{f.name}", repr(default), text))
     return rows
