@@ -20,12 +20,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hivespec.protocol.errors import UserError
+
 # owner/name as the hub spells it (also a bare name, for old canonical repos like "gpt2").
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
-class HubError(RuntimeError):
+class HubError(UserError):
     """A hub repo is neither in the local cache nor downloadable; the message names the repo, revision and cache."""
 
 

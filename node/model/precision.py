@@ -383,7 +383,7 @@ def cached_measurement(
         return found, True
     from hivespec.node.model.loader import _exclusive_lock
 
-    with _exclusive_lock(cache.with_suffix(".lock")):
+    with _exclusive_lock(cache.with_suffix(".lock"), what="measuring this machine's precision"):
         found = lookup()
         if found is not None:
             return found, True

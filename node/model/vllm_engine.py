@@ -65,6 +65,7 @@ from hivespec.node.model.engine import (
     SpeculationStats,
     unique_parameters,
 )
+from hivespec.protocol.errors import UserError
 
 if TYPE_CHECKING:
     from hivespec.node.config import NodeConfig, SpeculationConfig
@@ -106,7 +107,7 @@ _MIX64_A = 0xBF58476D1CE4E5B9
 _MIX64_B = 0x94D049BB133111EB
 
 
-class VllmUnavailable(RuntimeError):
+class VllmUnavailable(UserError):
     """vLLM cannot run here (not installed, broken, or no CUDA device); the message says what to do."""
 
 

