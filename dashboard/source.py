@@ -14,14 +14,18 @@ import urllib.request
 from collections.abc import Callable
 from typing import Protocol
 
+from hivespec.protocol.errors import UserError
 from hivespec.protocol.status import MAX_STATUS_BYTES, StatusSnapshot, decode_status
 
 CONTROL_HEADER = "X-Hivespec-Control"  # must match node/status/board.py (the dashboard may not import it)
 DEFAULT_TIMEOUT_S = 2.0
 
 
-class SourceError(RuntimeError):
-    """The node could not be read or controlled; the message is meant for the user."""
+class SourceError(UserError):
+    """The node could not be read or controlled (a bad URL, no node answering); the message is meant for the user.
+
+    A `UserError`, so `hivespec status` and `hivespec dash` end in its one line, exit 2.
+    """
 
 
 class SnapshotSource(Protocol):

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from hivespec.node.config import NodeConfig, SwarmConfig, node_home
+from hivespec.node.config import InputError, NodeConfig, SwarmConfig
 from hivespec.node.identity_file import load_or_create_identity
+from hivespec.node.inputs import check_home
 from hivespec.node.model.engine import TorchEngine
 from hivespec.node.model.loader import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.model.precision import (
@@ -46,7 +47,7 @@ from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.supervisor import GossipSupervisor
 from hivespec.node.tasks.source import TaskSource
-from hivespec.node.training.checkpoint import CheckpointManager
+from hivespec.node.training.checkpoint import CheckpointError, CheckpointManager, check_fingerprint
 from hivespec.node.training.intake import Intake
 from hivespec.node.training.store import RolloutStore
 from hivespec.node.training.trainer import Trainer
@@ -119,9 +120,11 @@ def make_gossip(
 
 
 def claim_home(config: NodeConfig) -> tuple[Path, HomeLock, Identity]:
-    """The node's home folder, its lock (`IdentityInUse` if another process holds it) and its identity."""
-    home = node_home(config)
-    home.mkdir(parents=True, exist_ok=True)
+    """The node's home folder, its lock (`IdentityInUse` if another process holds it) and its identity.
+
+    Raises `InputError` when the home is a file or cannot be created, `KeyFileError` for a bad key file.
+    """
+    home = check_home(config)
     lock = HomeLock(home)
     try:
         identity = load_or_create_identity(home / "identity.key")
@@ -273,6 +276,11 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     store = RolloutStore(home / "rollouts.sqlite")
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
     checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
+    if checkpoint is not None:
+        try:  # the home was trained with another model: the user's --home and --model disagree
+            check_fingerprint(checkpoint, fingerprint)
+        except CheckpointError as exc:
+            raise InputError(str(exc)) from None
     policy: LengthAwarePolicy | None = None
     calibration: CurveCalibration | None = None
     if config.speculation.enabled and isinstance(engine, TorchEngine):  # vLLM's own drafter is set at construction

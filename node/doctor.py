@@ -274,6 +274,8 @@ def check_identity(home: Path) -> Check:
     from hivespec.node.identity_file import load_or_create_identity
 
     path = home / "identity.key"
+    if home.exists() and not home.is_dir():
+        return Check("identity", "fail", f"the home {home} is a file, not a folder; point --home (or $HIVESPEC_HOME) at a folder")
     if not path.exists():
         return Check("identity", "ok", f"no key yet at {path}; `hivespec join` creates it (mode 0600)")
     st = path.stat()

@@ -15,22 +15,24 @@ import signal
 import sys
 from collections import Counter
 
+from hivespec.protocol.errors import UserError
+
 FAULTS_ENV = "HIVESPEC_FAULTS"
 
 _counts: Counter[str] = Counter()
 
 
 def parse_faults(spec: str) -> dict[str, int]:
-    """``"a.b@3,c.d"`` -> ``{"a.b": 3, "c.d": 1}``; raises ValueError naming a malformed entry."""
+    """``"a.b@3,c.d"`` -> ``{"a.b": 3, "c.d": 1}``; raises `UserError` naming a malformed entry."""
     faults: dict[str, int] = {}
     for entry in filter(None, (part.strip() for part in spec.split(","))):
         name, _, count = entry.partition("@")
         try:
             hit = int(count) if count else 1
         except ValueError:
-            raise ValueError(f"{FAULTS_ENV} entry {entry!r}: the part after '@' must be an integer") from None
+            raise UserError(f"{FAULTS_ENV} entry {entry!r}: the part after '@' must be an integer") from None
         if not name or hit < 1:
-            raise ValueError(f"{FAULTS_ENV} entry {entry!r}: expected name@N with N >= 1")
+            raise UserError(f"{FAULTS_ENV} entry {entry!r}: expected name@N with N >= 1")
         faults[name] = hit
     return faults
 

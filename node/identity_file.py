@@ -16,11 +16,16 @@ import stat
 from pathlib import Path
 
 from hivespec.node.config import default_home
+from hivespec.protocol.errors import UserError
 from hivespec.protocol.identity import PRIVATE_KEY_BYTES, Identity
 
 KEY_FILE_MAGIC = b"hivespec-key-v1\n"
 KEY_FILE_BYTES = len(KEY_FILE_MAGIC) + PRIVATE_KEY_BYTES
 KEY_FILE_NAME = "identity.key"
+
+
+class KeyFileError(UserError):
+    """The key file is not a hivespec key, is readable by others, or cannot be read or created; the message says the fix."""
 
 
 def default_identity_path() -> Path:
@@ -31,28 +36,32 @@ def default_identity_path() -> Path:
 def load_or_create_identity(path: Path) -> Identity:
     """Load the identity at `path`, or create one there (mode 0600) if the file does not exist.
 
-    Raises ValueError when the file exists but is not a hivespec key file, or is readable by
-    group or others (the message says how to fix it). Two processes racing to create the same
+    Raises `KeyFileError` when the file exists but is not a hivespec key file, is readable by
+    group or others, or cannot be read or created (the message says how to fix it). Two processes racing to create the same
     file end up with the same key: the first complete file wins and the other process loads it.
     """
     path = Path(path).expanduser()
-    if path.exists():
-        return _load(path)
-    return _create(path)
+    try:
+        if path.exists():
+            return _load(path)
+        return _create(path)
+    except OSError as exc:
+        raise KeyFileError(f"identity file {path}: cannot {'read' if path.exists() else 'create'} it ({exc.strerror}); "
+                           "check the folder's permissions, or point --home (or $HIVESPEC_HOME) at a folder you own") from None
 
 
 def _load(path: Path) -> Identity:
     st = path.stat()
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"identity path {path} is not a regular file; point the node at a key file or remove it")
+        raise KeyFileError(f"identity path {path} is not a regular file; point the node at a key file or remove it")
     if os.name == "posix" and st.st_mode & 0o077:
-        raise ValueError(
+        raise KeyFileError(
             f"identity file {path} has mode {stat.S_IMODE(st.st_mode):04o}: the private key is readable by "
             f"other users; run `chmod 600 {path}` (and consider the key leaked if the machine is shared)"
         )
     data = path.read_bytes()
     if len(data) != KEY_FILE_BYTES or not data.startswith(KEY_FILE_MAGIC):
-        raise ValueError(
+        raise KeyFileError(
             f"identity file {path} is not a hivespec key file ({len(data)} bytes, expected {KEY_FILE_BYTES} "
             f"starting with {KEY_FILE_MAGIC!r}); restore it from a backup, or move it away to create a new "
             "identity (the node will then have a new peer id)"

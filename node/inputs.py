@@ -1,9 +1,17 @@
-"""What a user typed about the swarm, checked before anything heavy starts.
+"""What a user typed, checked before anything heavy starts.
 
-`hivespec join`, `follow`, `bootstrap`, `doctor` and `demo` call `check_swarm_inputs` right
-after the config resolves: a malformed multiaddr, an unreadable peers or private-swarm file,
-or a leader that is not a peer id then ends in one `InputError` line (the CLI prints it and
-exits 2) instead of a traceback minutes later, after the model has loaded.
+Right after the config resolves, `hivespec join`, `follow`, `bootstrap`, `doctor` and `demo`
+check what can be checked without torch, a model or a socket: the home folder (`check_home`),
+the trace file (`check_trace_file`), checkpoint.dir, the model source, engine and device
+(`check_model_inputs`), the swarm's peers and files (`check_swarm_inputs`), a leader's peer id
+(`check_leader`). A bad one ends in one `InputError` line (or the `UserError` of the part that
+owns the check: `ModelSourceError`, `DeviceError`, `VllmUnavailable`), exit 2, instead of a
+traceback minutes later, after the model has loaded. The parts check again where they use the
+input, so nothing depends on these checks having run.
+
+Only this module's own imports are light (the config); each check imports what it needs, so a
+command pays for torch (model.device other than cpu, model.engine vllm) or hivemind (the swarm
+checks) only when it gets that far.
 """
 
 from __future__ import annotations
@@ -12,18 +20,80 @@ import os
 import re
 from pathlib import Path
 
-from hivespec.node.config import InputError, NodeConfig
-from hivespec.node.swarm.bootstrap import PEERS_ENV, is_bootstrap_maddr, load_private_swarm, read_peers_file
+from hivespec.node.config import HOME_ENV, InputError, ModelConfig, NodeConfig, node_home
 from hivespec.protocol.identity import PEER_ID_PREFIX
 
-__all__ = ["MADDR_FORM", "InputError", "check_leader", "check_swarm_inputs"]
+__all__ = [
+    "MADDR_FORM", "InputError", "check_home", "check_leader", "check_model_inputs", "check_node_inputs",
+    "check_swarm_inputs", "check_trace_file",
+]
 
 MADDR_FORM = "/ip4/<address>/tcp/<port>/p2p/<peer id>, as `hivespec join` and `hivespec bootstrap` print it"
 _PEER_ID = re.compile(rf"{PEER_ID_PREFIX}[0-9a-f]{{16}}")
 
 
+def check_node_inputs(config: NodeConfig) -> None:
+    """Everything `hivespec join` can check before its heavy imports: home, trace file, checkpoint.dir, model."""
+    check_home(config)
+    if config.speculation.trace_file:
+        check_trace_file(config.speculation.trace_file)
+    if config.checkpoint.dir:
+        _check_folder(Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
+    check_model_inputs(config.model)
+
+
+def check_home(config: NodeConfig) -> Path:
+    """The node's home folder, created if missing; `InputError` when it is a file or cannot be created or written."""
+    home = node_home(config)
+    where = "--home (home)" if config.home else f"${HOME_ENV}" if os.environ.get(HOME_ENV) else "the home folder"
+    _check_folder(home, where, fix=f"point --home (or ${HOME_ENV}) at a folder you can write")
+    return home
+
+
+def _check_folder(path: Path, where: str, *, fix: str = "pick a folder you can write") -> None:
+    """Create ``path`` (and its parents) if missing; `InputError` naming ``where`` when that cannot work."""
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{where} {str(path)!r} is a file, not a folder; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{where} {str(path)!r}: cannot create it ({exc.strerror}); {fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"{where} {str(path)!r} is not writable; {fix}")
+
+
+def check_trace_file(name: str) -> None:
+    """`InputError` unless the rollout trace ``name`` can be appended to: its folder exists and is writable."""
+    where = f"--trace (speculation.trace_file) {name[:200]!r}"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        raise InputError(f"{where} is a folder; give a file in it, e.g. {path / 'trace.jsonl'}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise InputError(f"{where}: the folder {str(folder)!r} does not exist; create it (mkdir -p {folder}) or pick another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"{where} is not writable; pick a path you can write")
+
+
+def check_model_inputs(model: ModelConfig) -> None:
+    """The model source's form (a local folder must exist), vLLM where model.engine is vllm, and model.device."""
+    from hivespec.node.model.source import check_model_source
+
+    check_model_source(model.name)
+    if model.engine == "vllm":
+        from hivespec.node.model.vllm_engine import require_vllm
+
+        require_vllm()  # VllmUnavailable: not installed, or no CUDA device
+    if model.device != "cpu":  # every torch runs on the CPU; anything else costs the torch import to check
+        from hivespec.node.model.device import check_device
+
+        check_device(model.device)
+
+
 def check_swarm_inputs(config: NodeConfig) -> None:
     """Raise `InputError` for a malformed bootstrap peer (flag, env or peers file) or an unreadable swarm file."""
+    from hivespec.node.swarm.bootstrap import PEERS_ENV, load_private_swarm, read_peers_file
+
     swarm = config.swarm
     for maddr in swarm.initial_peers:
         _check_maddr(maddr, "--initial-peer (swarm.initial_peers)")
@@ -59,6 +129,8 @@ def check_leader(leader: str) -> None:
 
 
 def _check_maddr(maddr: str, where: str) -> None:
+    from hivespec.node.swarm.bootstrap import is_bootstrap_maddr
+
     if not is_bootstrap_maddr(maddr):
         raise InputError(f"{where} {maddr[:120]!r} is not a peer's multiaddr; use the form {MADDR_FORM}")
     port = int(maddr.split("/")[4])

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hivespec.node.tasks.base import MAX_PROMPT_ID_LENGTH, MAX_SEED, Task, extract_answer, numeric_reward, parse_number
+from hivespec.protocol.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ _FRACTION = re.compile(r"\\[dt]?frac\{\s*(-?\d{1,12})\s*\}\{\s*(\d{1,12})\s*\}|(
 _BOXED = re.compile(r"\\boxed\{([^{}]{1,40}(?:\{[^{}]{0,20}\}[^{}]{0,20}){0,2})\}")
 
 
-class JsonlTaskError(ValueError):
+class JsonlTaskError(UserError):
     """A task source is unreadable or has a bad row; the message names the source and row."""
 
 

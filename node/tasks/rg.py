@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hivespec.node.tasks.base import MAX_PROMPT_ID_LENGTH, MAX_SEED, Task, extract_answer, parse_number
+from hivespec.protocol.errors import UserError
 
 INSTALL_HINT = "pip install 'hivespec[rg]'"
 # Questions per configured dataset when its config names no size; index = draw seed mod size.
@@ -52,7 +53,7 @@ _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
 _ANSWER_PHRASE = re.compile(r"\banswer\s*(?:is|:|=)\s*:?\s*(?:\*\*)?\s*([^\n]+)", re.IGNORECASE)
 
 
-class RgConfigError(ValueError):
+class RgConfigError(UserError):
     """A reasoning-gym mix entry cannot be built: missing package, unknown dataset or bad config; the message says what to do."""
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hivespec.node.config import ConfigError, InputError
 from hivespec.node.tasks.arithmetic import ArithmeticFamily
 from hivespec.node.tasks.base import MAX_PROMPT_ID_LENGTH, MAX_SEED, Task, TaskFamily
 from hivespec.node.tasks.counting import CountingFamily
@@ -84,7 +85,7 @@ class TaskSource:
         heldout_fraction: float = 0.0,
     ) -> None:
         if not 0 <= heldout_fraction < 1:
-            raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+            raise ConfigError(f"tasks.heldout_fraction must be in [0, 1), got {heldout_fraction}")
         self.heldout_fraction = heldout_fraction
         self.families: dict[str, TaskFamily] = {"arith": ArithmeticFamily(), "count": CountingFamily()}
         self._tables: dict[str, JsonlFamily] = {}  # jsonl sources by content digest
@@ -94,7 +95,7 @@ class TaskSource:
             self._add_table(JsonlFamily(jsonl_path))
         self.system_prompt = system_prompt
         if not mix:
-            raise ValueError("the task mix is empty; give at least one (family, difficulty, weight)")
+            raise ConfigError("tasks.mix is empty; give at least one entry, e.g. [{family: arith, difficulty: 1}]")
         self.mix: list[tuple[TaskFamily, int]] = []
         self.weights: list[float] = []
         self.labels: list[str] = []
@@ -102,9 +103,9 @@ class TaskSource:
             entry = MixEntry.of(raw)
             family = self._entry_family(entry)
             if not 1 <= entry.difficulty <= family.max_difficulty:
-                raise ValueError(f"{entry.family}: difficulty must be in 1..{family.max_difficulty}, got {entry.difficulty}")
+                raise ConfigError(f"tasks.mix {entry.family}: difficulty must be in 1..{family.max_difficulty}, got {entry.difficulty}")
             if not entry.weight > 0:
-                raise ValueError(f"{entry.family}: weight must be > 0, got {entry.weight}")
+                raise ConfigError(f"tasks.mix {entry.family}: weight must be > 0, got {entry.weight}")
             self.mix.append((family, entry.difficulty))
             self.weights.append(float(entry.weight))
             self.labels.append(entry.label())
@@ -120,21 +121,21 @@ class TaskSource:
             from hivespec.node.tasks.rg import RgDataset, RgFamily
 
             if not entry.name:
-                raise ValueError("tasks.mix: an rg entry needs the reasoning-gym dataset as name (e.g. name: leg_counting)")
+                raise ConfigError("tasks.mix: an rg entry needs the reasoning-gym dataset as name (e.g. name: leg_counting)")
             if self._rg is None:
                 self._rg = self.families["rg"] = RgFamily()
             return self._rg.add(RgDataset(entry.name, entry.config))
         if entry.family == "jsonl":
             if entry.name is None:
                 if not self._tables:
-                    raise ValueError("unknown task family 'jsonl' (set a jsonl_path for it, or name a file or dataset)")
+                    raise ConfigError("tasks.mix: a jsonl entry needs a name (a file or a Hugging Face dataset id), or set a jsonl_path (tasks.jsonl_path)")
                 return self.families["jsonl"]
             return self._add_table(_table_source(entry))
         if entry.config:
-            raise ValueError(f"{entry.family}: only rg entries take a config, got {dict(entry.config)}")
+            raise ConfigError(f"tasks.mix {entry.family}: only rg entries take a config, got {dict(entry.config)}")
         family = self.families.get(entry.family)
         if family is None:
-            raise ValueError(f"unknown task family {entry.family!r}; known: arith, count, jsonl, rg")
+            raise ConfigError(f"unknown task family {entry.family!r} in tasks.mix; use one of arith, count, jsonl, rg")
         return family
 
     @classmethod
@@ -246,8 +247,8 @@ def chat_prompt_ids(tokenizer: Any, task: Task, system_prompt: str | None = SYST
     does internally, and returns a plain list in every transformers version.
     """
     if getattr(tokenizer, "chat_template", "") is None:  # a Hugging Face tokenizer of a base model
-        raise ValueError(
-            f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'this model')!r} has no chat template; hivespec "
+        raise InputError(
+            f"model.name: the tokenizer of {getattr(tokenizer, 'name_or_path', 'this model')!r} has no chat template; hivespec "
             "encodes every task through it: use an instruct/chat model (or a tokenizer folder with chat_template.jinja)"
         )
     messages = [{"role": "user", "content": task.question}]

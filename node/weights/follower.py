@@ -23,10 +23,15 @@ from hivespec.node.weights.publisher import DELTA_TOPIC, HEAD_SLOT, HEAD_TOPIC, 
 from hivespec.node.weights.sync import EngineWeights
 from hivespec.protocol.delta import PolicyHead, decode_head, read_header
 from hivespec.protocol.envelope import Kind, open_envelope
+from hivespec.protocol.errors import UserError
 from hivespec.protocol.keys import delta_slot
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger(__name__)
+
+
+class LeaderSilent(UserError):
+    """No head from the leader within the follower's patience: a wrong peer id, a leader not publishing, no shared peer."""
 
 
 @dataclass
@@ -181,12 +186,24 @@ def follow(
     poll_interval: float,
     until_version: int | None = None,
     on_report: Callable[[FollowReport, Follower], None] | None = None,
+    leader_timeout: float | None = None,
 ) -> Follower:
-    """Poll `follower` every `poll_interval` seconds until its engine reaches `until_version` (or forever)."""
+    """Poll `follower` every `poll_interval` seconds until its engine reaches `until_version` (or forever).
+
+    With `leader_timeout`, raises `LeaderSilent` when no head from the leader has been read that
+    many seconds after the start (once one has, the follower waits for the leader's next versions
+    as long as it runs).
+    """
+    started = time.monotonic()
     while until_version is None or follower.engine.version < until_version:
         report = follower.poll()
         if on_report is not None:
             on_report(report, follower)
+        if follower.head is None and leader_timeout is not None and time.monotonic() - started >= leader_timeout:
+            raise LeaderSilent(
+                f"no policy head from leader {follower.leader} within {leader_timeout:g} s (sync.leader_timeout); check "
+                "the peer id (`hivespec identity show` on the leader), that the leader runs with sync.publish: true, "
+                "and that both reach a common bootstrap peer (--initial-peer)")
         if until_version is not None and follower.engine.version >= until_version:
             break
         time.sleep(poll_interval)
