@@ -33,6 +33,7 @@ from .view import fmt_duration
 
 PANELS = ("swarm", "throughput", "training", "sync")
 DEFAULT_POLL_S = 0.33  # ~3 Hz
+SCREENSHOT_TIMEOUT_S = 15.0  # --screenshot: how long a headless run waits for every node's first snapshot
 BACKGROUND_EVERY = 6  # other nodes of a demo: every 6th tick (~0.5 Hz)
 
 
@@ -75,6 +76,7 @@ class DashboardApp(App[None]):
         clock: Callable[[], float] = time.monotonic,
         screenshot: Path | None = None,
         screenshot_after: float = 1.0,
+        screenshot_timeout: float = SCREENSHOT_TIMEOUT_S,
         initial_panel: str = "swarm",
     ) -> None:
         super().__init__()
@@ -88,6 +90,7 @@ class DashboardApp(App[None]):
         self.clock = clock
         self.screenshot = screenshot
         self.screenshot_after = screenshot_after
+        self.screenshot_timeout = screenshot_timeout
         self.initial_panel = initial_panel
         self.names: dict[str, str] = {}  # peer id -> a local node's configured name (demo)
         self._ticks = 0
@@ -113,6 +116,13 @@ class DashboardApp(App[None]):
         self._redraw()
         self._tick()
         self.set_interval(self.poll_interval, self._tick)
+        if self.screenshot is not None:  # a node that never answers must not keep a headless run alive
+            self.set_timer(self.screenshot_timeout + self.screenshot_after, self._give_up_screenshot)
+
+    def _give_up_screenshot(self) -> None:
+        """No snapshot from every node in time: exit without a screenshot (the caller says so)."""
+        if self._screenshot_due is None:
+            self.exit()
 
     @property
     def feed(self) -> NodeFeed:

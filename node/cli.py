@@ -1,7 +1,13 @@
 """The ``hivespec`` command line: demo, join, status, dash, doctor, identity, config.
 
 ``status`` and ``dash`` only read a node's status server: they must never import torch, so
-everything heavy is imported inside the command that needs it.
+everything heavy is imported inside the command that needs it, after the inputs it can check
+without it (`inputs.py`).
+
+Errors: a `UserError` (hivespec.protocol.errors; `ConfigError` and `InputError` are two of
+them) raised anywhere in a command, in whichever phase (parsing, building the node, the first
+round), ends as one line ``hivespec <command>: <what>, <why>; <fix>`` on stderr and exit 2;
+argparse's usage errors look the same. Anything else keeps its traceback: it is a bug.
 """
 
 from __future__ import annotations
@@ -9,15 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from hivespec.node.config import ConfigError, InputError, NodeConfig, describe, load_config, node_home, parse_override
+from hivespec.node.config import InputError, NodeConfig, describe, load_config, node_home, parse_override
 from hivespec.node.report import format_bytes, format_report_line
+from hivespec.protocol.errors import UserError, one_line
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
@@ -52,14 +61,17 @@ def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> N
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from hivespec.node.inputs import check_node_inputs, check_swarm_inputs
+
+    config = _config(args)
+    check_node_inputs(config)
+    check_swarm_inputs(config)
+    events = _EventLog.open(args.events) if args.events else None
+    # Heavy imports (torch, transformers, hivemind) only once the inputs are known to be good.
     from hivespec.node.build import build_node
-    from hivespec.node.inputs import check_swarm_inputs
     from hivespec.node.swarm.bootstrap import IdentityInUse
     from hivespec.node.swarm.gossip import GossipError
 
-    config = _config(args)
-    check_swarm_inputs(config)
-    events = _EventLog(Path(args.events)) if args.events else None
     logging.getLogger(__name__).info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
     phases = _PhaseLog(events)
     try:
@@ -187,11 +199,12 @@ def _stop_at_safe_point(node) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from hivespec.node.doctor import run_checks
     from hivespec.node.inputs import check_swarm_inputs
 
     config = _config(args)
     check_swarm_inputs(config)
+    from hivespec.node.doctor import run_checks
+
     checks = run_checks(config, network=not args.offline, timeout=args.timeout,
                         on_check=None if args.json else lambda check: print(check.line(), flush=True))
     failed = [c for c in checks if c.status == "fail"]
@@ -225,6 +238,9 @@ def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
             _keep_policy(node)
             if events:
                 events.write({"event": "done", "name": node.name})
+        except UserError as exc:  # the dashboard's log shows it; after the dashboard, the one line
+            failed.append(exc)
+            logging.getLogger(__name__).error("node %s stopped: %s", node.name, one_line(exc))
         except Exception as exc:  # shown in the dashboard's log; the exit code says so too
             failed.append(exc)
             logging.getLogger(__name__).exception("node %s stopped", node.name)
@@ -241,6 +257,8 @@ def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
         print(f"{node.name}: stopping at the round's next safe point (Ctrl-C twice aborts); log in {log_path}", flush=True)
         node.control.stop()
         worker.join()
+    if failed and isinstance(failed[0], UserError):
+        raise failed[0]
     return 1 if failed else 0
 
 
@@ -253,15 +271,17 @@ def _linger(seconds: float) -> None:
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
-    from hivespec.node.build import open_follower
-    from hivespec.node.inputs import check_leader, check_swarm_inputs
-    from hivespec.node.swarm.bootstrap import IdentityInUse
-    from hivespec.node.swarm.gossip import GossipError
-    from hivespec.node.weights.follower import follow
+    from hivespec.node.inputs import check_home, check_leader, check_model_inputs, check_swarm_inputs
 
     config = _config(args)
     check_leader(args.leader)
+    check_home(config)
+    check_model_inputs(config.model)
     check_swarm_inputs(config)
+    from hivespec.node.build import open_follower
+    from hivespec.node.swarm.bootstrap import IdentityInUse
+    from hivespec.node.swarm.gossip import GossipError
+    from hivespec.node.weights.follower import follow
 
     def on_report(report, follower) -> None:
         if report.applied or report.snapshot is not None or report.rejected:
@@ -275,7 +295,8 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
     try:
         with open_follower(config, args.leader) as follower:
-            follow(follower, poll_interval=config.sync.poll_interval, until_version=args.until_version, on_report=on_report)
+            follow(follower, poll_interval=config.sync.poll_interval, until_version=args.until_version, on_report=on_report,
+                   leader_timeout=config.sync.leader_timeout)
     except IdentityInUse as exc:
         print(f"hivespec: {exc}", file=sys.stderr)
         return 3
@@ -287,9 +308,12 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from hivespec.node.demo import run_demo
-    from hivespec.node.inputs import check_swarm_inputs
+    from hivespec.node.inputs import check_model_inputs, check_swarm_inputs, check_trace_file
 
     config = _config(args)
+    check_model_inputs(config.model)
+    if config.speculation.trace_file:
+        check_trace_file(config.speculation.trace_file)
     check_swarm_inputs(config)
     return run_demo(
         config, nodes=args.nodes, preset=args.config, overrides=_overrides(args), workdir=args.dir, dashboard=args.dashboard,
@@ -308,20 +332,27 @@ def _node_url(args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from hivespec.dashboard.source import HttpSource, SourceError
+    from hivespec.dashboard.source import HttpSource
     from hivespec.dashboard.text import render_text
     from hivespec.protocol.status import encode_status
 
-    try:
-        snapshot = HttpSource(_node_url(args)).fetch()
-    except SourceError as exc:
-        print(f"hivespec status: {exc}", file=sys.stderr)
-        return 2
+    snapshot = HttpSource(_node_url(args)).fetch()  # SourceError (a UserError): not a URL, or no node answers
     if args.json:
         print(json.dumps(json.loads(encode_status(snapshot)), indent=2))
     else:
         print(render_text(snapshot))
     return 0
+
+
+def _terminal_size(text: str) -> tuple[int, int]:
+    """``--size WIDTHxHEIGHT`` as two positive integers, else `InputError`."""
+    try:
+        width, height = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise InputError(f"--size must be WIDTHxHEIGHT, e.g. 100x30, got {text!r}") from None
+    if width < 1 or height < 1:
+        raise InputError(f"--size {text!r} has no room to draw in; give WIDTHxHEIGHT of at least 1x1, e.g. 100x30")
+    return width, height
 
 
 def cmd_dash(args: argparse.Namespace) -> int:
@@ -330,39 +361,50 @@ def cmd_dash(args: argparse.Namespace) -> int:
 
     urls = args.node or [_node_url(args)]
     if args.panel not in PANELS:
-        print(f"hivespec dash: --panel must be one of {', '.join(PANELS)}, got {args.panel!r}", file=sys.stderr)
-        return 2
-    try:
-        sources = [HttpSource(url) for url in urls]
-        width, height = (int(n) for n in args.size.lower().split("x"))
-    except SourceError as exc:
-        print(f"hivespec dash: {exc}", file=sys.stderr)
-        return 2
-    except ValueError:
-        print(f"hivespec dash: --size must be WIDTHxHEIGHT, e.g. 100x30, got {args.size!r}", file=sys.stderr)
-        return 2
-    screenshot = Path(args.screenshot) if args.screenshot else None
+        raise InputError(f"--panel must be one of {', '.join(PANELS)}, got {args.panel!r}")
+    sources = [HttpSource(url) for url in urls]  # SourceError: a malformed URL
+    size = _terminal_size(args.size)
+    screenshot = Path(args.screenshot).expanduser() if args.screenshot else None
+    if screenshot is not None:
+        _check_output_file(screenshot, "--screenshot")
+    for source in sources:  # like `status`: a node that is not there ends here, not in an empty dashboard
+        source.fetch()
     app = DashboardApp(sources, screenshot=screenshot, screenshot_after=args.after, initial_panel=args.panel)
     if screenshot is None:
         app.run()
         return 0
-    app.run(headless=True, size=(width, height))
-    if not screenshot.exists():
-        print(f"hivespec dash: no screenshot written (no snapshot from {', '.join(urls)})", file=sys.stderr)
-        return 1
+    app.run(headless=True, size=size)
+    if not screenshot.exists():  # a node that stopped answering after the first fetch: the app gave up waiting
+        raise SourceError(
+            f"no screenshot written: no snapshot from {', '.join(urls)} within {app.screenshot_timeout:g} s; "
+            "is the node still running? (`hivespec status --node URL` says)")
     print(f"screenshot: {screenshot}")
     return 0
 
 
+def _check_output_file(path: Path, flag: str) -> None:
+    """`InputError` unless ``path`` can be written: its folder exists and is writable, and it is not a folder itself."""
+    if path.is_dir():
+        raise InputError(f"{flag} {str(path)!r} is a folder; give a file name in it, e.g. {path / 'out'}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise InputError(f"{flag} {str(path)!r}: the folder {str(folder)!r} does not exist; create it (mkdir -p {folder}) "
+                         "or pick another path")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{flag} {str(path)!r}: the folder {str(folder)!r} is not writable; pick another path")
+
+
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     """A DHT-only peer (no model, no training) that others bootstrap from; prints its multiaddrs."""
+    from hivespec.node.inputs import check_home, check_swarm_inputs
+
+    config = _config(args)
+    check_home(config)
+    check_swarm_inputs(config)
     from hivespec.node.build import open_bootstrap_peer
-    from hivespec.node.inputs import check_swarm_inputs
     from hivespec.node.swarm.bootstrap import IdentityInUse
     from hivespec.node.swarm.gossip import GossipError
 
-    config = _config(args)
-    check_swarm_inputs(config)
     swarm = config.swarm
     try:
         with open_bootstrap_peer(config) as peer:
@@ -384,11 +426,11 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_identity_show(args: argparse.Namespace) -> int:
-    from hivespec.node.config import node_home
     from hivespec.node.identity_file import load_or_create_identity
+    from hivespec.node.inputs import check_home
 
     config = load_config(None, overrides={"home": args.home} if args.home else None)
-    path = node_home(config) / "identity.key"
+    path = check_home(config) / "identity.key"
     existed = path.exists()
     identity = load_or_create_identity(path)
     info = {
@@ -423,6 +465,15 @@ class _EventLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", buffering=1)
 
+    @classmethod
+    def open(cls, name: str) -> _EventLog:
+        """The event log at ``--events name``; `InputError` when it cannot be opened for appending."""
+        path = Path(name).expanduser()
+        try:
+            return cls(path)
+        except OSError as exc:
+            raise InputError(f"--events {name!r}: cannot open it for appending ({exc.strerror}); pick a file you can write") from None
+
     def write(self, event: dict) -> None:
         self._file.write(json.dumps({"t": time.time(), **event}) + "\n")
         self._file.flush()
@@ -433,6 +484,22 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _number(kind: type, *, low: float, strict: bool = False, meaning: str = "") -> Callable[[str], float]:
+    """An argparse type: ``kind(text)`` that must be >= low (> low when ``strict``); the error names the bound."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if math.isnan(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}{meaning}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -456,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--trace", metavar="FILE", help="append a rollout trace (JSON lines; .gz for gzip) for bench/drafter_replay.py")
     join.add_argument("--events", help="append JSON-lines events (ready, round, done) to this file")
     join.add_argument("--linger", type=float, default=15.0, help="seconds to keep serving after the last round (-1: until stopped)")
-    join.add_argument("--local-nodes", type=int, default=1, help="nodes sharing this machine (sets torch threads)")
+    join.add_argument("--local-nodes", type=_number(int, low=1), default=1, help="nodes sharing this machine (sets torch threads)")
     join.add_argument("--dashboard", action="store_true", help="show the terminal dashboard while the node runs (q stops it)")
     join.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                       help="resume from the newest good checkpoint in the home (default: checkpoint.resume, on)")
@@ -467,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     follow.add_argument("leader", metavar="PEER", help="the leader's hivespec peer id (`hivespec identity show` on the leader)")
     follow.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer (repeatable)")
     follow.add_argument("--home", help="data directory (identity); default $HIVESPEC_HOME or the user data dir")
-    follow.add_argument("--until-version", type=int, help="stop once this policy version is reached (default: follow forever)")
+    follow.add_argument("--until-version", type=_number(int, low=0),
+                        help="stop once this policy version is reached (default: follow forever)")
     follow.set_defaults(func=cmd_follow)
 
     status = sub.add_parser("status", help="print a running node's status (from its local status server)")
@@ -482,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--panel", default="swarm", help="panel shown first: swarm, throughput, training or sync")
     dash.add_argument("--screenshot", metavar="SVG", help="run headless, save one SVG screenshot and exit")
     dash.add_argument("--size", default="100x30", help="terminal size for --screenshot (default 100x30)")
-    dash.add_argument("--after", type=float, default=1.0, help="seconds after the first snapshot to take --screenshot")
+    dash.add_argument("--after", type=_number(float, low=0), default=1.0, help="seconds after the first snapshot to take --screenshot")
     dash.set_defaults(func=cmd_dash)
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only peer (no model) that others join through; prints its multiaddrs")
@@ -504,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--home", help="data directory to check (default $HIVESPEC_HOME or the user data dir)")
     doctor.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer to test (repeatable)")
     doctor.add_argument("--offline", action="store_true", help="skip the checks that start p2pd and contact peers")
-    doctor.add_argument("--timeout", type=float, default=10.0, help="seconds per network step (default 10)")
+    doctor.add_argument("--timeout", type=_number(float, low=0, strict=True), default=10.0,
+                        help="seconds per network step (default 10)")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=cmd_doctor)
 
@@ -527,11 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return args.func(args)
-    except ConfigError as exc:
-        print(f"hivespec {args.command}: config error: {exc}", file=sys.stderr)
-        return 2
-    except InputError as exc:
-        print(f"hivespec {args.command}: {exc}", file=sys.stderr)
+    except UserError as exc:  # the user's to fix: one line; anything else is a bug and keeps its traceback
+        print(f"hivespec {args.command}: {one_line(exc)}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print("hivespec: interrupted", file=sys.stderr)

