@@ -4,10 +4,14 @@ Three parts, one run, on the embedded SmolLM2-135M-Instruct:
 
 1. Kernels against bare transformers, at the precision ``auto`` picks on this machine:
    - trainer_vs_bare: one `Trainer.step` (GRPO with importance weights, micro batches, AdamW)
-     over real completions against a bare transformers step on the same tokens: the same micro
-     batches through ``model(input_ids, attention_mask, labels=...)``, backward and an AdamW
-     step, under the same autocast. Every sample gets a non-zero advantage, so the trainer runs
-     backward on all of them, as the bare step does. Target <= 1.3.
+     over real completions against a bare step on the same tokens: the same micro batches
+     through transformers' backbone, the LM head at the completion tokens, cross entropy,
+     backward and an AdamW step, in the trainer's dtypes: the backbone under the trainer's
+     own autocast (``Trainer.autocast_dtype``, what ``auto`` picked), the head's forward in
+     float32 and its backward matmuls in the autocast dtype, as the trainer's
+     `kernels.logprobs.token_logprobs` runs them (``model(..., labels=...)`` would run the
+     head in bf16 over every position). Every sample gets a non-zero advantage, so the trainer
+     runs backward on all of them, as the bare step does. Target <= 1.3.
    - engine_vs_hf_generate: the native engine's tokens/s against ``model.generate`` at the same
      batch (the demo's decode batch), dtype and length (every row decodes max_new_tokens: no
      stop tokens; sampling at temperature 1, no top-k/top-p). Target >= 1.0.
@@ -22,6 +26,7 @@ Three parts, one run, on the embedded SmolLM2-135M-Instruct:
 3. What ``auto`` chose on this machine, with its measured reason (node-0's ready event).
 
     python bench/round_time.py --quick   # 2 nodes, 1 prompt x 4 completions x 16 tokens, 1 round per setting: < 3 min
+    python bench/round_time.py --quick --kernels-only   # part 1 alone: about a minute
     python bench/round_time.py           # the demo preset as shipped, 2 rounds per setting
 
 Ends with ``RESULT {"round_s_auto", "round_s_bf16", "round_s_fp32", "trainer_vs_bare", "engine_vs_hf_generate", ...}``.
@@ -107,14 +112,44 @@ def engine_vs_generate(model, dtype, prompts: list[list[int]], batch: int, new_t
     }
 
 
-def trainer_vs_bare(model, autocast, samples, micro_batch: int, repeats: int) -> dict:
-    """Best seconds of Trainer.step and of a bare transformers step (forward with labels, backward, AdamW) on the same tokens."""
+def _head_matmul():
+    """``hidden @ weight.T`` in float32 whose backward matmuls run in ``grad_dtype``: the trainer's head, in plain torch."""
     import torch
+
+    class HeadMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, grad_dtype):
+            ctx.save_for_backward(hidden, weight)
+            ctx.grad_dtype = grad_dtype
+            return hidden @ weight.T
+
+        @staticmethod
+        def backward(ctx, grad):
+            hidden, weight = ctx.saved_tensors
+            dtype = ctx.grad_dtype or grad.dtype
+            grad = grad.to(dtype)
+            return (grad @ weight.to(dtype)).to(hidden.dtype), (grad.T @ hidden.to(dtype)).to(weight.dtype), None
+
+    return HeadMatmul.apply
+
+
+def trainer_vs_bare(model, autocast, samples, micro_batch: int, repeats: int) -> dict:
+    """Best seconds of Trainer.step and of a bare step (backbone, head, cross entropy, backward, AdamW) on the same tokens.
+
+    The bare step runs in the trainer's dtypes, read from the `Trainer` itself: its autocast for
+    the backbone, float32 for the head's forward and the autocast dtype for the head's backward.
+    """
+    import torch
+    import torch.nn.functional as F
 
     from hivespec.node.training.trainer import Trainer
 
     trainer = Trainer(model, learning_rate=1e-7, micro_batch_size=micro_batch, autocast_dtype=autocast)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7)
+    backbone = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings().weight
+    head_matmul = _head_matmul()
+    dtype, device = trainer.autocast_dtype, trainer.device  # the trainer's, whatever it was given
     ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))  # the trainer's batching
     batches = []
     for start in range(0, len(ordered), micro_batch):
@@ -122,21 +157,25 @@ def trainer_vs_bare(model, autocast, samples, micro_batch: int, repeats: int) ->
         width = max(len(s.prompt_ids) + len(s.completion_ids) for s in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        labels = torch.full_like(ids, -100)
+        rows, cols, targets = [], [], []
         for row, s in enumerate(chunk):
             tokens = list(s.prompt_ids) + list(s.completion_ids)
             ids[row, :len(tokens)] = torch.tensor(tokens)
             mask[row, :len(tokens)] = 1
-            labels[row, len(s.prompt_ids):len(tokens)] = torch.tensor(list(s.completion_ids))
-        batches.append((ids, mask, labels))
+            for col in range(len(s.prompt_ids), len(tokens)):  # the position before each completion token predicts it
+                rows.append(row)
+                cols.append(col - 1)
+                targets.append(tokens[col])
+        batches.append((ids.to(device), mask.to(device), *(torch.tensor(v, device=device) for v in (rows, cols, targets))))
 
     def bare_step() -> None:
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        for ids, mask, labels in batches:
-            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
+        for ids, mask, rows, cols, targets in batches:
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+            logits = head_matmul(hidden.float(), head, dtype)  # float32 forward, outside autocast
+            F.cross_entropy(logits, targets).backward()
         optimizer.step()
         model.eval()
 
@@ -152,7 +191,8 @@ def trainer_vs_bare(model, autocast, samples, micro_batch: int, repeats: int) ->
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     return {
         "samples": len(samples), "tokens": tokens, "micro_batch": micro_batch,
-        "autocast": "bfloat16" if autocast is not None else "off",
+        "autocast": str(dtype).removeprefix("torch.") if dtype is not None else "off",
+        "head": f"float32 forward, {str(dtype or torch.float32).removeprefix('torch.')} backward (trainer and bare alike)",
         "trainer_step_s": round(best_trainer, 3), "bare_step_s": round(best_bare, 3),
         "trainer_vs_bare": round(best_trainer / best_bare, 3),
     }
@@ -268,6 +308,7 @@ def main() -> int:
     parser.add_argument("--speculation", action="store_true", help="keep speculative rollouts on (off by default)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per swarm before giving up")
     parser.add_argument("--workdir", default=None, help="folder for the nodes' homes and logs (default: a temp dir, removed)")
+    parser.add_argument("--kernels-only", action="store_true", help="part 1 only (trainer and engine against bare transformers)")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 2)
     # --quick: 2 nodes, one core each (3 on 2 cores queue for the CPU, which makes every phase longer).
@@ -296,7 +337,7 @@ def main() -> int:
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="round-time-"))
     swarms = {}
     try:
-        for precision in args.precisions.split(","):
+        for precision in [] if args.kernels_only else args.precisions.split(","):
             print(f"swarm {precision}: {args.nodes} nodes, {args.rounds} round(s)", flush=True)
             swarms[precision] = run_swarm(args, precision, root)
             print(f"swarm {precision}: {json.dumps(swarms[precision])}", flush=True)
@@ -304,8 +345,9 @@ def main() -> int:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\nper-phase seconds (mean of {args.nodes} nodes, {'rounds >= 1' if args.rounds > 1 else 'round 0'}):")
-    print(f"{'precision':<10}" + "".join(f"{p:>10}" for p in PHASES))
+    if swarms:
+        print(f"\nper-phase seconds (mean of {args.nodes} nodes, {'rounds >= 1' if args.rounds > 1 else 'round 0'}):")
+        print(f"{'precision':<10}" + "".join(f"{p:>10}" for p in PHASES))
     for precision, result in swarms.items():
         print(f"{precision:<10}" + "".join(f"{result['phases'][p]:>10.1f}" for p in PHASES))
     if "auto" in swarms:
