@@ -369,14 +369,19 @@ class Gossip:
         deadline = time.monotonic() + timeout
         now = time.time()
         bucket = bucket_of(now, self.config.index_bucket_s)
-        candidates: dict[bytes, Candidate] = {}
+        candidates: dict[tuple[bytes, str], Candidate] = {}
         for walk in await asyncio.gather(*(self._walk(b, deadline) for b in (bucket, bucket - 1))):
             for level, holder, items in walk:
                 for item in items:
                     if item.author == self.identity.peer_id or not self.fetcher.wanted((item.sha256, item.author, item.size)):
                         continue
-                    candidate = candidates.setdefault(item.sha256, Candidate(item))
-                    if candidate.item != item:  # another holder's claim about the same bytes: keep the first, skip the rest
+                    if self.peers is not None and self.peers.graylisted(item.author):
+                        self._stats["graylisted_skipped"] += 1  # a graylisted author's batch, relayed by an honest holder
+                        continue
+                    # Keyed by (bytes, author): a holder that claims someone else's bytes under another author
+                    # makes a candidate of its own and cannot shadow the true claim.
+                    candidate = candidates.setdefault((item.sha256, item.author), Candidate(item))
+                    if candidate.item != item:  # the same batch with other metadata: keep the first claim, skip the rest
                         continue
                     candidate.holders.append(holder)
                     candidate.weight = max(candidate.weight, float(2**level))
