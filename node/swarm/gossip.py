@@ -49,7 +49,16 @@ from hivespec.node.swarm.bodies import BodyStore
 from hivespec.node.swarm.bootstrap import Joiner, PeerCache
 from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
 from hivespec.node.swarm.fetching import Fetched, Fetcher
-from hivespec.node.swarm.index import Candidate, bucket_of, choose_claims, descend, placement_path, trust_from_score
+from hivespec.node.swarm.index import (
+    Candidate,
+    bucket_of,
+    choose_claims,
+    descend,
+    go_deeper,
+    level_weight,
+    placement_path,
+    trust_from_score,
+)
 from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder, IndexRecords
@@ -194,7 +203,10 @@ class Gossip:
         await self._p2p.add_binary_stream_handler(STREAM_NAME, self.bodies.serve)
         await self._p2p.add_binary_stream_handler(REACH_STREAM, ReachService(self._p2p).handle)
         rpc_timeout = min(3.0, self.request_timeout / 3)  # a dead peer must cost a fraction of one request's budget
-        self._dht = await DHTNode.create(p2p=self._p2p, record_validator=self.validator, wait_timeout=rpc_timeout)
+        # No DHT caching: every get would push its result to one more peer (an extra store RPC each) and a
+        # cached copy of an index key goes stale within a bucket; the replicas serve every read.
+        self._dht = await DHTNode.create(p2p=self._p2p, record_validator=self.validator, wait_timeout=rpc_timeout,
+                                         cache_locally=False, cache_nearest=0, cache_on_store=False)
         await harden(self._dht, self._stats)
         # Relay circuits after our own addresses: a peer tries them all and keeps the first that connects.
         self._maddrs = [str(m) for m in await self._p2p.get_visible_maddrs()] + [f"{r}/p2p-circuit" for r in self.relays]
@@ -370,21 +382,10 @@ class Gossip:
         now = time.time()
         bucket = bucket_of(now, self.config.index_bucket_s)
         candidates: dict[tuple[bytes, str], Candidate] = {}
-        for walk in await asyncio.gather(*(self._walk(b, deadline) for b in (bucket, bucket - 1))):
-            for level, holder, items in walk:
-                for item in items:
-                    if item.author == self.identity.peer_id or not self.fetcher.wanted((item.sha256, item.author, item.size)):
-                        continue
-                    if self.peers is not None and self.peers.graylisted(item.author):
-                        self._stats["graylisted_skipped"] += 1  # a graylisted author's batch, relayed by an honest holder
-                        continue
-                    # Keyed by (bytes, author): a holder that claims someone else's bytes under another author
-                    # makes a candidate of its own and cannot shadow the true claim.
-                    candidate = candidates.setdefault((item.sha256, item.author), Candidate(item))
-                    if candidate.item != item:  # the same batch with other metadata: keep the first claim, skip the rest
-                        continue
-                    candidate.holders.append(holder)
-                    candidate.weight = max(candidate.weight, float(2**level))
+        self._add_candidates(candidates, await self._walk(bucket, deadline))
+        if len(candidates) < 2 * k:
+            # Early in a bucket few holders have stored into it yet; the previous one holds everybody's.
+            self._add_candidates(candidates, await self._walk(bucket - 1, deadline))
         peers = self.peers
         chosen = choose_claims(
             list(candidates.values()), k=k, per_author=self.config.max_batches_per_peer, now=now, max_age_s=max_age_s,
@@ -399,6 +400,23 @@ class Gossip:
         results = await asyncio.gather(*(self._fetch_rollouts(c, direct, deadline) for c in chosen))
         return [f for f in results if f is not None]
 
+    def _add_candidates(self, candidates: dict[tuple[bytes, str], Candidate], walk: list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]) -> None:
+        """Add the claims of one walk's records that we could fetch to `candidates`, with their holders and weights."""
+        for level, holder, items in walk:
+            for item in items:
+                if item.author == self.identity.peer_id or not self.fetcher.wanted((item.sha256, item.author, item.size)):
+                    continue
+                if self.peers is not None and self.peers.graylisted(item.author):
+                    self._stats["graylisted_skipped"] += 1  # a graylisted author's batch, relayed by an honest holder
+                    continue
+                # Keyed by (bytes, author): a holder that claims someone else's bytes under another author
+                # makes a candidate of its own and cannot shadow the true claim.
+                candidate = candidates.setdefault((item.sha256, item.author), Candidate(item))
+                if candidate.item != item:  # the same batch with other metadata: keep the first claim, skip the rest
+                    continue
+                candidate.holders.append(holder)
+                candidate.weight = max(candidate.weight, level_weight(level))
+
     async def _walk(self, bucket: int, deadline: float) -> list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]:
         """Records along one random path of `bucket`'s index tree: (level, holder, items) each."""
         found = []
@@ -406,14 +424,14 @@ class Gossip:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            records, total = await self.records.read(key, min(remaining, self.request_timeout))
+            records, total = await self.records.read(key, min(remaining, self.request_timeout), fresh_within=self.config.index_bucket_s)
             self._stats["index_keys_read"] += 1
             for holder, announce in records:
                 if self.peers is not None and self.peers.graylisted(holder.peer):
                     self._stats["graylisted_skipped"] += 1
                     continue
                 found.append((level, holder, announce.items))
-            if total < self.config.index_key_records:
+            if not go_deeper(total, self.config.index_key_records, self._rng):
                 break
         return found
 

@@ -2,7 +2,9 @@
 
 Nodes share no round numbers. A holder announces the batches it serves in the index of the
 current time bucket (`bucket = floor(unix time / bucket_s)`), and a reader looks at the current
-and the previous bucket, so what it sees is at most two buckets old.
+bucket, and at the previous one too when the current offers fewer than 2K batches it could take
+(early in a bucket, before most holders have re-announced into it): what it sees is at most two
+buckets old.
 
 Inside a bucket the records form a binary tree of DHT keys, `rollout_index_key(swarm, bucket,
 level, prefix)`: level 0 is one key, level l has 2^l keys, and a holder's key at level l is the
@@ -12,13 +14,15 @@ first l bits of sha256(its peer id).
   subkey, adding no record). The tree grows a level each time the bucket's publishers double past
   `cap`, so a key holds at most `cap` records plus the few of writers racing for its last slot;
   storing peers refuse any new subkey past `dht_guard.MAX_RECORDS_PER_KEY`, whoever writes.
-- **Reading** (`descend`): from level 0 down one random path while the key just read is full:
-  about log2(publishers / cap) + 1 keys of at most `cap` records each, whatever the swarm's size.
-  A record met at level l stands for the 2^l keys of its level of which the reader saw one, so
-  sampling weighs it by 2^l (inverse-probability weights: every publisher equally likely).
+- **Reading** (`descend`): from level 0 down one random path; below a full key the reader goes on
+  with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
+  whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). A record at
+  level l is met with probability (DESCEND / 2)^l (one key of the level's 2^l, reached with
+  probability DESCEND^l), so sampling weighs it by `level_weight(l)` = (2 / DESCEND)^l:
+  inverse-probability weights, every publisher equally likely over time, early and late placers alike.
 - **Choosing** (`choose_claims`): at most K batches a step among the fresh claims (not ours, not
   fetched, young enough, a policy version we accept), at most `per_author` from one author, drawn
-  without replacement with weight 2^l x trust x freshness, where trust mixes the author's peer
+  without replacement with weight level_weight(l) x trust x freshness, where trust mixes the author's peer
   score with a floor of `explore` (a newcomer with no score is still drawn, so every honest peer
   gets heard over time, and a few loud identities cannot crowd out the rest).
 
@@ -57,8 +61,21 @@ def placement_path(swarm: str, bucket: int, peer_id: str) -> list[str]:
     return [rollout_index_key(swarm, bucket, level, prefix_of(peer_id, level)) for level in range(MAX_INDEX_LEVEL + 1)]
 
 
+DESCEND = 0.5  # probability that a walk goes on below a full key
+
+
+def level_weight(level: int) -> float:
+    """The inverse of the probability that a walk meets a given record at `level` (see the module docstring)."""
+    return (2.0 / DESCEND) ** level
+
+
+def go_deeper(records: int, cap: int, rng: random.Random) -> bool:
+    """Whether a walk that just read a key holding `records` goes on to the next level."""
+    return records >= cap and rng.random() < DESCEND
+
+
 def descend(swarm: str, bucket: int, rng: random.Random) -> Iterable[tuple[int, str]]:
-    """(level, key) of one random root-to-leaf path of `bucket`'s tree: the reader stops at the first key not full."""
+    """(level, key) of one random root-to-leaf path of `bucket`'s tree; the reader reads keys until `go_deeper` says no."""
     prefix = 0
     for level in range(MAX_INDEX_LEVEL + 1):
         yield level, rollout_index_key(swarm, bucket, level, prefix)
@@ -71,7 +88,7 @@ class Candidate:
 
     item: AnnouncedBody
     holders: list = field(default_factory=list)  # gossip's holders (peer, p2p id, maddrs), in the order seen
-    weight: float = 1.0  # 2^level of the record it was met in (the largest, if met in several)
+    weight: float = 1.0  # level_weight of the record it was met in (the largest, if met in several)
 
     @property
     def claim(self) -> Claim:
