@@ -42,7 +42,15 @@ from hivespec.node.runtime import Node, PhaseListener
 from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation
 from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.supervise import Watchdog
-from hivespec.node.swarm.bootstrap import CACHE_FILE, P2P_KEY_FILE, HomeLock, PeerCache, bootstrap_candidates, load_private_swarm
+from hivespec.node.swarm.bootstrap import (
+    CACHE_FILE,
+    P2P_KEY_FILE,
+    HomeLock,
+    IdentityInUse,
+    PeerCache,
+    bootstrap_candidates,
+    load_private_swarm,
+)
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.supervisor import GossipSupervisor
@@ -54,6 +62,7 @@ from hivespec.node.training.trainer import Trainer
 from hivespec.node.weights.follower import Follower
 from hivespec.node.weights.publisher import PolicyPublisher
 from hivespec.node.weights.sync import EngineWeights, WeightSync
+from hivespec.protocol.errors import UserError
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.private import PrivateSwarm
 
@@ -119,13 +128,27 @@ def make_gossip(
     return GossipFactory(swarm, identity, home, private, bootstrap, peers=peers, require_peers=require_peers)
 
 
-def claim_home(config: NodeConfig) -> tuple[Path, HomeLock, Identity]:
-    """The node's home folder, its lock (`IdentityInUse` if another process holds it) and its identity.
+class HomeInUse(IdentityInUse, UserError):
+    """Another running node holds this home (its identity): the user's to fix, one line, exit status 3.
 
-    Raises `InputError` when the home is a file or cannot be created, `KeyFileError` for a bad key file.
+    Still an `IdentityInUse` for callers that catch that; its own exit status lets a script tell
+    "already running" from other mistakes (a supervisor need not start a second copy).
+    """
+
+    exit_status = 3
+
+
+def claim_home(config: NodeConfig) -> tuple[Path, HomeLock, Identity]:
+    """The node's home folder, its lock and its identity.
+
+    Raises `HomeInUse` if another process holds the home, `InputError` when the home is a file or
+    cannot be created, `KeyFileError` for a bad key file.
     """
     home = check_home(config)
-    lock = HomeLock(home)
+    try:
+        lock = HomeLock(home)
+    except IdentityInUse as exc:
+        raise HomeInUse(str(exc)) from None
     try:
         identity = load_or_create_identity(home / "identity.key")
     except BaseException:
@@ -150,7 +173,7 @@ class BootstrapPeer:
 def open_bootstrap_peer(config: NodeConfig) -> Iterator[BootstrapPeer]:
     """Start a bootstrap peer; shut its gossip down and release its home when the block ends.
 
-    Raises `IdentityInUse` (another process holds the home) or `GossipError` (it cannot start).
+    Raises `HomeInUse` (another process holds the home) or `GossipError` (it cannot start).
     """
     home, lock, identity = claim_home(config)
     try:
@@ -170,7 +193,7 @@ def open_follower(config: NodeConfig, leader: str) -> Iterator[Follower]:
     """`hivespec follow`: load the base checkpoint and join the swarm to mirror `leader`; tear both down after the block.
 
     Builds its engine copy the way a leader does (config.model loaded in fp32, cast to
-    config.model.engine_dtype). Raises `IdentityInUse` or `GossipError` as a node does.
+    config.model.engine_dtype). Raises `HomeInUse` or `GossipError` as a node does.
     """
     configure_threads(config.model.threads)
     home, lock, identity = claim_home(config)
@@ -250,7 +273,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     threads = configure_threads(config.model.threads, local_nodes=local_nodes)
     if config.model.engine == "vllm":
         require_vllm()  # before the model loads and the home is locked
-    home, home_lock, identity = claim_home(config)  # IdentityInUse if another node runs with this home's identity
+    home, home_lock, identity = claim_home(config)  # HomeInUse if another node runs with this home's identity
     peer_scores = PeerScores(home / "peers.json")
     # A leader serves several delta chunks per version, snapshots and its head.
     start_gossip = make_gossip(config.swarm, identity, home, peers=peer_scores)

@@ -7,7 +7,9 @@ without it (`inputs.py`).
 Errors: a `UserError` (hivespec.protocol.errors; `ConfigError` and `InputError` are two of
 them) raised anywhere in a command, in whichever phase (parsing, building the node, the first
 round), ends as one line ``hivespec <command>: <what>, <why>; <fix>`` on stderr and exit 2;
-argparse's usage errors look the same. Anything else keeps its traceback: it is a bug.
+argparse's usage errors look the same. One exit status differs: a home another running node
+holds (`build.HomeInUse`, in join, follow and bootstrap) exits 3. Anything else keeps its
+traceback: it is a bug.
 """
 
 from __future__ import annotations
@@ -69,16 +71,12 @@ def cmd_join(args: argparse.Namespace) -> int:
     events = _EventLog.open(args.events) if args.events else None
     # Heavy imports (torch, transformers, hivemind) only once the inputs are known to be good.
     from hivespec.node.build import build_node
-    from hivespec.node.swarm.bootstrap import IdentityInUse
     from hivespec.node.swarm.gossip import GossipError
 
     logging.getLogger(__name__).info("resolved config: %s", json.dumps(config.to_dict(), sort_keys=True))
     phases = _PhaseLog(events)
     try:
         node = build_node(config, local_nodes=args.local_nodes, on_phase=phases)
-    except IdentityInUse as exc:
-        print(f"hivespec: {exc}", file=sys.stderr)
-        return 3
     except GossipError as exc:  # nothing to join through (port taken, peers unreachable): the user's input
         print(f"hivespec join: {exc}", file=sys.stderr)
         return 2
@@ -279,7 +277,6 @@ def cmd_follow(args: argparse.Namespace) -> int:
     check_model_inputs(config.model)
     check_swarm_inputs(config)
     from hivespec.node.build import open_follower
-    from hivespec.node.swarm.bootstrap import IdentityInUse
     from hivespec.node.swarm.gossip import GossipError
     from hivespec.node.weights.follower import follow
 
@@ -297,9 +294,6 @@ def cmd_follow(args: argparse.Namespace) -> int:
         with open_follower(config, args.leader) as follower:
             follow(follower, poll_interval=config.sync.poll_interval, until_version=args.until_version, on_report=on_report,
                    leader_timeout=config.sync.leader_timeout)
-    except IdentityInUse as exc:
-        print(f"hivespec: {exc}", file=sys.stderr)
-        return 3
     except GossipError as exc:
         print(f"hivespec follow: {exc}", file=sys.stderr)
         return 2
@@ -402,7 +396,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     check_home(config)
     check_swarm_inputs(config)
     from hivespec.node.build import open_bootstrap_peer
-    from hivespec.node.swarm.bootstrap import IdentityInUse
     from hivespec.node.swarm.gossip import GossipError
 
     swarm = config.swarm
@@ -416,9 +409,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             print(f"joined via: {status['joined_via'] or '-'}; solo: {status['solo']}", flush=True)
             _warn_if_unreachable("bootstrap", config, status)
             _linger(args.duration)
-    except IdentityInUse as exc:
-        print(f"hivespec: {exc}", file=sys.stderr)
-        return 3
     except GossipError as exc:
         print(f"hivespec bootstrap: {exc}", file=sys.stderr)
         return 2
@@ -598,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as exc:  # the user's to fix: one line; anything else is a bug and keeps its traceback
         print(f"hivespec {args.command}: {one_line(exc)}", file=sys.stderr, flush=True)
-        return 2
+        return exc.exit_status
     except KeyboardInterrupt:
         print("hivespec: interrupted", file=sys.stderr)
         return 130

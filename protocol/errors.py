@@ -15,7 +15,13 @@ __all__ = ["UserError", "one_line"]
 
 
 class UserError(ValueError):
-    """Something the user gave or set up is wrong; ``str(error)`` says what, why, and the fix, on one line."""
+    """Something the user gave or set up is wrong; ``str(error)`` says what, why, and the fix, on one line.
+
+    `exit_status` is the command's exit code for it: 2, except where a script must tell one
+    mistake apart (a home another running node holds exits 3: `build.HomeInUse`).
+    """
+
+    exit_status: int = 2
 
 
 def one_line(error: BaseException) -> str:
