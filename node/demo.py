@@ -32,6 +32,11 @@ from hivespec.protocol.errors import UserError
 # fails the wait at once anyway.
 READY_TIMEOUT_S = 300.0
 STATUS_EVERY_S = 10.0  # a status line per node at least this often while the demo waits
+# A running node writes a phase event at least every few seconds (`progress.PROGRESS_EVERY_S`)
+# while it generates, trains, calibrates or waits for peers; its own watchdog reports a loop that
+# makes no progress after `supervise.stall_after` (600 s by default) with every thread's stack.
+# The demo gives a node that much plus this margin without any event, then calls it stuck.
+SILENT_MARGIN_S = 60.0
 STOP_GRACE_S = 60.0  # after a stop, how long the nodes get to reach a safe point and save
 TRACE_KEY = "speculation.trace_file"
 PARENT_ENV = "HIVESPEC_DEMO_PARENT"  # pid of the demo parent that started this node (see `cli._stop_with_parent`)
@@ -51,6 +56,7 @@ class _Child:
     detail: str = "importing torch"
     phase_since: float = field(default_factory=time.monotonic)
     stopped: str = ""  # the node's own account of a stop (what it kept and saved)
+    heard_at: float = field(default_factory=time.monotonic)  # when the node last wrote an event (or started)
 
     def poll_events(self) -> list[dict]:
         """New events since the last call; phase and stop events also update the child's status."""
@@ -62,6 +68,8 @@ class _Child:
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
         events = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        if events:
+            self.heard_at = time.monotonic()
         for event in events:
             if event["event"] == "phase":
                 if event["phase"] != self.phase:
@@ -81,26 +89,41 @@ class _Child:
         detail = f" {self.detail}" if self.detail else ""
         return f"{self.name}: {self.phase}{detail} ({time.monotonic() - self.phase_since:.0f}s)"
 
+    @property
+    def log(self) -> Path:
+        return self.home / "node.log"
+
     def user_error(self) -> str | None:
-        """The one line a node that exited with code 2 printed for the user's error (``hivespec join: ...``), if any."""
-        log = self.home / "node.log"
-        if self.process.returncode != 2 or not log.exists():
+        """The one line a node that exited on a user's error printed (``hivespec join: ...``), if any.
+
+        Exit 2, or 3 for a home another running node holds (`build.HomeInUse`).
+        """
+        log = self.log
+        if self.process.returncode not in (2, 3) or not log.exists():
             return None
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("hivespec join: ")]
         return lines[-1].removeprefix("hivespec join: ") if lines else None
 
     def failure(self, when: str) -> Exception:
-        """What to raise for this node's exit: its own `UserError` line when it printed one, else the log's tail."""
+        """What to raise for this node's exit: its own `UserError` line when it printed one, else one line naming its log."""
         line = self.user_error()
         if line is not None:
             return UserError(f"{self.name}: {line}")
-        return _DemoFailure(f"{self.name} exited with code {self.process.returncode}{_why(self)}{when}:\n{self.log_tail()}")
+        return _DemoFailure(f"{self.name} exited with code {self.process.returncode}{_why(self)}{when}{self.last_words()}")
 
-    def log_tail(self, lines: int = 20) -> str:
-        log = self.home / "node.log"
-        if not log.exists():
-            return "(no log)"
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    def silent_for(self) -> float:
+        return time.monotonic() - self.heard_at
+
+    def last_words(self) -> str:
+        """``(last log line: '...'); its log: <path>``: what a one-line failure says about the node (a traceback ends in its error)."""
+        log, end = self.log, b""
+        if log.exists():
+            with log.open("rb") as f:  # the end only: a long run's log is large
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                end = f.read()
+        lines = [line.strip() for line in end.decode(errors="replace").splitlines() if line.strip()]
+        last = f" (last log line: {lines[-1][:200]!r})" if lines else " (its log is empty)"
+        return f"{last}; its log: {log}"
 
 
 class _Stop:
@@ -185,7 +208,7 @@ def run_demo(
             _dashboard(children)
         else:
             print(REPORT_HEADER, flush=True)
-            _tail(children, config.rounds, started, stop)
+            _tail(children, config.rounds, started, stop, silent_limit=config.supervise.stall_after + SILENT_MARGIN_S)
     except _DemoFailure as failure:
         print(f"hivespec demo: {failure}", file=sys.stderr)
         return 1
@@ -320,7 +343,10 @@ class _Ticker:
 
 
 def _wait_ready(children: list[_Child], waiting: list[_Child], started: float, stop: _Stop) -> list[str]:
-    """Wait for `waiting` to be ready, printing every child's status; the first one's multiaddrs."""
+    """Wait for `waiting` to be ready, printing every child's status; the first one's multiaddrs.
+
+    Raises the failure of a node that exits first, or one naming every node not ready after READY_TIMEOUT_S.
+    """
     deadline = time.monotonic() + READY_TIMEOUT_S
     ticker = _Ticker(started)
     while time.monotonic() < deadline:
@@ -337,8 +363,8 @@ def _wait_ready(children: list[_Child], waiting: list[_Child], started: float, s
                 raise child.failure(" before it was ready")
         ticker.tick(children)
         time.sleep(0.2)
-    slow = ", ".join(c.status() for c in waiting if not c.ready)
-    raise _DemoFailure(f"not ready after {READY_TIMEOUT_S:.0f}s: {slow}; log:\n{waiting[0].log_tail()}")
+    slow = "; ".join(f"{c.status()}{c.last_words()}" for c in waiting if not c.ready)
+    raise _DemoFailure(f"not ready after {READY_TIMEOUT_S:.0f}s: {slow}")
 
 
 def _wait_stopped(children: list[_Child], ticker: _Ticker) -> None:
@@ -355,8 +381,12 @@ def _wait_stopped(children: list[_Child], ticker: _Ticker) -> None:
     raise _Stopped
 
 
-def _tail(children: list[_Child], rounds: int, started: float, stop: _Stop) -> None:
-    """Print rows as nodes report them, and every node's status every STATUS_EVERY_S."""
+def _tail(children: list[_Child], rounds: int, started: float, stop: _Stop, *, silent_limit: float) -> None:
+    """Print rows as nodes report them, and every node's status every STATUS_EVERY_S.
+
+    Raises the failure of a node that exits before its last round, or of one that wrote no event
+    for `silent_limit` seconds (stuck: it would otherwise keep the demo waiting forever).
+    """
     ticker = _Ticker(started)
     while not all(child.done for child in children):
         if stop.signum:
@@ -370,6 +400,11 @@ def _tail(children: list[_Child], rounds: int, started: float, stop: _Stop) -> N
                     child.done = True
             if not child.done and child.process.poll() is not None:
                 raise child.failure("")
+            if not child.done and child.silent_for() > silent_limit:
+                raise _DemoFailure(
+                    f"{child.name} wrote no event for {child.silent_for():.0f}s (last: {' '.join(filter(None, (child.phase, child.detail)))}): "
+                    f"it is stuck; its watchdog's stall report in the log shows where{child.last_words()}"
+                )
         ticker.tick([c for c in children if not c.done])
         time.sleep(0.25)
 

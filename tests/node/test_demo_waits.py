@@ -1,0 +1,83 @@
+"""The demo's waits on its nodes end: a node that dies or goes silent ends the demo in one line naming it and its log.
+
+Stand-in node processes (a sleeping or failing Python), no model: the wait logic alone, in seconds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hivespec.node import demo
+from hivespec.protocol.errors import UserError
+
+
+def _child(tmp_path: Path, name: str, code: str, log: str = "") -> demo._Child:
+    home = tmp_path / name
+    home.mkdir()
+    (home / "node.log").write_text(log)
+    process = subprocess.Popen([sys.executable, "-c", code])
+    return demo._Child(name=name, home=home, process=process, events_path=home / "events.jsonl")
+
+
+def _event(child: demo._Child, line: str) -> None:
+    with child.events_path.open("a") as f:
+        f.write(line + "\n")
+
+
+@pytest.fixture
+def children(tmp_path):
+    made: list[demo._Child] = []
+    yield made
+    for child in made:
+        child.process.kill()
+        child.process.wait()
+
+
+def test_a_node_that_writes_no_event_ends_the_tail_naming_it_and_its_log(tmp_path, children):
+    children += [_child(tmp_path, "node-0", "import time; time.sleep(60)", log="INFO training micro-batch 1/4\n"),
+                 _child(tmp_path, "node-1", "import time; time.sleep(60)")]
+    _event(children[0], '{"event": "phase", "phase": "training", "detail": "round 3"}')
+    started = time.monotonic()
+    keep_talking = children[1]
+    keep_talking.heard_at = float("inf")  # node-1 is heard from all the time; node-0 is the one that stops
+    with pytest.raises(demo._DemoFailure) as failure:
+        demo._tail(children, 5, started, demo._Stop(), silent_limit=1.0)
+    assert time.monotonic() - started < 10
+    text = str(failure.value)
+    assert "\n" not in text
+    assert text.startswith("node-0 wrote no event for") and "(last: training round 3)" in text, text
+    assert "'INFO training micro-batch 1/4'" in text and text.endswith(f"its log: {children[0].home / 'node.log'}"), text
+
+
+def test_a_node_that_dies_before_it_is_ready_ends_the_wait_in_one_line(tmp_path, children):
+    children.append(_child(tmp_path, "node-0", "import sys; sys.exit(1)", log="Traceback (most recent call last):\n  ...\nRuntimeError: boom\n"))
+    children[0].process.wait()
+    with pytest.raises(demo._DemoFailure) as failure:
+        demo._wait_ready(children, children, time.monotonic(), demo._Stop())
+    text = str(failure.value)
+    assert "\n" not in text
+    assert text == f"node-0 exited with code 1 before it was ready (last log line: 'RuntimeError: boom'); its log: {children[0].log}"
+
+
+def test_a_node_that_ends_on_a_held_home_is_the_users_error(tmp_path, children):
+    line = "hivespec join: another hivespec node (pid 7) is already running with the identity in x; ..."
+    children.append(_child(tmp_path, "node-1", "import sys; sys.exit(3)", log=line + "\n"))
+    children[0].process.wait()
+    with pytest.raises(UserError, match=r"^node-1: another hivespec node \(pid 7\)"):
+        demo._tail(children, 5, time.monotonic(), demo._Stop(), silent_limit=60.0)
+
+
+def test_not_ready_in_time_names_each_slow_node_and_its_log(tmp_path, children, monkeypatch):
+    monkeypatch.setattr(demo, "READY_TIMEOUT_S", 0.5)
+    children += [_child(tmp_path, "node-0", "import time; time.sleep(60)"), _child(tmp_path, "node-1", "import time; time.sleep(60)")]
+    _event(children[0], '{"event": "ready", "maddrs": ["/ip4/127.0.0.1/tcp/1/p2p/x"]}')
+    with pytest.raises(demo._DemoFailure) as failure:
+        demo._wait_ready(children, children, time.monotonic(), demo._Stop())
+    text = str(failure.value)
+    assert "\n" not in text and "node-0" not in text
+    assert text.startswith("not ready after 0s: node-1: starting importing torch") and text.endswith(f"its log: {children[1].log}"), text
