@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROUNDS_KEPT = 240  # history in a snapshot: more than any terminal is wide
+# Per-peer tallies kept (the least recently seen forgotten past it) and peer rows sent: a node that
+# runs for days in a public swarm meets ever new identities, and each would otherwise stay forever.
+# 1024 is far more peers than a node hears from in a staleness window, and half the rows a
+# snapshot may carry (`protocol.status.MAX_LIST`), so the peer table never makes it undecodable.
+PEERS_KEPT = 1024
 LOGS_KEPT = 200
 LOGS_SENT = 60
 SNAPSHOT_CACHE_S = 0.2
@@ -239,9 +244,13 @@ class StatusBoard:
         if not author:
             return
         with self._lock:
-            tally = self._state.peers.get(author)
+            peers = self._state.peers
+            tally = peers.pop(author, None)  # re-inserted last: the dict is ordered by last admission
             if tally is None:
-                tally = self._state.peers[author] = _PeerTally()
+                tally = _PeerTally()
+                while len(peers) >= PEERS_KEPT:
+                    del peers[next(iter(peers))]
+            peers[author] = tally
             tally.last_seen = self.clock()
             tally.batches += 1
             if admission.outcome == "accept":
@@ -318,8 +327,10 @@ class StatusBoard:
             phase, round_started_at = state.phase, state.round_started_at
             checkpoint, oom_retries = state.checkpoint, state.oom_retries
         scores = _peer_scores(sources) or {p: {"score": v} for p, v in (report.swarm.peer_scores if report is not None else {}).items()}
-        peers = [_peer_row(peer_id, tallies.get(peer_id, _PeerTally()), scores.get(peer_id, {}))
-                 for peer_id in sorted(set(tallies) | set(scores))]
+        # The peers heard from most recently, then scored ones never tallied, at most PEERS_KEPT rows.
+        shown = list(reversed(tallies))[:PEERS_KEPT]
+        shown += [p for p in scores if p not in tallies][: PEERS_KEPT - len(shown)]
+        peers = [_peer_row(peer_id, tallies.get(peer_id, _PeerTally()), scores.get(peer_id, {})) for peer_id in sorted(shown)]
         swarm = _gossip_swarm_status(sources)
         control = self.control
         if control.stopping and phase != "done":

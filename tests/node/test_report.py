@@ -123,3 +123,21 @@ def test_the_status_board_reads_the_report_and_its_sources(tmp_path):
     assert snapshot.supervision.oom_retries == 1
     assert [p.peer_id for p in snapshot.peers] == ["peer-a"]  # the live score table, not the report's
     assert snapshot.store.total == 0 and snapshot.gossip.bytes_out == 20
+
+
+def test_the_board_keeps_the_most_recent_peers_and_a_snapshot_stays_decodable(monkeypatch):
+    """A node meets ever new identities over days: tallies stop at PEERS_KEPT, the least recently seen go first."""
+    from hivespec.node.status import board as board_module
+
+    monkeypatch.setattr(board_module, "PEERS_KEPT", 4)
+    scores = PeerScores()
+    for peer in ("scored-only-a", "scored-only-b"):
+        scores.record(peer, "accept")
+    board = StatusBoard(NodeFacts(name="n", peer_id="me", swarm="s", model="tiny", device="cpu", rounds_target=0),
+                        BoardSources(policy_version=lambda: 0, peer_scores=scores.snapshot), RunControl())
+    for author in ("p0", "p1", "p2", "p3", "p4", "p5", "p1"):  # p1 heard again: it stays
+        board.record_admission(Admission("ignore", "stale", author=author), b"")
+    assert list(board._state.peers) == ["p3", "p4", "p5", "p1"]
+    verdict, snapshot = decode_status(encode_status(board.snapshot()))
+    assert verdict.ok, verdict
+    assert [p.peer_id for p in snapshot.peers] == ["p1", "p3", "p4", "p5"]  # tallied peers first, at most PEERS_KEPT rows
