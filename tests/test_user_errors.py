@@ -266,3 +266,25 @@ def test_unreachable_bootstrap_peers_are_named_in_one_line(tmp_path, monkeypatch
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "none of the 1 initial peers answered within 2 s" in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["join", "--model", "tiny"], ["follow", LEADER, "--model", "tiny"], ["bootstrap", "--duration", "0"]],
+                         ids=["join", "follow", "bootstrap"])
+def test_a_home_another_node_holds_is_one_line_with_exit_3(command, tmp_path, monkeypatch):
+    """A second node on one home (one identity): the one line naming the holder's pid, and its own exit status, 3."""
+    import fcntl
+
+    home = tmp_path / "held"
+    home.mkdir()
+    with (home / "node.lock").open("w") as lock:  # what a running node holds (`bootstrap.HomeLock`)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("4242")
+        lock.flush()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HIVESPEC_")} | {"HF_HUB_OFFLINE": "1"}
+        result = subprocess.run([*CLI, *command, "--home", str(home), "--set", "status.enabled=false"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=CASE_TIMEOUT_S, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    assert result.returncode == 3, (result.returncode, result.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith(f"hivespec {command[0]}: another hivespec node (pid 4242) is already running"), lines
+    assert "give this one its own --home" in lines[0]
