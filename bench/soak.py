@@ -6,7 +6,11 @@ the run, while caches and allocator pools fill) it reports the worst node's slop
 minimum RSS of each window of `--window-minutes` (default 5): a round's transient peaks (activations,
 optimizer state, the allocator's free lists) swing RSS by hundreds of MB, so a plain fit of every
 sample cannot tell a leak from where in the swing the run happened to end; the floor of each window
-grows only when memory is kept. The plain least-squares slope of every sample is reported beside it. "Unhandled" counts tracebacks and CRITICAL lines in the node
+grows only when memory is kept. The plain least-squares slope of every sample is reported beside it.
+A slope over few windows is noise: at 30 minutes there are 4 windows after the warm-up, and a
+window's minimum still moves by hundreds of MB with the allocator; `windows` and each node's
+`window_minima_mb` are in the RESULT, and every sample is written to `<dir>/soak_series.json`, so
+a run can be read again without running it again. "Unhandled" counts tracebacks and CRITICAL lines in the node
 logs, watchdog stall reports, and nodes that exited on their own. As a side-by-side ratio it
 prints the worst node's RSS at the end over its RSS at the end of the warm-up.
 
@@ -125,10 +129,13 @@ def main() -> int:
 
     warmup = 0.2 * minutes * 60
     window_s = 60 * (args.window_minutes or (1.0 if args.quick else 5.0))
-    rss_slopes, python_slopes, p2pd_slopes, fit_slopes, fd_slopes, growth = {}, {}, {}, {}, {}, {}
+    rss_slopes, python_slopes, p2pd_slopes, fit_slopes, fd_slopes, growth, minima = {}, {}, {}, {}, {}, {}, {}
+    (root / "soak_series.json").write_text(json.dumps({"columns": ["seconds", "rss_mb", "fds", "p2pd_rss_mb"], "warmup_s": warmup,
+                                                       "series": series}))
     for name, points in series.items():
         steady = [p for p in points if p[0] >= warmup]
-        rss_slopes[name] = _slope_per_hour(_window_minima([(t, rss) for t, rss, _, _ in steady], window_s))
+        minima[name] = _window_minima([(t, rss) for t, rss, _, _ in steady], window_s)
+        rss_slopes[name] = _slope_per_hour(minima[name])
         python_slopes[name] = _slope_per_hour(_window_minima([(t, rss - p2pd) for t, rss, _, p2pd in steady], window_s))
         p2pd_slopes[name] = _slope_per_hour(_window_minima([(t, p2pd) for t, _, _, p2pd in steady], window_s))
         fit_slopes[name] = _slope_per_hour([(t, rss) for t, rss, _, _ in steady])
@@ -148,6 +155,8 @@ def main() -> int:
         "p2pd_rss_slope_mb_per_h": round(max(p2pd_slopes.values(), key=abs), 2),
         "fit_rss_slope_mb_per_h": round(max(fit_slopes.values(), key=abs), 2),
         "window_minutes": window_s / 60,
+        "windows": min((len(m) for m in minima.values()), default=0),
+        "window_minima_mb": {k: [round(y) for _, y in m] for k, m in minima.items()},
         "fd_slope_per_h": round(max(fd_slopes.values(), key=abs), 2),
         "unhandled": unhandled,
         "unhandled_by_node": unhandled_lines,
