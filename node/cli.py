@@ -128,10 +128,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def _keep_policy(node) -> None:
-    """When the rounds are over: keep the node's latest policy where `hivespec export` finds it (node/latest_policy.py)."""
-    from hivespec.node.latest_policy import keep_node_policy
-
-    if keep_node_policy(node) is not None:
+    """When the rounds are over: say where `Node.run` kept the node's latest policy (node/latest_policy.py)."""
+    if node.kept_policy is not None:
         print(f"policy kept in {node_home(node.config)} (export it: hivespec export --home {node_home(node.config)} --out DIR)",
               flush=True)
 

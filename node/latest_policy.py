@@ -121,9 +121,9 @@ def keep_node_policy(node: Any) -> Path | None:
     """Keep ``node``'s current policy where `hivespec export` finds it; the record's path, None when writing failed.
 
     ``node`` is a `runtime.Node` (read: config, name, identity, fingerprint, trainer, sync,
-    next_round, checkpoints; not imported here, so the runtime can import this module). Call
-    it once the round loop has returned (after any checkpoint at exit), from the thread that
-    ran the rounds: it reads the trainer's weights.
+    next_round, checkpoints; not imported here, so the runtime can import this module). `Node.run` calls
+    it once the round loop has ended (after any checkpoint at exit), from the thread that ran
+    the rounds: it reads the trainer's weights.
     """
     config: NodeConfig = node.config
     model = node.trainer.model

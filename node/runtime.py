@@ -11,7 +11,8 @@ One round, and the module that owns each step:
   8. the trainer's weights into the engine (and to followers)           weights/sync.WeightSync.sync, weights/publisher
   9. the round's report, nested from each part's stats                  report.RoundReport
 Between rounds: checkpoints (training/node_state.NodeState), status (status/board.StatusBoard),
-pause/stop (status/board.RunControl), phases and heartbeats (progress.RoundProgress). A round is
+pause/stop (status/board.RunControl), phases and heartbeats (progress.RoundProgress). After the
+last: the latest policy for `hivespec export` (latest_policy.keep_node_policy). A round is
 this node's own step: nodes share no round numbers, so a late or resumed node just goes on, and
 takes whatever its peers published recently (`exchange.py`). Every part
 comes in built, as an argument of `Node` (only the status server is started here, on request:
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.exchange import RoundExchange
+from hivespec.node.latest_policy import keep_node_policy
 from hivespec.node.model.engine import SamplingParams, SpeculationStats, TorchEngine
 from hivespec.node.model.loader import stop_token_ids
 from hivespec.node.model.precision import PrecisionPlan
@@ -116,6 +118,7 @@ class Node:
         self.watchdog = watchdog
         self.gossip_supervisor = gossip_supervisor
         self.next_round = 0  # a resume moves it to the checkpoint's round
+        self.kept_policy: Path | None = None  # <home>/policy.json once `run` has kept the latest policy
         self.resumed_from: str | None = None
         # Parts with JSON-able state to checkpoint, by name (e.g. "speculation": the policy's adaptive state).
         self.checkpoint_providers: dict[str, StateProvider] = {}
@@ -155,7 +158,9 @@ class Node:
     def run(self, on_report: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
         """Run rounds ``next_round`` .. ``config.rounds - 1`` (forever when 0); `control` can pause or stop it between rounds.
 
-        A checkpoint is saved every ``checkpoint.every_rounds`` rounds and when the loop ends.
+        A checkpoint is saved every ``checkpoint.every_rounds`` rounds and when the loop ends; then
+        the node keeps its latest policy for `hivespec export` (`kept_policy`: the record's path,
+        None when writing it failed) before the status says finished, however the node was run.
         """
         reports = []
         saved_at = self.next_round
@@ -189,6 +194,7 @@ class Node:
             self.save_checkpoint()
         if self.watchdog is not None:
             self.watchdog.forget("round")
+        self.kept_policy = keep_node_policy(self)
         self.status.finished()
         return reports
 

@@ -56,7 +56,6 @@ def digit_model(tmp_path_factory):
 @pytest.mark.timeout(600)  # ~10 s: a node with gossip runs three rounds, then a fresh interpreter loads transformers
 def test_a_run_keeps_its_policy_and_the_export_reloads_bit_exact_in_plain_transformers(tmp_path, digit_model):
     from hivespec.node.build import build_node
-    from hivespec.node.latest_policy import keep_node_policy
 
     home, out = tmp_path / "home", tmp_path / "exported"
     config = load_config("tiny", overrides={
@@ -69,7 +68,7 @@ def test_a_run_keeps_its_policy_and_the_export_reloads_bit_exact_in_plain_transf
     node = build_node(config)
     try:
         reports = node.run()
-        assert keep_node_policy(node) == home / RECORD_FILE  # what the end of a run does
+        assert node.kept_policy == home / RECORD_FILE  # the end of Node.run keeps it, whoever ran the node
         trainer = node.trainer.model.eval()
         prompt = node.tasks.chat_prompt_ids(node.tokenizer, node.tasks.prompts(seed=1, round=0, count=1)[0])
         ids = torch.tensor([prompt + [11, 12, 13]])
