@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from hivespec.node.config import InputError, NodeConfig, SwarmConfig
+from hivespec.node.heldout_probe import HeldoutProbe
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.inputs import check_home
 from hivespec.node.model.engine import TorchEngine
@@ -348,6 +349,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         precision=precision,
         calibration=calibration,
         on_phase=on_phase,
+        heldout=HeldoutProbe.from_config(config, tasks, tokenizer),
     )
     if policy is not None:  # its adaptive state is part of a checkpoint
         node.checkpoint_providers["speculation"] = policy

@@ -358,6 +358,17 @@ class CheckpointConfig(_Section):
 
 
 @dataclass
+class EvalConfig(_Section):
+    SECTION: ClassVar[str] = "eval."
+
+    every_rounds: int = _help("greedy accuracy on held-out questions every N rounds (0 = off; `hivespec eval`'s questions "
+                              "and scoring, node/heldout_probe.py)", 0, ge=0, note="0 = off")
+    questions: int = _help("held-out questions each evaluation scores (the same ones every time)", 16, ge=1, le=4096)
+    max_new_tokens: int = _help("longest greedy completion per held-out question", 48, ge=1, le=65536)
+    seed: int = _help("which held-out questions (TaskSource.heldout's seed)", 0, ge=0, le=2**63 - 1)
+
+
+@dataclass
 class SuperviseConfig(_Section):
     SECTION: ClassVar[str] = "supervise."
 
@@ -417,6 +428,7 @@ class NodeConfig(_Section):
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

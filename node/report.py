@@ -115,6 +115,7 @@ class RoundReport:
     # Each foreign sample the step trained on: its age (s since its author signed it) and version lag (ours - its author's).
     foreign_ages_s: tuple[float, ...] = ()
     foreign_version_lags: tuple[int, ...] = ()
+    heldout_accuracy: float | None = None  # greedy accuracy on held-out questions after this round (eval.every_rounds), else None
 
     @property
     def policy_version(self) -> int:
@@ -193,6 +194,7 @@ class RoundReport:
             "policy_hash": self.policy_hash,
             "foreign_ages_s": [round(a, 1) for a in self.foreign_ages_s],
             "foreign_version_lags": list(self.foreign_version_lags),
+            "heldout_accuracy": self.heldout_accuracy,
         }
         return event
 
@@ -207,6 +209,7 @@ EVENT_FIELDS = (
     "swarm_solo", "swarm_reachability", "delta_chunks", "delta_published", "swarm_known_peers", "graylisted_peers",
     "peer_scores", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_tokens_per_forward",
     "spec_draft_seconds", "drafter_rollouts", "policy_hash", "foreign_ages_s", "foreign_version_lags",
+    "heldout_accuracy",
 )
 
 

@@ -10,7 +10,8 @@ One round, and the module that owns each step:
   7. one GRPO step with importance weights, own and foreign samples     training/trainer.Trainer.step
   8. the trainer's weights into the engine (and to followers)           weights/sync.WeightSync.sync, weights/publisher
   9. the round's report, nested from each part's stats                  report.RoundReport
-Between rounds: checkpoints (training/node_state.NodeState), status (status/board.StatusBoard),
+Between rounds: checkpoints (training/node_state.NodeState), held-out accuracy every
+eval.every_rounds (heldout_probe.HeldoutProbe), status (status/board.StatusBoard),
 pause/stop (status/board.RunControl), phases and heartbeats (progress.RoundProgress). After the
 last: the latest policy for `hivespec export` (latest_policy.keep_node_policy). A round is
 this node's own step: nodes share no round numbers, so a late or resumed node just goes on, and
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.exchange import RoundExchange
+from hivespec.node.heldout_probe import HeldoutProbe
 from hivespec.node.latest_policy import keep_node_policy
 from hivespec.node.model.engine import SamplingParams, SpeculationStats, TorchEngine
 from hivespec.node.model.loader import stop_token_ids
@@ -88,8 +90,10 @@ class Node:
         precision: PrecisionPlan | None = None,
         calibration: CurveCalibration | None = None,
         on_phase: PhaseListener | None = None,
+        heldout: HeldoutProbe | None = None,
     ) -> None:
         self.config = config
+        self.heldout = heldout  # the held-out accuracy probe (eval.every_rounds), None when off
         self.precision = precision  # what model.engine_dtype / model.autocast "auto" became, and why
         self.calibration = calibration  # the verify-cost curve still to measure (speculation waits for it)
         self.stop_report = ""  # what a stop in the middle of a round kept and saved, for the CLI to print
@@ -184,6 +188,8 @@ class Node:
                 report = self._checkpoint_after(report)
                 saved_at = self.next_round
                 self._saved_state = True
+            if self.heldout is not None and self.heldout.due(self.next_round):
+                report = replace(report, heldout_accuracy=self._heldout_accuracy())
             self.status.record_round(report)
             reports.append(report)
             if on_report is not None:
@@ -315,6 +321,15 @@ class Node:
             log.error("publishing the delta to version %d failed: %s; followers will catch up from a later one", version, exc)
             return False
         return True
+
+    def _heldout_accuracy(self) -> float:
+        """The trainer's greedy accuracy on the probe's held-out questions (between rounds, on this thread)."""
+        self.progress.beat("eval")
+        started = time.perf_counter()
+        accuracy = self.heldout.score(self.trainer.model)
+        log.info("held-out accuracy after %d rounds: %.3f (%d questions, %.1f s)", self.next_round, accuracy,
+                 len(self.heldout.questions), time.perf_counter() - started)
+        return accuracy
 
     # ----- checkpoints ----------------------------------------------------------------------
 

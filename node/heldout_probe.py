@@ -1,0 +1,53 @@
+"""A node's own held-out accuracy every ``eval.every_rounds`` rounds (issue 24, item 2).
+
+The questions and the scoring are `hivespec eval`'s (`TaskSource.heldout`, `evaluate.score_model`):
+greedy completions of the trainer's current weights on ``eval.questions`` fixed held-out
+questions (seed ``eval.seed``), scored by each task's verifier. No sampled completions, so
+pass@k is `hivespec eval`'s alone. Built once per node (`from_config`; None when off); `score`
+runs on the thread that runs the rounds, between rounds, and gives the model back in the mode it had.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hivespec.node.config import ConfigError, EvalConfig, NodeConfig
+from hivespec.node.evaluate import EvalSettings, score_model
+
+log = logging.getLogger(__name__)
+
+
+class HeldoutProbe:
+    """Greedy accuracy of a model on a fixed set of held-out questions."""
+
+    def __init__(self, config: EvalConfig, tasks, tokenizer, *, name: str = "") -> None:
+        self.every_rounds = config.every_rounds
+        self.settings = EvalSettings(questions=config.questions, samples=0, max_new_tokens=config.max_new_tokens,
+                                     seed=config.seed, batch_size=config.questions)
+        try:
+            self.questions = tasks.heldout(seed=config.seed, count=config.questions)
+        except ValueError as exc:
+            raise ConfigError(f"eval.every_rounds={config.every_rounds} needs held-out questions: {exc}; set "
+                              "tasks.heldout_fraction > 0 (the demo preset has 0.25), fewer eval.questions, "
+                              "or eval.every_rounds=0") from None
+        self._tasks, self._tokenizer, self._name = tasks, tokenizer, name
+
+    @classmethod
+    def from_config(cls, config: NodeConfig, tasks, tokenizer) -> HeldoutProbe | None:
+        if config.eval.every_rounds == 0:
+            return None
+        return cls(config.eval, tasks, tokenizer, name=config.name or "")
+
+    def due(self, rounds_done: int) -> bool:
+        """Whether the probe runs after ``rounds_done`` rounds."""
+        return rounds_done > 0 and rounds_done % self.every_rounds == 0
+
+    def score(self, model) -> float:
+        """The mean greedy reward of ``model`` over the questions (1.0: every one right)."""
+        was_training = model.training
+        try:
+            scores = score_model(model, self._tokenizer, self._tasks, self.questions, self.settings,
+                                 label="policy", name=self._name)
+        finally:
+            model.train(was_training)
+        return sum(scores.greedy) / len(scores.greedy)

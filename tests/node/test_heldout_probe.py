@@ -1,0 +1,58 @@
+"""A node's held-out accuracy every eval.every_rounds rounds: a real node on the tiny digit model, no mocks."""
+
+from __future__ import annotations
+
+import pytest
+from test_resume import make_digit_model
+
+from hivespec.node.config import ConfigError, load_config
+from hivespec.node.evaluate import EvalSettings, score_model
+from hivespec.node.heldout_probe import HeldoutProbe
+from hivespec.node.tasks.source import TaskSource
+
+
+def _config(tmp_path, model, **extra):
+    return load_config("tiny", overrides={
+        "home": str(tmp_path / "home"), "name": "prober", "model.name": str(model), "rounds": "4", "seed": "7",
+        "swarm.swarm": "test-heldout", "swarm.expected_peers": "0", "swarm.bootstrap_timeout": "0", "status.enabled": "false",
+        "checkpoint.every_rounds": "0", "checkpoint.at_exit": "false", "checkpoint.resume": "false",
+        "speculation.enabled": "false", "tasks.mix": "[{family: count, difficulty: 1}]", "tasks.heldout_fraction": "0.25",
+        "rollout.prompts_per_round": "4", "eval.questions": "6", "eval.max_new_tokens": "8", **extra,
+    })
+
+
+def test_eval_settings_declare_their_ranges():
+    with pytest.raises(ConfigError, match="eval.every_rounds must be >= 0"):
+        load_config(None, overrides={"eval.every_rounds": "-1"})
+    with pytest.raises(ConfigError, match="eval.questions"):
+        load_config(None, overrides={"eval.questions": "0"})
+    assert load_config(None).eval.every_rounds == 0  # off unless asked
+
+
+@pytest.mark.timeout(600)
+def test_a_node_scores_itself_every_n_rounds_as_hivespec_eval_would(tmp_path):
+    from hivespec.node.build import build_node
+
+    model = make_digit_model(tmp_path / "digit-model")
+    node = build_node(_config(tmp_path, model, **{"eval.every_rounds": "2"}))
+    try:
+        mode = node.trainer.model.training
+        reports = node.run()
+        assert [r.heldout_accuracy is None for r in reports] == [True, False, True, False]
+        assert [r.to_dict()["heldout_accuracy"] for r in reports][1::2] == [r.heldout_accuracy for r in reports][1::2]
+        assert node.trainer.model.training == mode  # the probe gives the trainer its mode back
+        # The last figure is hivespec eval's greedy score of the final weights on the same questions.
+        config = node.config
+        questions = TaskSource.from_config(config.tasks).heldout(seed=0, count=6)
+        assert [q.prompt_id for q in node.heldout.questions] == [q.prompt_id for q in questions]
+        scores = score_model(node.trainer.model, node.tokenizer, node.tasks, questions,
+                             EvalSettings(questions=6, samples=0, max_new_tokens=8, batch_size=6), label="x", name="x")
+        assert reports[3].heldout_accuracy == sum(scores.greedy) / 6
+    finally:
+        node.close()
+
+
+def test_no_held_out_share_is_a_config_error_naming_the_fix(tmp_path):
+    config = load_config(None, overrides={"eval.every_rounds": "1", "tasks.heldout_fraction": "0"})
+    with pytest.raises(ConfigError, match="tasks.heldout_fraction > 0"):
+        HeldoutProbe.from_config(config, TaskSource.from_config(config.tasks), tokenizer=None)
