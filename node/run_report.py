@@ -12,6 +12,8 @@ after a crash) counts once, as its last event.
   weights of those foreign samples (mean and max per step; 1 = on-policy);
 - ``phases.png``: seconds per phase (generating, gossip, training, weight sync, the rest) per
   step, stacked, one panel per node;
+- ``heldout.png``, only when some node scored itself (``eval.every_rounds``): greedy accuracy on
+  held-out questions per step (the rows' ``heldout_accuracy``);
 - ``summary.md``: one table row per node (steps, reward at the start and the end, foreign
   samples, accepted and rejected peer rollouts, importance weights, round time, where its policy
   is), the plots, and the command that exports a node's policy.
@@ -52,6 +54,10 @@ class NodeRun:
     @property
     def steps(self) -> list[int]:
         return [r["round"] for r in self.rounds]
+
+    def heldout_curve(self) -> list[tuple[int, float]]:
+        """(step, held-out accuracy) of each step the node scored itself on held-out questions."""
+        return [(r["round"], r["heldout_accuracy"]) for r in self.rounds if r.get("heldout_accuracy") is not None]
 
     def foreign_share(self) -> list[float | None]:
         """Foreign samples / all samples of each step (own rollouts made + foreign samples used)."""
@@ -257,12 +263,29 @@ def plot_phases(nodes: Sequence[NodeRun], path: Path) -> Path:
     return _save(figure, path)
 
 
+def plot_heldout(nodes: Sequence[NodeRun], path: Path) -> Path:
+    figure, axes = _figure()
+    ax = axes[0][0]
+    for node, color in zip(nodes, _colors(len(nodes)), strict=True):
+        curve = node.heldout_curve()
+        if curve:
+            ax.plot([s for s, _ in curve], [a for _, a in curve], marker="o", markersize=4, color=color, label=node.name)
+    ax.set(title="Greedy accuracy on held-out questions (never trained on)", xlabel="step (the node's round)",
+           ylabel="accuracy", ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    if len(nodes) <= _LEGEND_MAX:
+        ax.legend(fontsize="small")
+    return _save(figure, path)
+
+
 def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     """Plots and summary of the run in ``run_dir`` into ``out`` (default ``<run_dir>/report``); the files written."""
     nodes = load_run(run_dir)
     out = out if out is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     written = [plot_reward(nodes, out / "reward.png"), plot_foreign(nodes, out / "foreign.png"), plot_phases(nodes, out / "phases.png")]
+    if any(node.heldout_curve() for node in nodes):
+        written.append(plot_heldout(nodes, out / "heldout.png"))
     summary = out / "summary.md"
     summary.write_text(summarize(nodes, run_dir, [p.name for p in written]))
     return [*written, summary]

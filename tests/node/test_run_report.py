@@ -79,3 +79,18 @@ def test_a_folder_without_round_events_is_a_user_error(tmp_path):
         load_run(tmp_path)
     with pytest.raises(InputError, match="does not exist"):
         load_run(tmp_path / "missing")
+
+
+def test_a_run_whose_nodes_scored_themselves_gets_a_held_out_plot(tmp_path):
+    from hivespec.node.run_report import write_report
+
+    run = _run(tmp_path)
+    events = run / "node-0" / "events.jsonl"
+    rows = [_round("node-0", r, 0.5) | {"heldout_accuracy": None if r % 2 == 0 else r / 4} for r in range(4)]
+    events.write_text("".join(json.dumps(e) + "\n" for e in rows))
+    assert load_run(run)[0].heldout_curve() == [(1, 0.25), (3, 0.75)]
+    written = write_report(run)
+    assert [p.name for p in written] == ["reward.png", "foreign.png", "phases.png", "heldout.png", "summary.md"]
+    with Image.open(run / "report" / "heldout.png") as image:
+        assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 20
+    assert "![heldout](heldout.png)" in (run / "report" / "summary.md").read_text()
