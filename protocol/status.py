@@ -112,6 +112,14 @@ class RoundPoint:
 
 
 @dataclass(frozen=True)
+class HeldoutPoint:
+    """The node's greedy accuracy on held-out questions after a round (eval.every_rounds)."""
+
+    round: int
+    accuracy: float
+
+
+@dataclass(frozen=True)
 class SourceStats:
     """Importance-weight statistics of one sample source ("own", "foreign" or a peer id) in the last step."""
 
@@ -214,6 +222,7 @@ class StatusSnapshot:
     node: NodeInfo
     peers: list[PeerRow] = field(default_factory=list)
     rounds: list[RoundPoint] = field(default_factory=list)
+    heldout: list[HeldoutPoint] = field(default_factory=list)  # the held-out curve, oldest first (empty: eval.every_rounds off)
     trainer: TrainerStatus = field(default_factory=TrainerStatus)
     sync: SyncStatus = field(default_factory=SyncStatus)
     gossip: GossipStatus = field(default_factory=GossipStatus)

@@ -28,6 +28,7 @@ from hivespec.protocol.identity import PUBLIC_KEY_BYTES, peer_id_of, readable_na
 from hivespec.protocol.status import (
     STATUS_VERSION,
     GossipStatus,
+    HeldoutPoint,
     IntakeStatus,
     LogLine,
     NodeInfo,
@@ -155,6 +156,7 @@ class _BoardState:
     phase: str = "starting"
     round_started_at: float | None = None
     rounds: deque = field(default_factory=lambda: deque(maxlen=ROUNDS_KEPT))
+    heldout: deque = field(default_factory=lambda: deque(maxlen=ROUNDS_KEPT))  # HeldoutPoint per scored round
     last_report: Any = None
     peers: dict[str, _PeerTally] = field(default_factory=dict)
     checkpoint: tuple[str, int, float] | None = None  # (name, round, unix time)
@@ -299,6 +301,8 @@ class StatusBoard:
                 delta_density=report.sync.density,
             )
             self._state.rounds.append(point)
+            if report.heldout_accuracy is not None:
+                self._state.heldout.append(HeldoutPoint(round=report.round, accuracy=report.heldout_accuracy))
             self._state.last_report = report
             self._state.oom_retries += report.supervision.oom_retries
             if report.checkpoint:
@@ -322,6 +326,7 @@ class StatusBoard:
         with self._lock:
             state = self._state
             rounds = list(state.rounds)
+            heldout = list(state.heldout)
             report = state.last_report
             tallies = dict(state.peers)
             phase, round_started_at = state.phase, state.round_started_at
@@ -379,6 +384,7 @@ class StatusBoard:
             node=info,
             peers=sorted(peers, key=lambda p: (p.name or p.peer_id)),
             rounds=rounds,
+            heldout=heldout,
             trainer=_trainer_status(report),
             sync=_sync_status(report),
             gossip=_gossip_status(_gossip_stats(sources)),

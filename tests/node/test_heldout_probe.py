@@ -9,6 +9,7 @@ from hivespec.node.config import ConfigError, load_config
 from hivespec.node.evaluate import EvalSettings, score_model
 from hivespec.node.heldout_probe import HeldoutProbe
 from hivespec.node.tasks.source import TaskSource
+from hivespec.protocol.status import decode_status
 
 
 def _config(tmp_path, model, **extra):
@@ -40,6 +41,11 @@ def test_a_node_scores_itself_every_n_rounds_as_hivespec_eval_would(tmp_path):
         reports = node.run()
         assert [r.heldout_accuracy is None for r in reports] == [True, False, True, False]
         assert [r.to_dict()["heldout_accuracy"] for r in reports][1::2] == [r.heldout_accuracy for r in reports][1::2]
+        # The status snapshot carries the curve, through its wire form too (the dashboard reads only those bytes).
+        curve = [(r.round, r.heldout_accuracy) for r in reports if r.heldout_accuracy is not None]
+        verdict, snapshot = decode_status(node.status.snapshot_bytes())
+        assert snapshot is not None, verdict
+        assert [(p.round, p.accuracy) for p in snapshot.heldout] == curve
         assert node.trainer.model.training == mode  # the probe gives the trainer its mode back
         # The last figure is hivespec eval's greedy score of the final weights on the same questions.
         config = node.config
