@@ -1,4 +1,4 @@
-"""Panel 3, training: reward and loss over rounds, and the last step's importance-weight statistics."""
+"""Panel 3, training: reward and loss over rounds, the held-out curve (eval.every_rounds), and the last step's importance-weight statistics."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class TrainingPanel(Vertical):
         with Horizontal():
             yield LinePlot("reward", id="reward-plot")
             yield LinePlot("loss", id="loss-plot")
+            yield LinePlot("held-out accuracy", id="heldout-plot")  # shown once the node has scored itself
         yield Static(id="trainer-summary")
         table: DataTable = DataTable(id="sources", cursor_type="none", show_cursor=False)
         table.add_columns(*SOURCE_COLUMNS)
@@ -45,6 +46,12 @@ class TrainingPanel(Vertical):
             span,
         )
         self.query_one("#loss-plot", LinePlot).set_series([Series("loss", [r.loss for r in rounds], "yellow")], span)
+        heldout = snapshot.heldout
+        heldout_plot = self.query_one("#heldout-plot", LinePlot)
+        heldout_plot.display = bool(heldout)
+        if heldout:  # its own span: one point per scored round, every eval.every_rounds rounds
+            heldout_plot.set_series([Series("greedy", [p.accuracy for p in heldout], "magenta")],
+                                    (heldout[0].round, heldout[-1].round))
         trainer = snapshot.trainer
         summary = Text(no_wrap=True, overflow="ellipsis")
         summary.append("last step ", style="bold")
@@ -56,6 +63,8 @@ class TrainingPanel(Vertical):
             summary.append(f" | KL {trainer.kl:.4f}")
         if trainer.ppo_clip_fraction:
             summary.append(f" | PPO clipped {fmt_percent(trainer.ppo_clip_fraction, 1)}")
+        if heldout:
+            summary.append(f" | held-out {heldout[-1].accuracy:.2f} after round {heldout[-1].round}")
         self.query_one("#trainer-summary", Static).update(summary)
         table = self.query_one("#sources", DataTable)
         table.clear()

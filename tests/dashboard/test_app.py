@@ -174,3 +174,24 @@ def test_screens_match_their_snapshots(panel, size, keys):
     assert text == path.read_text(), f"{name} changed; inspect and rerun with HIVESPEC_UPDATE_SNAPSHOTS=1"
     lines = text.splitlines()
     assert len(lines) == size[1] and all(len(line) <= size[0] for line in lines)
+
+
+def test_the_training_panel_draws_the_held_out_curve_when_the_node_scores_itself():
+    """A node with eval.every_rounds: a third plot and the last figure in the summary (snapshot: training-heldout-100x30.txt)."""
+    from hivespec.protocol.status import HeldoutPoint
+
+    snapshot = replace(make_snapshot(), heldout=[HeldoutPoint(round=r, accuracy=a) for r, a in ((1, 0.25), (3, 0.375), (5, 0.5))])
+
+    async def scenario() -> str:
+        app = _app(FakeSource(snapshot), initial_panel="training")
+        async with app.run_test(size=(100, 30)) as pilot:
+            await _until(pilot, lambda: "held-out 0.50 after round 5" in screen_text(app))
+            await pilot.pause(0.3)
+            return screen_text(app)
+
+    text = asyncio.run(scenario())
+    assert "held-out accuracy" in text
+    path = SNAPSHOTS / "training-heldout-100x30.txt"
+    if UPDATE or not path.exists():
+        path.write_text(text)
+    assert text == path.read_text(), f"{path.name} changed; inspect and rerun with HIVESPEC_UPDATE_SNAPSHOTS=1"
