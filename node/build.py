@@ -56,6 +56,7 @@ from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.supervisor import GossipSupervisor
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.trackers import RoundTrackers
 from hivespec.node.training.checkpoint import CheckpointError, CheckpointManager, check_fingerprint
 from hivespec.node.training.intake import Intake
 from hivespec.node.training.store import RolloutStore
@@ -350,6 +351,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         calibration=calibration,
         on_phase=on_phase,
         heldout=HeldoutProbe.from_config(config, tasks, tokenizer),
+        trackers=RoundTrackers.from_config(config, home),
     )
     if policy is not None:  # its adaptive state is part of a checkpoint
         node.checkpoint_providers["speculation"] = policy

@@ -432,9 +432,20 @@ class NodeConfig(_Section):
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    report_to: list[str] = _help("trackers that get each round's figures: tensorboard (<home>/tensorboard), wandb "
+                                 "(<home>/wandb; WANDB_MODE=offline works); empty = none (pip install hivespec[trackers])",
+                                 dataclasses.MISSING, default_factory=list)
+
+    def check(self) -> None:
+        unknown = [name for name in self.report_to if name not in TRACKERS]
+        if unknown:
+            raise ConfigError(f"report_to names {unknown}; the trackers are {list(TRACKERS)} (or [] for none)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+TRACKERS = ("tensorboard", "wandb")  # report_to's names (node/trackers.py)
 
 
 def default_home() -> Path:

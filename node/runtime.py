@@ -11,7 +11,7 @@ One round, and the module that owns each step:
   8. the trainer's weights into the engine (and to followers)           weights/sync.WeightSync.sync, weights/publisher
   9. the round's report, nested from each part's stats                  report.RoundReport
 Between rounds: checkpoints (training/node_state.NodeState), held-out accuracy every
-eval.every_rounds (heldout_probe.HeldoutProbe), status (status/board.StatusBoard),
+eval.every_rounds (heldout_probe.HeldoutProbe), trackers (report_to: trackers.RoundTrackers), status (status/board.StatusBoard),
 pause/stop (status/board.RunControl), phases and heartbeats (progress.RoundProgress). After the
 last: the latest policy for `hivespec export` (latest_policy.keep_node_policy). A round is
 this node's own step: nodes share no round numbers, so a late or resumed node just goes on, and
@@ -50,6 +50,7 @@ from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.supervisor import GossipSupervisor
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.trackers import RoundTrackers
 from hivespec.node.training.checkpoint import Checkpoint, CheckpointError, CheckpointManager, RoundStart, StateProvider
 from hivespec.node.training.foreign_pool import ForeignPool
 from hivespec.node.training.intake import AdmissionTally, Intake
@@ -91,8 +92,10 @@ class Node:
         calibration: CurveCalibration | None = None,
         on_phase: PhaseListener | None = None,
         heldout: HeldoutProbe | None = None,
+        trackers: RoundTrackers | None = None,
     ) -> None:
         self.config = config
+        self.trackers = trackers  # report_to: each round's figures to tensorboard / wandb, None when none
         self.heldout = heldout  # the held-out accuracy probe (eval.every_rounds), None when off
         self.precision = precision  # what model.engine_dtype / model.autocast "auto" became, and why
         self.calibration = calibration  # the verify-cost curve still to measure (speculation waits for it)
@@ -191,6 +194,8 @@ class Node:
             if self.heldout is not None and self.heldout.due(self.next_round):
                 report = replace(report, heldout_accuracy=self._heldout_accuracy())
             self.status.record_round(report)
+            if self.trackers is not None:
+                self.trackers.log_round(report.to_dict())
             reports.append(report)
             if on_report is not None:
                 on_report(report)
@@ -201,6 +206,8 @@ class Node:
         if self.watchdog is not None:
             self.watchdog.forget("round")
         self.kept_policy = keep_node_policy(self)
+        if self.trackers is not None:
+            self.trackers.close()
         self.status.finished()
         return reports
 

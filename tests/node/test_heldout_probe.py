@@ -12,9 +12,9 @@ from hivespec.node.tasks.source import TaskSource
 from hivespec.protocol.status import decode_status
 
 
-def _config(tmp_path, model, **extra):
+def _config(tmp_path, model, rounds: str = "4", **extra):
     return load_config("tiny", overrides={
-        "home": str(tmp_path / "home"), "name": "prober", "model.name": str(model), "rounds": "4", "seed": "7",
+        "home": str(tmp_path / "home"), "name": "prober", "model.name": str(model), "rounds": rounds, "seed": "7",
         "swarm.swarm": "test-heldout", "swarm.expected_peers": "0", "swarm.bootstrap_timeout": "0", "status.enabled": "false",
         "checkpoint.every_rounds": "0", "checkpoint.at_exit": "false", "checkpoint.resume": "false",
         "speculation.enabled": "false", "tasks.mix": "[{family: count, difficulty: 1}]", "tasks.heldout_fraction": "0.25",
