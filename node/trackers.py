@@ -18,6 +18,7 @@ fails while logging is logged once and dropped: it never stops training.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,7 +85,7 @@ class WandbTracker:
             raise TrackerUnavailable(f"report_to names wandb, which is not installed; {INSTALL_HINT}, "
                                      "or drop it from report_to") from None
         directory.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=None, dir=str(directory), name=name or None, config=dict(config),
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hivespec"), dir=str(directory), name=name or None, config=dict(config),
                                reinit="create_new")
         self.run_dir = Path(self._run.dir).parent  # <directory>/wandb/<offline-|>run-<time>-<id>
 
