@@ -32,7 +32,9 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
                              upkeep), per node and second, times the seconds one node-step takes: part of bytes_per_node_step
   flat                       bytes_per_node_step at the largest N / at N = 8
   clean_shutdowns            no worker log holds a traceback, "Task was destroyed", "was never retrieved",
-                             "gossip shutdown was not clean" or "did not stop within"
+                             "gossip shutdown was not clean" or "did not stop within"; shutdown_stages_cut_short counts
+                             shutdown stages that ran into the node's deadline (p2pd slow to exit while every peer
+                             hangs up at once), each then bounded and p2pd killed
   k_fill                     batches fetched per step / K: below 1 where fewer than K fresh unfetched batches existed
                              (a fast node in a small swarm of slow ones)
 
@@ -595,14 +597,16 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
             except subprocess.TimeoutExpired:
                 worker.process.kill()
                 worker.process.wait()
-    unclean = []
+    unclean, cut_short = [], 0
     for worker in workers:
         text = worker.log.read_text(errors="replace")
+        cut_short += text.count("gossip shutdown: ")  # a stage that ran past the deadline (p2pd slow to exit): bounded, counted
         unclean += [f"{worker.log.name}: {line.strip()[:200]}" for line in text.splitlines() if any(p in line for p in UNCLEAN)]
         if worker.process.returncode != 0:
             unclean.append(f"{worker.log.name}: exit code {worker.process.returncode}")
     summary = summarize(n, network, done, byes, peers, measure_from, until, wire_before, wire_after, drops, unclean, startup_s)
     summary["idle_bytes_per_node_s"] = None if idle_rate is None else round(idle_rate)
+    summary["shutdown_stages_cut_short"] = cut_short
     if idle_rate is not None and summary["node_steps"]:
         # The idle traffic that falls on one node-step: a node pays it whatever it shares.
         summary["idle_bytes_per_node_step"] = round(idle_rate * n * summary["window_s"] / summary["node_steps"])

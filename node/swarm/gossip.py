@@ -32,6 +32,7 @@ timeout; gossip state is touched on the loop thread only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -313,12 +314,32 @@ class Gossip:
             self.peers.save()
 
     async def _ashutdown(self) -> None:
+        """Save peers, drop the DHT's handlers, stop p2pd: all within request_timeout, p2pd stopped whatever came before.
+
+        When a whole swarm stops at once (a bench, a lab's shutdown), p2pd's control socket and its exit can each
+        take seconds while every peer hangs up on it; a stage that runs past the deadline is cut short and logged,
+        and p2pd still gets SIGTERM, then SIGKILL at the deadline (it holds no state of ours).
+        """
+        deadline = time.monotonic() + self.request_timeout
+
+        async def stage(name: str, coro: Coroutine[Any, Any, Any]) -> None:
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(coro, max(deadline - started, 1.0))  # each late stage still gets a second
+            except TimeoutError:
+                logger.info("gossip shutdown: %s cut short after %.1f s", name, time.monotonic() - started)
+
         if self._joiner is not None:
-            await self._joiner.remember_peers()
+            await stage("saving the peer cache", self._joiner.remember_peers())
         if self._dht is not None:
-            await self._dht.shutdown()
+            await stage("removing the DHT handlers", self._dht.shutdown())
         if self._p2p is not None:
-            await self._p2p.shutdown()
+            await stage("waiting for p2pd to exit", self._p2p.shutdown())
+            child = getattr(self._p2p, "_child", None)
+            if child is not None and child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                await stage("waiting for p2pd to die", child.wait())
         # hivemind leaves background tasks (traversals, cache refresh) pending; end them and ours here.
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current]
