@@ -15,7 +15,7 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
   RPCs                    an index read stops at the first replica with a fresh record: read_workers + hops RPCs,
                           hops = log2(N / beam); a store and a placement read crawl the beam: min(N - 1, beam + hops)
   record copies           every replica a find reaches answers with the whole key: replies * r per index read
-                          (replies fitted, about 1.5), replicas * r per store and placement read
+                          (replies fitted, about 1), replicas * r per store and placement read
   bytes                   2 * k_fill * K * body (in + out) + find RPCs * rpc_bytes + copies * entry_bytes
                           + store RPCs * (record_bytes + rpc_bytes) + idle upkeep (measured, per node-step)
   k_fill                  a node of period T can take at most one new batch per author per step:
@@ -66,11 +66,11 @@ class Design:
     relay_stores: float = 0.2  # relayed-batch re-stores per step (coalesced; measured 0.1-0.3)
     store_every_s: float = 0.0  # 0: a store per publish (as built); > 0: at most one store per this many seconds
     record_bytes: float = 1280  # a sealed index record with 9 items (see record_size())
-    rpc_bytes: float = 2300  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
-    entry_bytes: float = 1500  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
-    replies: float = 1.5  # replicas that answer an early-stopping index read with the key (fitted)
-    prev_share: float = 0.25  # steps that also read the previous bucket (fitted)
-    idle_bytes_per_node_s: float = 0.0  # libp2p and DHT upkeep of a joined node (measured: small)
+    rpc_bytes: float = 2729  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
+    entry_bytes: float = 3066  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
+    replies: float = 1.0  # replicas that answer an early-stopping index read with the key (fitted)
+    prev_share: float = 0.20  # steps that also read the previous bucket (fitted)
+    idle_bytes_per_node_s: float = 59.0  # libp2p and DHT upkeep of a joined node (fitted: small)
     crawl_reads: bool = False  # the design before: every read crawls the beam, walks to the bottom, both buckets
     caching: bool = False  # the design before: hivemind's caching on (cached copies answer too; a push per get)
     cached_share: float = 0.45  # with caching: share of the crawled non-replica peers answering with a cached copy

@@ -34,7 +34,9 @@ from hivespec.protocol.private import PrivateSwarm
 logger = logging.getLogger(__name__)
 
 Claim = tuple[bytes, str, int]  # (sha256, author, size)
-_REMEMBERED = 65536  # fetched and failed claims kept for dedupe
+# Fetched and failed claims kept for dedupe: a claim is offered for at most record_ttl (600 s), and a node
+# takes at most K (4) a step, so even at a step a second 16384 outlasts every claim it can meet again (~5 MB).
+_REMEMBERED = 16384
 
 
 @dataclass
