@@ -12,6 +12,10 @@ Counted over each phase's steady window, which starts once every node has publis
 (before that there is nothing to share) and ends with the phase:
   foreign_step_share    per node (shared phase): share of its steps that trained on foreign samples
   fast_rate_vs_solo     the fast node's steps per minute shared / apart (1.0: sharing costs it nothing)
+  fast_step             the fast node's mean seconds per step by phase, shared and apart, with its trained samples
+                        and generated tokens per step: tells waiting (`gossip` holds all of its sharing: publish,
+                        sample, fetch) from doing more work (`train`: alone, a 1x2 group whose two completions score
+                        the same has no advantage and trains nothing; shared, it also trains on foreign samples)
   foreign_age_s         age of the foreign samples trained on (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
 
@@ -95,6 +99,17 @@ def run_phase(root: Path, minutes: float, *, shared: bool) -> dict:
     return {"arrivals": arrivals, "end": time.monotonic()}
 
 
+def step_profile(steps: list[dict]) -> dict:
+    """Mean seconds per phase, trained samples and generated tokens over one node's steps."""
+    if not steps:
+        return {}
+    phases = ("rollout", "gossip", "train", "sync", "round")
+    profile = {name: round(statistics.mean(e["seconds"].get(name, 0.0) for e in steps), 2) for name in phases}
+    profile["trained_samples"] = round(statistics.mean(e["trained_samples"] for e in steps), 2)
+    profile["tokens_generated"] = round(statistics.mean(e["tokens_generated"] for e in steps), 1)
+    return profile
+
+
 def steady(arrivals: dict[str, list[tuple[float, dict]]], end: float) -> tuple[float, dict[str, list[dict]]]:
     """The window from the moment every node has finished (so published) a step, and each node's steps that ended in it."""
     firsts = [records[0][0] for records in arrivals.values() if records]
@@ -133,11 +148,15 @@ def main() -> int:
         print(f"shared {name}: {len(s)} steps in {seconds:.0f}s, {share[name]:.0%} trained on foreign samples", flush=True)
     print(f"fast node: {rate_shared:.2f} steps/min shared, {rate_apart:.2f} apart ({len(apart_steps['fast'])} steps in "
           f"{apart_seconds:.0f}s)", flush=True)
+    profiles = {"shared": step_profile(steps["fast"]), "apart": step_profile(apart_steps["fast"])}
+    for phase, profile in profiles.items():
+        print(f"fast node {phase}: seconds per step {profile}", flush=True)
     result = {
         "foreign_step_share": share,
         "foreign_step_share_min": min(share.values()),
         "fast_rate_vs_solo": round(rate_shared / rate_apart, 3) if rate_apart else None,
         "fast_steps_per_min": {"shared": round(rate_shared, 2), "apart": round(rate_apart, 2)},
+        "fast_step": profiles,
         "steps": {name: len(s) for name, s in steps.items()},
         "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
         "foreign_age_s": _percentiles(ages),
