@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -44,7 +45,7 @@ from hivespec.node.speculation.policy import CurveCalibration
 from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.status.board import BoardSources, NodeFacts, RoundStopped, RunControl, StatusBoard
 from hivespec.node.status.server import StatusServer, remove_status_file, write_status_file
-from hivespec.node.supervise import Watchdog, train_step_with_oom_retry
+from hivespec.node.supervise import HeapTrimmer, Watchdog, train_step_with_oom_retry
 from hivespec.node.swarm.bootstrap import HomeLock
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.peers import PeerScores
@@ -62,6 +63,8 @@ from hivespec.node.weights.sync import WeightSync
 from hivespec.protocol.identity import Identity
 
 log = logging.getLogger(__name__)
+
+REPORTS_KEPT = 1024  # reports Node.run returns: every round's for a run of rounds, the last ones for a node run forever
 
 
 class Node:
@@ -168,8 +171,11 @@ class Node:
         A checkpoint is saved every ``checkpoint.every_rounds`` rounds and when the loop ends; then
         the node keeps its latest policy for `hivespec export` (`kept_policy`: the record's path,
         None when writing it failed) before the status says finished, however the node was run.
+        Returns the last REPORTS_KEPT rounds' reports (a node run for days must not keep every one:
+        each goes to `on_report` as it is made).
         """
-        reports = []
+        reports: deque[RoundReport] = deque(maxlen=REPORTS_KEPT)
+        heap = HeapTrimmer()
         saved_at = self.next_round
         stopped: RoundStopped | None = None
         while self.config.rounds == 0 or self.next_round < self.config.rounds:
@@ -199,6 +205,7 @@ class Node:
             reports.append(report)
             if on_report is not None:
                 on_report(report)
+            heap.maybe_trim()
         if stopped is not None:
             self.stop_report = self._stopped_mid_round(stopped, save=self.config.checkpoint.at_exit and saved_at != self.next_round)
         elif self.config.checkpoint.at_exit and saved_at != self.next_round:
@@ -209,7 +216,7 @@ class Node:
         if self.trackers is not None:
             self.trackers.close()
         self.status.finished()
-        return reports
+        return list(reports)
 
     def run_round(self, round_index: int) -> RoundReport:
         """One full round; see the module docstring."""

@@ -8,10 +8,15 @@
   batch (generation: the request list; training: the micro-batch size) and retries. Keyed
   sampling makes a completion independent of its batch, and the optimizer steps once over the
   same samples whatever the micro-batch size, so a retry changes no result.
+- `HeapTrimmer`: between rounds, at most every `every_s`, hands the C heap's free pages back to the
+  OS (glibc's `malloc_trim`): a round's activations and gradients are freed into the heaps of the
+  threads that made them, and without a trim a node's RSS holds its largest round's peak for good.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 import sys
@@ -31,6 +36,39 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+# ----- the C heap ----------------------------------------------------------------------------
+
+
+class HeapTrimmer:
+    """`maybe_trim()` calls glibc's malloc_trim(0) if `every_s` has passed since the last; a no-op without glibc."""
+
+    def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self._last = clock()
+        self._trim = _malloc_trim()
+
+    def maybe_trim(self) -> bool:
+        """Trim if due; True when the heap was trimmed (something given back or not)."""
+        if self._trim is None or self.clock() - self._last < self.every_s:
+            return False
+        started = time.perf_counter()
+        self._trim(0)
+        self._last = self.clock()
+        log.debug("malloc_trim took %.3f s", time.perf_counter() - started)
+        return True
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or name is None:
+        return None
+    try:
+        return ctypes.CDLL(name).malloc_trim  # glibc only: musl and others have no malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 # ----- watchdog -----------------------------------------------------------------------------

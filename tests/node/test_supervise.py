@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from hivespec.node.config import SwarmConfig
-from hivespec.node.supervise import Watchdog, is_out_of_memory
+from hivespec.node.supervise import HeapTrimmer, Watchdog, is_out_of_memory
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.supervisor import Backoff, GossipSupervisor
 from hivespec.protocol.identity import Identity
@@ -24,6 +24,40 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+_TRIM_CHILD = textwrap.dedent("""
+    import ctypes, ctypes.util
+    import psutil
+    from hivespec.node.supervise import HeapTrimmer
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    size, count = 64 * 1024, 4096  # 256 MiB in chunks below glibc's mmap threshold: from the heap
+    chunks = [libc.malloc(size) for _ in range(count)]
+    for chunk in chunks:
+        libc.memset(chunk, 1, size)
+    for i, chunk in enumerate(chunks):
+        if i % 64:  # one in 64 kept: the heap cannot shrink from its top, its free pages stay resident
+            libc.free(chunk)
+    clock = [0.0]
+    trimmer = HeapTrimmer(every_s=30.0, clock=lambda: clock[0])
+    before = psutil.Process().memory_info().rss
+    assert not trimmer.maybe_trim()  # not due yet
+    clock[0] = 30.0
+    assert trimmer.maybe_trim()
+    assert not trimmer.maybe_trim()  # due again only 30 s later
+    print((before - psutil.Process().memory_info().rss) / 2**20)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_the_heap_trimmer_gives_freed_pages_back_when_due():
+    """A node's RSS must follow what it keeps, not its largest round: 252 of 256 MiB freed go back to the OS."""
+    out = subprocess.run([sys.executable, "-P", "-c", _TRIM_CHILD], check=True, capture_output=True, text=True, timeout=120)
+    given_back_mib = float(out.stdout.strip())
+    assert given_back_mib > 200
 
 
 def test_watchdog_reports_a_silent_loop_once_per_period_and_its_recovery(caplog):
