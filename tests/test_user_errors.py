@@ -180,14 +180,21 @@ assert len({case.id for case in CASES}) == len(CASES), "two cases with the same 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess | None, float, Path]]:
-    """Every case run once, in parallel threads: id -> (result or None after a hang, seconds, its folder)."""
+    """Every case run once, in parallel threads: id -> (result or None after a hang, seconds, its folder).
+
+    The embedded model is converted first (in the cache the suite uses): the few cases that build
+    a node would otherwise print the one-time conversion's progress before their line.
+    """
+    from hivespec.node.model.loader import ensure_embedded_cache
+
+    ensure_embedded_cache()
     root = tmp_path_factory.mktemp("user-errors")
 
     def run(index: int, case: Case):
         tmp = root / f"case-{index}"
         _files(tmp)
         argv, extra, _ = case.text(tmp)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HIVESPEC_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HIVESPEC_") or k == "HIVESPEC_CACHE_DIR"}
         env |= {"HIVESPEC_HOME": str(tmp / "home"), "HF_HUB_OFFLINE": "1", **extra}
         started = time.monotonic()
         try:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from hivespec.node.config import SwarmConfig
-from hivespec.node.supervise import HeapTrimmer, Watchdog, is_out_of_memory
+from hivespec.node.supervise import Watchdog, is_out_of_memory
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.supervisor import Backoff, GossipSupervisor
 from hivespec.protocol.identity import Identity
