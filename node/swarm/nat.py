@@ -125,7 +125,8 @@ async def start_p2pd(
 class _RelayedP2P(P2P):
     """P2P whose p2pd takes its trusted relays as static relays instead of waiting for discovery."""
 
-    def _make_process_args(self, *args: Any, **kwargs: Any) -> list[str]:
+    @staticmethod
+    def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:  # static as in P2P: testable without a daemon
         kwargs["relayDiscovery"] = False
         return P2P._make_process_args(*args, **kwargs)
 

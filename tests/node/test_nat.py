@@ -34,5 +34,5 @@ def test_listen_ports_are_deduplicated_and_capped():
 
 
 def test_relayed_p2pd_gets_static_relays_and_no_discovery():
-    args = _RelayedP2P()._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY, forceReachabilityPrivate=1)
+    args = _RelayedP2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY, forceReachabilityPrivate=1)
     assert "-relayDiscovery=0" in args and "-autoRelay=1" in args and f"-trustedRelays={RELAY}" in args
