@@ -488,7 +488,8 @@ class Gossip:
         cap = self.config.index_key_records
         path = placement_path(self.swarm, bucket, self.identity.peer_id)
         for key in path:
-            _, total = await self.records.read(key, self.request_timeout)
+            # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
+            _, total = await self.records.read(key, self.request_timeout, fresh_within=self.config.index_bucket_s)
             if total < cap:
                 break
         self._placed[bucket] = key

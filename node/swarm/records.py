@@ -6,6 +6,12 @@ multiaddrs, bound to its key and expiration. `store(key)` writes our record for 
 we `hold` there; `read(key)` returns every other holder's valid record under it (the validator's
 checks, cached by content) and how many records the key holds, ours included.
 
+A node re-stores its record under the same key at every step of a bucket (its newest batch, the
+batches it relays). hivemind's store looks up the key's nearest peers first, and every peer that
+lookup asks answers with the whole key: at 64 nodes that was 3 in 4 of the record copies a node
+received. So the first store under a key finds its replicas and later ones write straight to them
+for `REPLICAS_TTL_S`; a replica that does not answer sends the next store through a new lookup.
+
 Loop-thread state: only gossip's event loop calls these.
 """
 
@@ -37,6 +43,11 @@ logger = logging.getLogger(__name__)
 # distinct records per bucket (the keys of its walks and placement path, ~40 at 64 nodes), so 4096 is hours
 # of them; at ~3.4 KB each the cache stays under 14 MB (65536 was ~220 MB when full).
 _PARSED = 4096
+# How long the DHT peers nearest a key are written to without looking them up again: about one index
+# bucket, the life of a key our record is re-stored under, so a peer that joins nearer than them is
+# found within a bucket. The keys remembered are the ones we hold records under (a few per bucket).
+REPLICAS_TTL_S = 30.0
+_REPLICAS_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class IndexRecords:
         self._maddrs: tuple[str, ...] = ()
         self._held: OrderedDict[str, list[AnnouncedBody]] = OrderedDict()  # key -> our record's items, newest first
         self._parsed: OrderedDict[bytes, tuple[str, Announce] | None] = OrderedDict()
+        self._replicas: OrderedDict[str, tuple[float, dict[DHTID, PeerID]]] = OrderedDict()  # key -> (found at, nearest)
         self._seq_lock = threading.Lock()
         self._seq = 0
         self._last_expiry = 0.0
@@ -120,12 +132,55 @@ class IndexRecords:
             seq = self._seq
         record = seal(self.identity, Kind.ANNOUNCE, seq, body)
         self._stats["dht_stores"] += 1
-        stored = await self._dht.store(key, record, expiration_time=expires, subkey=self.identity.peer_id)
+        stored = await self._store_at_replicas(key, record, expires)
+        if stored is None:  # no replicas remembered, or one of them did not answer: hivemind's own lookup and store
+            stored = await self._dht.store(key, record, expiration_time=expires, subkey=self.identity.peer_id)
         if not stored:
             # Only our own replica may exist; peers can still find the record once they reach us.
             self._stats["announce_store_failed"] += 1
             logger.debug("%s: no DHT peer accepted our index record", key)
         return bool(stored)
+
+    async def _store_at_replicas(self, key: str, record: bytes, expires: float) -> bool | None:
+        """Store our sealed `record` straight at `key`'s remembered replicas (found on first use).
+
+        True when another peer accepted it (or we are alone and kept it), False when every peer refused
+        it, None when the lookup found no replica or none accepted while some did not answer: the
+        caller then stores the usual way. A replica that does not answer makes the next store look
+        the replicas up again.
+        """
+        dht = self._dht
+        key_id = DHTID.generate(source=key)
+        remembered = self._replicas.get(key)
+        if remembered is None or time.monotonic() - remembered[0] > REPLICAS_TTL_S:
+            found = await dht.find_nearest_nodes([key_id], k_nearest=dht.num_replicas)
+            self._stats["replica_lookups"] += 1
+            remembered = (time.monotonic(), found.get(key_id, {}))
+            self._replicas[key] = remembered
+            while len(self._replicas) > _REPLICAS_KEPT:
+                self._replicas.popitem(last=False)
+        self._replicas.move_to_end(key)
+        replicas = remembered[1]
+        if not replicas:
+            return None
+        # The bytes hivemind's store_many would send: msgpack of the subkey and of the value.
+        protocol, subkey = dht.protocol, self.identity.peer_id
+        value = protocol.serializer.dumps(record)
+        kept = False
+        if dht.node_id in replicas:
+            checked = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), value, expires)
+            if protocol.record_validator is None or protocol.record_validator.validate(checked):
+                kept = bool(protocol.storage.store(key_id, value, expires, subkey=subkey))
+        remote = [peer for node, peer in replicas.items() if node != dht.node_id]
+        answers = await asyncio.gather(*(protocol.call_store(peer, [key_id], [value], [expires], [subkey]) for peer in remote))
+        self._stats["direct_stores"] += 1
+        if any(answer is None for answer in answers):
+            self._replicas.pop(key, None)
+        if not remote:
+            return kept
+        if any(answer is not None and answer[0] for answer in answers):
+            return True
+        return None if any(answer is None for answer in answers) else False
 
     async def read(self, key: str, timeout: float, *, fresh_within: float | None = None) -> tuple[list[tuple[Holder, Announce]], int]:
         """Every other holder's valid (holder, announce) under `key`, and how many records the key holds (ours too).

@@ -15,6 +15,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 
 from hivespec.node.config import SwarmConfig
+from hivespec.node.swarm import records
 from hivespec.node.swarm.dht_guard import MAX_RECORDS_PER_KEY
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.index import bucket_of, placement_path
@@ -263,6 +264,35 @@ def test_a_holder_serving_other_bytes_is_scored_down() -> None:
         assert reader.stats()["bad_bodies"] == 1
     finally:
         for node in (reader, liar, first):
+            node.shutdown()
+
+
+def test_later_stores_under_a_key_go_straight_to_its_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lookup per key: re-stores skip hivemind's find (whose every answer carries the whole key); a replica
+    that stops answering sends the next store through a new lookup, and readers see every store throughout."""
+    monkeypatch.setattr(records, "REPLICAS_TTL_S", 3600.0)  # however slow the machine, no lookup is due to age
+    first = start_node()
+    writer, reader, leaver = first, start_node(first.visible_maddrs), start_node(first.visible_maddrs)
+    try:
+        bodies = []
+        for slot_body in range(3):
+            bodies.append(os.urandom(1_000 + slot_body))
+            writer.publish(7, bodies[-1], topic="delta")
+            got = reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)
+            assert [f.body for f in got] == [bodies[-1]]  # each re-store reached the replicas readers ask
+        stats = writer.stats()
+        assert stats["replica_lookups"] == 1 and stats["direct_stores"] == 3 and stats["dht_stores"] == 3
+
+        leaver.shutdown()
+        bodies.append(os.urandom(2_000))
+        writer.publish(7, bodies[-1], topic="delta")  # the gone replica does not answer; the others take it
+        assert [f.body for f in reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)] == [bodies[-1]]
+        bodies.append(os.urandom(2_001))
+        writer.publish(7, bodies[-1], topic="delta")
+        assert writer.stats()["replica_lookups"] == 2  # looked up again after the miss
+        assert [f.body for f in reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)] == [bodies[-1]]
+    finally:
+        for node in (reader, leaver, writer):
             node.shutdown()
 
 
