@@ -57,6 +57,7 @@ from hivespec.node.swarm.index import (
     descend,
     go_deeper,
     level_weight,
+    placement_delay,
     placement_path,
     trust_from_score,
 )
@@ -382,7 +383,7 @@ class Gossip:
         self.bodies.keep(item.sha256, wire)
         self.fetcher.mark_done((item.sha256, item.author, item.size))
         self._remember_announced(item)
-        key = await self._placed_key(bucket_of(time.time(), self.config.index_bucket_s))
+        key = await self._placed_key(time.time())
         self.records.hold(key, item, first=True)
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
         self._stats["published"] += 1
@@ -474,17 +475,23 @@ class Gossip:
     async def _relay_rollouts(self, item: AnnouncedBody) -> None:
         """Serve a fetched batch too: add it to our record in the current bucket (while there is room)."""
         try:
-            key = await self._placed_key(bucket_of(time.time(), self.config.index_bucket_s))
+            key = await self._placed_key(time.time())
             if self.records.hold(key, item):
                 await self._restore(key)
         except Exception as exc:  # noqa: BLE001 - relaying is best effort
             logger.debug("relaying %s failed: %s", item.sha256.hex()[:12], exc)
 
-    async def _placed_key(self, bucket: int) -> str:
-        """The key our record lives under in `bucket`: the first on our path holding fewer than index_key_records others."""
+    async def _placed_key(self, now: float) -> str:
+        """The key our record lives under at `now`: in its bucket, the first on our path holding fewer than
+        index_key_records others; before our `placement_delay` into the bucket, our key of the previous one."""
+        bucket_s = self.config.index_bucket_s
+        bucket = bucket_of(now, bucket_s)
         key = self._placed.get(bucket)
         if key is not None:
             return key
+        previous = self._placed.get(bucket - 1)
+        if previous is not None and now < bucket * bucket_s + placement_delay(self.identity.peer_id, bucket, bucket_s):
+            return previous
         cap = self.config.index_key_records
         path = placement_path(self.swarm, bucket, self.identity.peer_id)
         for key in path:
@@ -501,7 +508,7 @@ class Gossip:
         """Keep the rollout bodies we serve that are younger than announce_seconds in the current bucket's record.
 
         A slow author's batch stays findable by readers, who look at the last two buckets only.
-        One store when a bucket starts (or a body is missing from its record), none otherwise.
+        One store when our record moves to a new bucket (or a body is missing from its record), none otherwise.
         """
         bucket_s = self.config.index_bucket_s
         while True:
@@ -512,7 +519,7 @@ class Gossip:
                 continue
             bucket = bucket_of(now, bucket_s)
             try:
-                key = await self._placed_key(bucket)
+                key = await self._placed_key(now)
                 # Our own batches first, newest first: a full record keeps those.
                 added = [self.records.hold(key, item) for item in sorted(fresh, key=lambda i: (i.author != self.identity.peer_id, -i.born))]
                 if any(added):

@@ -13,7 +13,10 @@ first l bits of sha256(its peer id).
   fewer than `cap` other records, and stays there for the bucket (a re-store replaces its own
   subkey, adding no record). The tree grows a level each time the bucket's publishers double past
   `cap`, so a key holds at most `cap` records plus the few of writers racing for its last slot;
-  storing peers refuse any new subkey past `dht_guard.MAX_RECORDS_PER_KEY`, whoever writes.
+  storing peers refuse any new subkey past `dht_guard.MAX_RECORDS_PER_KEY`, whoever writes. A
+  holder that wrote in the previous bucket moves to a new one at its own `placement_delay` into
+  it, spread over the bucket's first third, so the swarm's placements do not all read a key's
+  count in the same second (they did: 37 records in one key at cap 16 with 64 nodes).
 - **Reading** (`descend`): from level 0 down one random path; below a full key the reader goes on
   with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
   whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). A record at
@@ -59,6 +62,20 @@ def prefix_of(peer_id: str, level: int) -> int:
 def placement_path(swarm: str, bucket: int, peer_id: str) -> list[str]:
     """A holder's keys in `bucket`, root first: it writes to the first one not full."""
     return [rollout_index_key(swarm, bucket, level, prefix_of(peer_id, level)) for level in range(MAX_INDEX_LEVEL + 1)]
+
+
+PLACEMENT_SPREAD = 1 / 3  # of a bucket: the span over which holders move their records into it
+
+
+def placement_delay(peer_id: str, bucket: int, bucket_s: float) -> float:
+    """Seconds into `bucket` at which a holder that wrote in the previous bucket places its record in this one.
+
+    Spread evenly over the first `PLACEMENT_SPREAD` of the bucket by a hash of (peer, bucket), a new
+    draw each bucket. Until then the holder's new batches join its record in the previous bucket,
+    which readers also read early in a bucket (see the module docstring).
+    """
+    digest = hashlib.sha256(f"{peer_id}|{bucket}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * PLACEMENT_SPREAD * bucket_s
 
 
 DESCEND = 0.5  # probability that a walk goes on below a full key

@@ -18,7 +18,7 @@ from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm import records
 from hivespec.node.swarm.dht_guard import MAX_RECORDS_PER_KEY
 from hivespec.node.swarm.gossip import Gossip, GossipError
-from hivespec.node.swarm.index import bucket_of, placement_path
+from hivespec.node.swarm.index import bucket_of, placement_delay, placement_path
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.transfer import CHUNK_BYTES, BadBody, download
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
@@ -294,6 +294,22 @@ def test_later_stores_under_a_key_go_straight_to_its_replicas(monkeypatch: pytes
     finally:
         for node in (reader, leaver, writer):
             node.shutdown()
+
+
+def test_a_record_moves_to_a_new_bucket_at_its_own_moment(swarm: list[Gossip]) -> None:
+    """Before its placement_delay into a bucket a holder keeps writing in its previous bucket's key; from then on in
+    the new bucket's, where it stays."""
+    node = swarm[0]
+    bucket_s = node.config.index_bucket_s
+    bucket = bucket_of(time.time(), bucket_s) + 1000  # buckets nobody else uses
+    start = bucket * bucket_s
+    delay = placement_delay(node.identity.peer_id, bucket, bucket_s)
+    previous = node._call(node._placed_key(start - 1.0), 30)
+    assert previous == placement_path(SWARM, bucket - 1, node.identity.peer_id)[0]
+    assert node._call(node._placed_key(start + delay - 0.01), 30) == previous
+    moved = node._call(node._placed_key(start + delay), 30)
+    assert moved == placement_path(SWARM, bucket, node.identity.peer_id)[0]
+    assert node._call(node._placed_key(start), 30) == moved  # placed: it stays for the bucket
 
 
 def test_a_body_outlives_its_author_through_a_holder() -> None:

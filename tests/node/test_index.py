@@ -6,7 +6,16 @@ from __future__ import annotations
 import random
 import statistics
 
-from hivespec.node.swarm.index import Candidate, choose_claims, descend, go_deeper, level_weight, placement_path
+from hivespec.node.swarm.index import (
+    PLACEMENT_SPREAD,
+    Candidate,
+    choose_claims,
+    descend,
+    go_deeper,
+    level_weight,
+    placement_delay,
+    placement_path,
+)
 from hivespec.protocol.announce import AnnouncedBody
 
 SWARM = "index-test"
@@ -45,6 +54,18 @@ def test_no_key_holds_more_than_the_cap_and_the_tree_grows_a_level_per_doubling(
         assert sum(len(records) for records in keys.values()) == holders
         levels = {int(key.split("/")[-2]) for key, records in keys.items() if records}
         assert max(levels) + 1 <= depth + 2, (holders, sorted(levels))
+
+
+def test_holders_move_into_a_new_bucket_spread_over_its_first_third() -> None:
+    """Placements at a bucket's start are spread evenly (so they do not all read a key's count in the same second),
+    each holder at a new moment each bucket."""
+    bucket_s = 30.0
+    delays = [placement_delay(f"hs{i:016x}", BUCKET, bucket_s) for i in range(4000)]
+    assert all(0 <= d < PLACEMENT_SPREAD * bucket_s for d in delays)
+    tenths = [sum(k * bucket_s / 30 <= d < (k + 1) * bucket_s / 30 for d in delays) for k in range(10)]
+    assert min(tenths) > 300 and max(tenths) < 500  # about 400 in each tenth of the spread
+    assert placement_delay("hs1", BUCKET, bucket_s) == placement_delay("hs1", BUCKET, bucket_s)
+    assert len({round(placement_delay("hs1", b, bucket_s), 6) for b in range(50)}) == 50
 
 
 def test_a_walk_reads_about_two_keys_whatever_the_swarm_size() -> None:
