@@ -12,10 +12,13 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
   walks per step          1 + prev_share: the previous bucket is read when the current offers fewer than 2K batches
   DHT gets                walks * E (index reads) + (L + 1) * step_s / bucket_s (placing our record once a bucket)
   DHT stores              1 (publish) + relay_stores + step_s / bucket_s (the keep-announcing re-store, once a bucket)
-  RPCs                    an index read stops at the first replica with a fresh record: read_workers + hops RPCs,
-                          hops = log2(N / beam); a store and a placement read crawl the beam: min(N - 1, beam + hops)
-  record copies           every replica a find reaches answers with the whole key: replies * r per index read
-                          (replies fitted, about 1), replicas * r per store and placement read
+  replica lookups         step_s / bucket_s: the first store under a key (once a bucket) finds its replicas, later
+                          stores write straight to them (records.py)
+  RPCs                    an index read and a placement read stop at the first replica with a fresh record:
+                          read_workers + hops RPCs, hops = log2(N / beam); a lookup crawls the beam: min(N - 1, beam + hops);
+                          a store sends `replicas` store RPCs
+  record copies           every replica a find reaches answers with the whole key: replies * r per index or placement
+                          read (replies fitted, about 1), replicas * r per lookup
   bytes                   2 * k_fill * K * body (in + out) + find RPCs * rpc_bytes + copies * entry_bytes
                           + store RPCs * (record_bytes + rpc_bytes) + idle upkeep (measured, per node-step)
   k_fill                  a node of period T can take at most one new batch per author per step:
@@ -24,9 +27,11 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
 rpc_bytes, entry_bytes, replies and prev_share are fitted to the bench's measured points (`--measured FILE`,
 the bench's RESULT line or its JSON, refits them and prints model and measurement side by side; the
 defaults come from the run in docs/scale.md). record_bytes is measured on the real encoder when hivespec
-is importable (a sealed record with 9 items). The variant `crawl_full_walks` is the design before
-(every read crawls the beam with hivemind's caching on, walks go to the bottom of the tree, both buckets
-read every step); `coalesced_stores` is the next lever (a node stores its record at most once per 10 s).
+is importable (a sealed record with 9 items). Variants: `lookup_every_store` is the design measured
+on 2026-11-24 (hivemind's store, which looks the replicas up every time, and placement reads that crawl
+the beam); `crawl_full_walks` the design before that (every read crawls the beam with hivemind's caching
+on, walks go to the bottom of the tree, both buckets read every step); `coalesced_stores` a lever not
+built (a node stores its record at most once per 10 s).
 
     python bench/scale_model.py                       # N = 8 .. 10^5
     python bench/scale_model.py --measured run.json   # also the bench's points, model beside measurement
@@ -65,6 +70,8 @@ class Design:
     read_workers: int = 2  # records.read's requests in flight for an index read
     relay_stores: float = 0.2  # relayed-batch re-stores per step (coalesced; measured 0.1-0.3)
     store_every_s: float = 0.0  # 0: a store per publish (as built); > 0: at most one store per this many seconds
+    direct_stores: bool = True  # as built: stores go straight to a key's replicas, looked up once a bucket
+    crawl_placement: bool = False  # the design before: placement reads crawl the beam for the newest copy
     record_bytes: float = 1280  # a sealed index record with 9 items (see record_size())
     rpc_bytes: float = 2729  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
     entry_bytes: float = 3066  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
@@ -146,6 +153,7 @@ def per_node_step(n: int, d: Design) -> dict:
     placement_reads = levels * once_a_bucket
     gets = index_reads + placement_reads
     stores = stores_per_step(n, d) + d.relay_stores + once_a_bucket
+    lookups = once_a_bucket if d.direct_stores else stores  # stores that first look the key's replicas up
     hops = max(0.0, math.log2(n / d.beam)) if n > d.beam else 0.0
     crawl = min(n - 1, d.beam + hops)  # find RPCs of a crawling traversal: a store, a placement read (and reads before)
     if d.crawl_reads:
@@ -156,8 +164,12 @@ def per_node_step(n: int, d: Design) -> dict:
         read_rpcs = min(n - 1, d.read_workers + hops)
         read_copies = min(d.replies, n - 1) * per_key
     replica_copies = min(d.replicas, n - 1) * per_key
-    copies = index_reads * read_copies + placement_reads * replica_copies + stores * replica_copies
-    find_rpcs = index_reads * read_rpcs + placement_reads * crawl + stores * crawl
+    if d.crawl_placement or d.crawl_reads:
+        placement_rpcs, placement_copies = crawl, replica_copies
+    else:
+        placement_rpcs, placement_copies = read_rpcs, read_copies
+    copies = index_reads * read_copies + placement_reads * placement_copies + lookups * replica_copies
+    find_rpcs = index_reads * read_rpcs + placement_reads * placement_rpcs + lookups * crawl
     store_rpcs = stores * d.replicas + (gets if d.caching else 0.0)  # cache_nearest=1 pushed each get's result once
     fill = k_fill(n, d)
     body = 2 * fill * d.k * d.body_bytes
@@ -263,7 +275,8 @@ def main() -> int:
     variants = {
         "as_built": built,
         "coalesced_stores": dataclasses.replace(built, store_every_s=10.0),
-        "crawl_full_walks": dataclasses.replace(built, crawl_reads=True, caching=True),
+        "lookup_every_store": dataclasses.replace(built, direct_stores=False, crawl_placement=True),
+        "crawl_full_walks": dataclasses.replace(built, crawl_reads=True, caching=True, direct_stores=False, crawl_placement=True),
     }
     tables = {}
     for name, design in variants.items():
