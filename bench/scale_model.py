@@ -9,7 +9,8 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
                           writers racing for its last slot (overfill, measured)
   keys per walk           E = sum of DESCEND^l over l = 0..L, L the first level not full (H <= cap (2^(L+1) - 1)):
                           below a full key a walk goes on with probability DESCEND = 1/2, so E < 2 whatever N
-  walks per step          1 + prev_share: the previous bucket is read when the current offers fewer than 2K batches
+  walks per step          1 + prev_share: the previous bucket is read in a bucket's first third (holders still moving
+                          in) and when the current offers fewer than 2K batches
   DHT gets                walks * E (index reads) + (L + 1) * step_s / bucket_s (placing our record once a bucket)
   DHT stores              1 (publish) + relay_stores + step_s / bucket_s (the keep-announcing re-store, once a bucket)
   replica lookups         step_s / bucket_s: the first store under a key (once a bucket) finds its replicas, later

@@ -51,6 +51,7 @@ from hivespec.node.swarm.bootstrap import Joiner, PeerCache
 from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
 from hivespec.node.swarm.fetching import Fetched, Fetcher
 from hivespec.node.swarm.index import (
+    PLACEMENT_SPREAD,
     Candidate,
     bucket_of,
     choose_claims,
@@ -405,8 +406,10 @@ class Gossip:
         bucket = bucket_of(now, self.config.index_bucket_s)
         candidates: dict[tuple[bytes, str], Candidate] = {}
         self._add_candidates(candidates, await self._walk(bucket, deadline))
-        if len(candidates) < 2 * k:
-            # Early in a bucket few holders have stored into it yet; the previous one holds everybody's.
+        moving = now - bucket * self.config.index_bucket_s < PLACEMENT_SPREAD * self.config.index_bucket_s
+        if moving or len(candidates) < 2 * k:
+            # Early in a bucket holders are still moving into it (placement_delay): until then their newest
+            # batches are in their record of the previous bucket. Later, a thin bucket is topped up from it.
             self._add_candidates(candidates, await self._walk(bucket - 1, deadline))
         peers = self.peers
         chosen = choose_claims(
@@ -502,6 +505,10 @@ class Gossip:
         self._placed[bucket] = key
         while len(self._placed) > 4:
             self._placed.popitem(last=False)
+        if previous is not None:  # what we announced in the previous bucket comes along, newest first
+            for item in self.records.held(previous):
+                if now - item.born <= self.config.announce_seconds:
+                    self.records.hold(key, item)
         return key
 
     async def _keep_announcing(self) -> None:

@@ -2,9 +2,9 @@
 
 Nodes share no round numbers. A holder announces the batches it serves in the index of the
 current time bucket (`bucket = floor(unix time / bucket_s)`), and a reader looks at the current
-bucket, and at the previous one too when the current offers fewer than 2K batches it could take
-(early in a bucket, before most holders have re-announced into it): what it sees is at most two
-buckets old.
+bucket, and at the previous one too during the bucket's first `PLACEMENT_SPREAD` (while holders
+move their records into it, see Writing) or when the current offers fewer than 2K batches it
+could take: what it sees is at most two buckets old.
 
 Inside a bucket the records form a binary tree of DHT keys, `rollout_index_key(swarm, bucket,
 level, prefix)`: level 0 is one key, level l has 2^l keys, and a holder's key at level l is the
@@ -16,7 +16,8 @@ first l bits of sha256(its peer id).
   storing peers refuse any new subkey past `dht_guard.MAX_RECORDS_PER_KEY`, whoever writes. A
   holder that wrote in the previous bucket moves to a new one at its own `placement_delay` into
   it, spread over the bucket's first third, so the swarm's placements do not all read a key's
-  count in the same second (they did: 37 records in one key at cap 16 with 64 nodes).
+  count in the same second (they did: 37 records in one key at cap 16 with 64 nodes). Until
+  then its new batches join its previous record; when it moves, the fresh ones come along.
 - **Reading** (`descend`): from level 0 down one random path; below a full key the reader goes on
   with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
   whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). A record at

@@ -10,7 +10,9 @@ A node re-stores its record under the same key at every step of a bucket (its ne
 batches it relays). hivemind's store looks up the key's nearest peers first, and every peer that
 lookup asks answers with the whole key: at 64 nodes that was 3 in 4 of the record copies a node
 received. So the first store under a key finds its replicas and later ones write straight to them
-for `REPLICAS_TTL_S`; a replica that does not answer sends the next store through a new lookup.
+for `REPLICAS_TTL_S`; a replica that does not answer sends the next store through a new lookup, and
+a lookup that found fewer than hivemind's num_replicas (a swarm of a few nodes, or one we are still
+joining) is not remembered.
 
 Loop-thread state: only gossip's event loop calls these.
 """
@@ -156,10 +158,13 @@ class IndexRecords:
             found = await dht.find_nearest_nodes([key_id], k_nearest=dht.num_replicas)
             self._stats["replica_lookups"] += 1
             remembered = (time.monotonic(), found.get(key_id, {}))
-            self._replicas[key] = remembered
-            while len(self._replicas) > _REPLICAS_KEPT:
-                self._replicas.popitem(last=False)
-        self._replicas.move_to_end(key)
+            self._replicas.pop(key, None)
+            # Only a full set is remembered: fewer means a swarm of under num_replicas nodes, or one we have
+            # barely joined (alone, a lookup finds only us), and either may grow before the next store.
+            if len(remembered[1]) >= dht.num_replicas:
+                self._replicas[key] = remembered
+                while len(self._replicas) > _REPLICAS_KEPT:
+                    self._replicas.popitem(last=False)
         replicas = remembered[1]
         if not replicas:
             return None

@@ -24,7 +24,7 @@ from hivespec.node.swarm.transfer import CHUNK_BYTES, BadBody, download
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
-from hivespec.protocol.keys import delta_key
+from hivespec.protocol.keys import delta_key, topic_key
 
 SWARM = "test-gossip"
 pytestmark = pytest.mark.timeout(180)
@@ -272,17 +272,22 @@ def test_later_stores_under_a_key_go_straight_to_its_replicas(monkeypatch: pytes
     that stops answering sends the next store through a new lookup, and readers see every store throughout."""
     monkeypatch.setattr(records, "REPLICAS_TTL_S", 3600.0)  # however slow the machine, no lookup is due to age
     first = start_node()
-    writer, reader, leaver = first, start_node(first.visible_maddrs), start_node(first.visible_maddrs)
+    nodes = [first] + [start_node(first.visible_maddrs) for _ in range(5)]  # 6: one more than hivemind's 5 replicas
+    writer, reader = nodes[0], nodes[1]
+    key = topic_key(SWARM, "delta", 7)
     try:
         bodies = []
-        for slot_body in range(3):
-            bodies.append(os.urandom(1_000 + slot_body))
+        for extra in range(3):
+            bodies.append(os.urandom(1_000 + extra))
             writer.publish(7, bodies[-1], topic="delta")
             got = reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)
             assert [f.body for f in got] == [bodies[-1]]  # each re-store reached the replicas readers ask
         stats = writer.stats()
         assert stats["replica_lookups"] == 1 and stats["direct_stores"] == 3 and stats["dht_stores"] == 3
 
+        replicas = set(writer.records._replicas[key][1].values())
+        leaver = next(n for n in nodes[2:] if n._p2p.peer_id in replicas)
+        gone = leaver._p2p.peer_id
         leaver.shutdown()
         bodies.append(os.urandom(2_000))
         writer.publish(7, bodies[-1], topic="delta")  # the gone replica does not answer; the others take it
@@ -290,10 +295,21 @@ def test_later_stores_under_a_key_go_straight_to_its_replicas(monkeypatch: pytes
         bodies.append(os.urandom(2_001))
         writer.publish(7, bodies[-1], topic="delta")
         assert writer.stats()["replica_lookups"] == 2  # looked up again after the miss
+        assert gone not in set(writer.records._replicas.get(key, (0.0, {}))[1].values())
         assert [f.body for f in reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)] == [bodies[-1]]
     finally:
-        for node in (reader, leaver, writer):
+        for node in reversed(nodes):
             node.shutdown()
+
+
+def test_a_swarm_smaller_than_the_replica_count_looks_up_at_every_store(swarm: list[Gossip]) -> None:
+    """Fewer nodes than hivemind's num_replicas (or a node still joining): the lookup is not remembered, so the
+    next store finds a peer that joined since."""
+    writer = swarm[0]
+    before = writer.stats()["replica_lookups"]
+    writer.publish(11, b"a" * 500, topic="delta")
+    writer.publish(11, b"b" * 500, topic="delta")
+    assert writer.stats()["replica_lookups"] == before + 2 and not writer.records._replicas
 
 
 def test_a_record_moves_to_a_new_bucket_at_its_own_moment(swarm: list[Gossip]) -> None:
