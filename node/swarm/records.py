@@ -135,7 +135,7 @@ class IndexRecords:
         record = seal(self.identity, Kind.ANNOUNCE, seq, body)
         self._stats["dht_stores"] += 1
         stored = await self._store_at_replicas(key, record, expires)
-        if stored is None:  # no replicas remembered, or one of them did not answer: hivemind's own lookup and store
+        if stored is None:  # no replica accepted it and some did not answer: hivemind's own lookup and store
             stored = await self._dht.store(key, record, expiration_time=expires, subkey=self.identity.peer_id)
         if not stored:
             # Only our own replica may exist; peers can still find the record once they reach us.
@@ -147,9 +147,8 @@ class IndexRecords:
         """Store our sealed `record` straight at `key`'s remembered replicas (found on first use).
 
         True when another peer accepted it (or we are alone and kept it), False when every peer refused
-        it, None when the lookup found no replica or none accepted while some did not answer: the
-        caller then stores the usual way. A replica that does not answer makes the next store look
-        the replicas up again.
+        it, None when none accepted while some did not answer: the caller then stores the usual way.
+        A replica that does not answer makes the next store look the replicas up again.
         """
         dht = self._dht
         key_id = DHTID.generate(source=key)
@@ -165,9 +164,7 @@ class IndexRecords:
                 self._replicas[key] = remembered
                 while len(self._replicas) > _REPLICAS_KEPT:
                     self._replicas.popitem(last=False)
-        replicas = remembered[1]
-        if not replicas:
-            return None
+        replicas = remembered[1]  # ours among them unless farther from the key than num_replicas peers
         # The bytes hivemind's store_many would send: msgpack of the subkey and of the value.
         protocol, subkey = dht.protocol, self.identity.peer_id
         value = protocol.serializer.dumps(record)
