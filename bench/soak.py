@@ -20,7 +20,9 @@ prints the worst node's RSS at the end over its RSS at the end of the warm-up.
 
 Ends with one line `RESULT {json}` with `rss_slope_mb_per_h` (the robust figure: window minima of node + p2pd),
 `python_rss_slope_mb_per_h` and `p2pd_rss_slope_mb_per_h` (the same, each process apart), `fit_rss_slope_mb_per_h`
-(every sample), `fd_slope_per_h`, `unhandled`.
+(every sample), `fd_slope_per_h`, `unhandled`, and each node's robust slope with its standard error
+(`rss_slopes_mb_per_h`, `rss_slope_se_mb_per_h`): at 120 minutes a window's minimum still moves by ~20 MB,
+so each slope is known to about +-11 MB/h.
 """
 
 from __future__ import annotations
@@ -75,6 +77,21 @@ def _slope_per_hour(points: list[tuple[float, float]]) -> float:
     if var == 0:
         return 0.0
     return sum((t - mean_t) * (y - mean_y) for t, y in points) / var * 3600.0
+
+
+def _slope_se_per_hour(points: list[tuple[float, float]]) -> float | None:
+    """The standard error of `_slope_per_hour` (residual scatter over the spread of times): what a run can resolve."""
+    if len(points) < 4:
+        return None
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return None
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / var
+    residual = sum((y - mean_y - slope * (t - mean_t)) ** 2 for t, y in points) / (n - 2)
+    return (residual / var) ** 0.5 * 3600.0
 
 
 def main() -> int:
@@ -165,6 +182,8 @@ def main() -> int:
         "rss_mb_end": {k: round(v[-1][1], 1) for k, v in series.items() if v},
         "fds_end": {k: v[-1][2] for k, v in series.items() if v},
         "rss_slopes_mb_per_h": {k: round(v, 2) for k, v in rss_slopes.items()},
+        # +- one standard error of each robust slope: a slope within about 2 of these of 0 is not shown to be a leak.
+        "rss_slope_se_mb_per_h": {k: None if (se := _slope_se_per_hour(m)) is None else round(se, 2) for k, m in minima.items()},
         "fit_rss_slopes_mb_per_h": {k: round(v, 2) for k, v in fit_slopes.items()},
         "fd_slopes_per_h": {k: round(v, 2) for k, v in fd_slopes.items()},
     }
