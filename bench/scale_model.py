@@ -74,11 +74,11 @@ class Design:
     direct_stores: bool = True  # as built: stores go straight to a key's replicas, looked up once a bucket
     crawl_placement: bool = False  # the design before: placement reads crawl the beam for the newest copy
     record_bytes: float = 1280  # a sealed index record with 9 items (see record_size())
-    rpc_bytes: float = 2729  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
-    entry_bytes: float = 3066  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
+    rpc_bytes: float = 2191  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
+    entry_bytes: float = 3130  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
     replies: float = 1.0  # replicas that answer an early-stopping index read with the key (fitted)
-    prev_share: float = 0.20  # steps that also read the previous bucket (fitted)
-    idle_bytes_per_node_s: float = 59.0  # libp2p and DHT upkeep of a joined node (fitted: small)
+    prev_share: float = 0.381  # steps that also read the previous bucket (fitted)
+    idle_bytes_per_node_s: float = 53.0  # libp2p and DHT upkeep of a joined node (fitted: small)
     crawl_reads: bool = False  # the design before: every read crawls the beam, walks to the bottom, both buckets
     caching: bool = False  # the design before: hivemind's caching on (cached copies answer too; a push per get)
     cached_share: float = 0.45  # with caching: share of the crawled non-replica peers answering with a cached copy
