@@ -505,10 +505,9 @@ class Gossip:
         self._placed[bucket] = key
         while len(self._placed) > 4:
             self._placed.popitem(last=False)
-        if previous is not None:  # what we announced in the previous bucket comes along, newest first
-            for item in self.records.held(previous):
-                if now - item.born <= self.config.announce_seconds:
-                    self.records.hold(key, item)
+        if previous is not None:  # what we announced in the previous bucket comes along
+            for item in self._fresh_announced(now):
+                self.records.hold(key, item)
         return key
 
     async def _keep_announcing(self) -> None:
@@ -521,19 +520,23 @@ class Gossip:
         while True:
             await asyncio.sleep(min(bucket_s / 4, 10.0) * (0.5 + self._rng.random()))
             now = time.time()
-            fresh = [item for item in self._announced.values() if now - item.born <= self.config.announce_seconds]
+            fresh = self._fresh_announced(now)
             if not fresh:
                 continue
             bucket = bucket_of(now, bucket_s)
             try:
                 key = await self._placed_key(now)
-                # Our own batches first, newest first: a full record keeps those.
-                added = [self.records.hold(key, item) for item in sorted(fresh, key=lambda i: (i.author != self.identity.peer_id, -i.born))]
+                added = [self.records.hold(key, item) for item in fresh]
                 if any(added):
                     await asyncio.wait_for(self.records.store(key), self.request_timeout)
                     self._stats["reannounced"] += 1
             except Exception as exc:  # noqa: BLE001 - the next tick tries again
                 logger.debug("re-announcing in bucket %d failed: %s", bucket, exc)
+
+    def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
+        """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""
+        fresh = [item for item in self._announced.values() if now - item.born <= self.config.announce_seconds]
+        return sorted(fresh, key=lambda i: (i.author != self.identity.peer_id, -i.born))
 
     def _remember_announced(self, item: AnnouncedBody) -> None:
         self._announced[item.sha256] = item

@@ -176,13 +176,14 @@ class IndexRecords:
         remote = [peer for node, peer in replicas.items() if node != dht.node_id]
         answers = await asyncio.gather(*(protocol.call_store(peer, [key_id], [value], [expires], [subkey]) for peer in remote))
         self._stats["direct_stores"] += 1
-        if any(answer is None for answer in answers):
+        silent = any(answer is None for answer in answers)
+        if silent:
             self._replicas.pop(key, None)
         if not remote:
             return kept
         if any(answer is not None and answer[0] for answer in answers):
             return True
-        return None if any(answer is None for answer in answers) else False
+        return None if silent else False
 
     async def read(self, key: str, timeout: float, *, fresh_within: float | None = None) -> tuple[list[tuple[Holder, Announce]], int]:
         """Every other holder's valid (holder, announce) under `key`, and how many records the key holds (ours too).

@@ -62,7 +62,8 @@ def test_holders_move_into_a_new_bucket_spread_over_its_first_third() -> None:
     bucket_s = 30.0
     delays = [placement_delay(f"hs{i:016x}", BUCKET, bucket_s) for i in range(4000)]
     assert all(0 <= d < PLACEMENT_SPREAD * bucket_s for d in delays)
-    tenths = [sum(k * bucket_s / 30 <= d < (k + 1) * bucket_s / 30 for d in delays) for k in range(10)]
+    tenth = PLACEMENT_SPREAD * bucket_s / 10
+    tenths = [sum(k * tenth <= d < (k + 1) * tenth for d in delays) for k in range(10)]
     assert min(tenths) > 300 and max(tenths) < 500  # about 400 in each tenth of the spread
     assert placement_delay("hs1", BUCKET, bucket_s) == placement_delay("hs1", BUCKET, bucket_s)
     assert len({round(placement_delay("hs1", b, bucket_s), 6) for b in range(50)}) == 50
