@@ -1,28 +1,29 @@
 """Soak: 3 nodes on loopback train for a long time; are memory, file descriptors and errors flat?
 
-Every `--sample-every` seconds it records, per node, the resident memory and the open file
-descriptors of the node process and of its p2pd child, apart. After a warm-up (the first 20 % of
-the run, while caches and allocator pools fill) it reports the worst node's slope per hour of the
-minimum RSS of each window of `--window-minutes` (default 5): a round's transient peaks (activations,
-optimizer state, the allocator's free lists) swing RSS by hundreds of MB, so a plain fit of every
-sample cannot tell a leak from where in the swing the run happened to end; the floor of each window
-grows only when memory is kept. The plain least-squares slope of every sample is reported beside it.
-A slope over few windows is noise: at 30 minutes there are 4 windows after the warm-up, and a
-window's minimum still moves by hundreds of MB with the allocator; `windows` and each node's
-`window_minima_mb` are in the RESULT, and every sample is written to `<dir>/soak_series.json`, so
-a run can be read again without running it again. "Unhandled" counts tracebacks and CRITICAL lines in the node
-logs, watchdog stall reports, and nodes that exited on their own. As a side-by-side ratio it
-prints the worst node's RSS at the end over its RSS at the end of the warm-up.
+A round's activations, gradients and the allocator's free lists swing a node's RSS by hundreds of MB,
+so where in that swing a sample lands says nothing about a leak. The robust figure is read at one
+fixed point instead: a node trims its C heap between rounds (at most every 30 s) and reports its
+resident memory right after (`resident_mb_after_trim` in the round event). After a warm-up (the
+first 20 % of the run, while caches and allocator pools fill) `rss_slope_mb_per_h` is the worst
+node's least-squares slope per hour of those floors, each node's slope with its standard error
+beside it (`rss_slopes_mb_per_h`, `rss_slope_se_mb_per_h`: what the run can resolve).
+
+Measured from outside as well, every `--sample-every` seconds: RSS and open file descriptors of the
+node process with its children, its p2pd child apart, and the anonymous part (what a leak grows;
+the rest is pages of libraries and the model). Those give the slopes of each `--window-minutes`
+window's minimum (`window_rss_slope_mb_per_h`, `python_`, `p2pd_`, `anon_rss_slope_mb_per_h`) and
+of every sample (`fit_rss_slope_mb_per_h`): at 120 minutes a window's minimum still moves by ~20 MB
+with the sampling phase, so they resolve only about +-11 MB/h. Every sample is written to
+`<dir>/soak_series.json`. "Unhandled" counts tracebacks and CRITICAL lines in the node logs,
+watchdog stall reports, and nodes that exited on their own. As a side-by-side ratio it prints the
+worst node's RSS at the end over its RSS at the end of the warm-up.
 
     python bench/soak.py                    # 30 minutes, tiny model
     python bench/soak.py --quick            # 4 minutes
-    python bench/soak.py --model smollm2-135m-instruct --minutes 30
+    python bench/soak.py --model smollm2-135m-instruct --minutes 120
 
-Ends with one line `RESULT {json}` with `rss_slope_mb_per_h` (the robust figure: window minima of node + p2pd),
-`python_rss_slope_mb_per_h` and `p2pd_rss_slope_mb_per_h` (the same, each process apart), `fit_rss_slope_mb_per_h`
-(every sample), `fd_slope_per_h`, `unhandled`, and each node's robust slope with its standard error
-(`rss_slopes_mb_per_h`, `rss_slope_se_mb_per_h`): at 120 minutes a window's minimum still moves by ~20 MB,
-so each slope is known to about +-11 MB/h.
+Ends with one line `RESULT {json}`: `rss_slope_mb_per_h` (the robust figure), `fd_slope_per_h`,
+`unhandled`, `rounds` and `trims` per node, and the figures above.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ from swarm_harness import SwarmNode, prepare_model, start_swarm
 _UNHANDLED = re.compile(r"^Traceback \(most recent call last\)|\bCRITICAL\b|watchdog: loop .* made no progress", re.MULTILINE)
 
 
-def _usage(node: SwarmNode) -> tuple[float, int, float] | None:
-    """(RSS in MB of the node process plus its children, open fds, RSS in MB of the p2pd children alone)."""
+def _usage(node: SwarmNode) -> tuple[float, int, float, float] | None:
+    """(RSS in MB of the node process plus its children, open fds, RSS in MB of the p2pd children alone, anonymous RSS in MB).
+
+    The anonymous part is what a leak grows; the rest is pages of files (libraries, the model) the kernel maps in and out.
+    """
     try:
         process = psutil.Process(node.process.pid)
         children = process.children(recursive=True)
@@ -50,9 +54,26 @@ def _usage(node: SwarmNode) -> tuple[float, int, float] | None:
         rss = sum(p.memory_info().rss for p in members) / 1e6
         fds = sum(p.num_fds() for p in members)
         p2pd = sum(c.memory_info().rss for c in children if "p2pd" in c.name()) / 1e6
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        anon = sum(_anonymous_rss(p.pid) for p in members) / 1e6
+    except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError, ProcessLookupError):
         return None
-    return rss, fds, p2pd
+    return rss, fds, p2pd, anon
+
+
+def _anonymous_rss(pid: int) -> int:
+    """Bytes of anonymous resident memory (`RssAnon` in /proc/PID/status; 0 where the kernel has no such line)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _trim_floors(node: SwarmNode, started_wall: float, warmup_s: float) -> list[tuple[float, float]]:
+    """(seconds since the start, the node's resident MB right after a heap trim) of each round after the warm-up that ended with one."""
+    return [
+        (e["t"] - started_wall, e["resident_mb_after_trim"]) for e in node.rounds()
+        if e.get("resident_mb_after_trim") is not None and e["t"] - started_wall >= warmup_s
+    ]
 
 
 def _window_minima(points: list[tuple[float, float]], window_s: float) -> list[tuple[float, float]]:
@@ -116,8 +137,8 @@ def main() -> int:
     ]
     print(f"soak: {args.nodes} nodes, model {args.model}, {minutes:.0f} min; homes in {root}", flush=True)
     nodes = start_swarm(root, args.nodes, sets)
-    started = time.monotonic()
-    series: dict[str, list[tuple[float, float, int, float]]] = {n.name: [] for n in nodes}
+    started, started_wall = time.monotonic(), time.time()
+    series: dict[str, list[tuple[float, float, int, float, float]]] = {n.name: [] for n in nodes}
     exited = []
     next_print = started
     while time.monotonic() - started < minutes * 60:
@@ -146,17 +167,20 @@ def main() -> int:
 
     warmup = 0.2 * minutes * 60
     window_s = 60 * (args.window_minutes or (1.0 if args.quick else 5.0))
-    rss_slopes, python_slopes, p2pd_slopes, fit_slopes, fd_slopes, growth, minima = {}, {}, {}, {}, {}, {}, {}
-    (root / "soak_series.json").write_text(json.dumps({"columns": ["seconds", "rss_mb", "fds", "p2pd_rss_mb"], "warmup_s": warmup,
+    rss_slopes, python_slopes, p2pd_slopes, anon_slopes, fit_slopes, fd_slopes, growth, minima = {}, {}, {}, {}, {}, {}, {}, {}
+    (root / "soak_series.json").write_text(json.dumps({"columns": ["seconds", "rss_mb", "fds", "p2pd_rss_mb", "anon_rss_mb"], "warmup_s": warmup,
                                                        "series": series}))
+    floors = {n.name: _trim_floors(n, started_wall, warmup) for n in nodes}
+    floor_slopes = {name: _slope_per_hour(points) for name, points in floors.items()}
     for name, points in series.items():
         steady = [p for p in points if p[0] >= warmup]
-        minima[name] = _window_minima([(t, rss) for t, rss, _, _ in steady], window_s)
+        minima[name] = _window_minima([(t, rss) for t, rss, _, _, _ in steady], window_s)
         rss_slopes[name] = _slope_per_hour(minima[name])
-        python_slopes[name] = _slope_per_hour(_window_minima([(t, rss - p2pd) for t, rss, _, p2pd in steady], window_s))
-        p2pd_slopes[name] = _slope_per_hour(_window_minima([(t, p2pd) for t, _, _, p2pd in steady], window_s))
-        fit_slopes[name] = _slope_per_hour([(t, rss) for t, rss, _, _ in steady])
-        fd_slopes[name] = _slope_per_hour([(t, fds) for t, _, fds, _ in steady])
+        python_slopes[name] = _slope_per_hour(_window_minima([(t, rss - p2pd) for t, rss, _, p2pd, _ in steady], window_s))
+        p2pd_slopes[name] = _slope_per_hour(_window_minima([(t, p2pd) for t, _, _, p2pd, _ in steady], window_s))
+        anon_slopes[name] = _slope_per_hour(_window_minima([(t, anon) for t, _, _, _, anon in steady], window_s))
+        fit_slopes[name] = _slope_per_hour([(t, rss) for t, rss, _, _, _ in steady])
+        fd_slopes[name] = _slope_per_hour([(t, fds) for t, _, fds, _, _ in steady])
         if steady:
             growth[name] = steady[-1][1] / steady[0][1]
     unhandled_lines = {n.name: len(_UNHANDLED.findall(n.log_text())) for n in nodes}
@@ -167,9 +191,15 @@ def main() -> int:
         "model": args.model,
         "nodes": args.nodes,
         "rounds": {n.name: len(n.rounds()) for n in nodes},
-        "rss_slope_mb_per_h": round(max(rss_slopes.values(), key=abs), 2),
+        "rss_slope_mb_per_h": round(max(floor_slopes.values(), key=abs), 2),
+        "rss_slopes_mb_per_h": {k: round(v, 2) for k, v in floor_slopes.items()},
+        # +- one standard error of each slope: a slope within about 2 of these of 0 is not shown to be a leak.
+        "rss_slope_se_mb_per_h": {k: None if (se := _slope_se_per_hour(f)) is None else round(se, 2) for k, f in floors.items()},
+        "trims": {k: len(f) for k, f in floors.items()},
+        "window_rss_slope_mb_per_h": round(max(rss_slopes.values(), key=abs), 2),
         "python_rss_slope_mb_per_h": round(max(python_slopes.values(), key=abs), 2),
         "p2pd_rss_slope_mb_per_h": round(max(p2pd_slopes.values(), key=abs), 2),
+        "anon_rss_slope_mb_per_h": round(max(anon_slopes.values(), key=abs), 2),
         "fit_rss_slope_mb_per_h": round(max(fit_slopes.values(), key=abs), 2),
         "window_minutes": window_s / 60,
         "windows": min((len(m) for m in minima.values()), default=0),
@@ -181,9 +211,8 @@ def main() -> int:
         "rss_end_over_warm_ratio": round(growth.get(worst, 1.0), 4),
         "rss_mb_end": {k: round(v[-1][1], 1) for k, v in series.items() if v},
         "fds_end": {k: v[-1][2] for k, v in series.items() if v},
-        "rss_slopes_mb_per_h": {k: round(v, 2) for k, v in rss_slopes.items()},
-        # +- one standard error of each robust slope: a slope within about 2 of these of 0 is not shown to be a leak.
-        "rss_slope_se_mb_per_h": {k: None if (se := _slope_se_per_hour(m)) is None else round(se, 2) for k, m in minima.items()},
+        "window_rss_slopes_mb_per_h": {k: round(v, 2) for k, v in rss_slopes.items()},
+        "window_rss_slope_se_mb_per_h": {k: None if (se := _slope_se_per_hour(m)) is None else round(se, 2) for k, m in minima.items()},
         "fit_rss_slopes_mb_per_h": {k: round(v, 2) for k, v in fit_slopes.items()},
         "fd_slopes_per_h": {k: round(v, 2) for k, v in fd_slopes.items()},
     }

@@ -116,6 +116,9 @@ class RoundReport:
     foreign_ages_s: tuple[float, ...] = ()
     foreign_version_lags: tuple[int, ...] = ()
     heldout_accuracy: float | None = None  # greedy accuracy on held-out questions after this round (eval.every_rounds), else None
+    # This process's resident memory (MB) right after the C heap was trimmed at the end of this round; None when the
+    # round ended without a trim (at most one every 30 s). Always taken at that point of the loop, it is the floor a leak raises.
+    resident_mb_after_trim: float | None = None
 
     @property
     def policy_version(self) -> int:
@@ -195,6 +198,7 @@ class RoundReport:
             "foreign_ages_s": [round(a, 1) for a in self.foreign_ages_s],
             "foreign_version_lags": list(self.foreign_version_lags),
             "heldout_accuracy": self.heldout_accuracy,
+            "resident_mb_after_trim": self.resident_mb_after_trim,
         }
         return event
 
@@ -209,7 +213,7 @@ EVENT_FIELDS = (
     "swarm_solo", "swarm_reachability", "delta_chunks", "delta_published", "swarm_known_peers", "graylisted_peers",
     "peer_scores", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_tokens_per_forward",
     "spec_draft_seconds", "drafter_rollouts", "policy_hash", "foreign_ages_s", "foreign_version_lags",
-    "heldout_accuracy",
+    "heldout_accuracy", "resident_mb_after_trim",
 )
 
 

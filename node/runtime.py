@@ -199,13 +199,14 @@ class Node:
                 self._saved_state = True
             if self.heldout is not None and self.heldout.due(self.next_round):
                 report = replace(report, heldout_accuracy=self._heldout_accuracy())
+            if heap.maybe_trim():
+                report = replace(report, resident_mb_after_trim=heap.resident_mb)
             self.status.record_round(report)
             if self.trackers is not None:
                 self.trackers.log_round(report.to_dict())
             reports.append(report)
             if on_report is not None:
                 on_report(report)
-            heap.maybe_trim()
         if stopped is not None:
             self.stop_report = self._stopped_mid_round(stopped, save=self.config.checkpoint.at_exit and saved_at != self.next_round)
         elif self.config.checkpoint.at_exit and saved_at != self.next_round:

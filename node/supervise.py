@@ -11,6 +11,8 @@
 - `HeapTrimmer`: between rounds, at most every `every_s`, hands the C heap's free pages back to the
   OS (glibc's `malloc_trim`): a round's activations and gradients are freed into the heaps of the
   threads that made them, and without a trim a node's RSS holds its largest round's peak for good.
+  The resident memory right after a trim is the round report's `resident_mb_after_trim`: taken at
+  the same point of every round, it is the floor that a leak raises and a round's swing does not.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import os
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -42,13 +46,17 @@ R = TypeVar("R")
 
 
 class HeapTrimmer:
-    """`maybe_trim()` calls glibc's malloc_trim(0) if `every_s` has passed since the last; a no-op without glibc."""
+    """`maybe_trim()` calls glibc's malloc_trim(0) if `every_s` has passed since the last; a no-op without glibc.
+
+    `resident_mb` is this process's resident memory right after the last trim (None before the first).
+    """
 
     def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s = every_s
         self.clock = clock
         self._last = clock()
         self._trim = _malloc_trim()
+        self.resident_mb: float | None = None
 
     def maybe_trim(self) -> bool:
         """Trim if due; True when the heap was trimmed (something given back or not)."""
@@ -57,7 +65,8 @@ class HeapTrimmer:
         started = time.perf_counter()
         self._trim(0)
         self._last = self.clock()
-        log.debug("malloc_trim took %.3f s", time.perf_counter() - started)
+        self.resident_mb = _resident_mb()
+        log.debug("malloc_trim took %.3f s; resident %s MB", time.perf_counter() - started, self.resident_mb)
         return True
 
 
@@ -69,6 +78,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL(name).malloc_trim  # glibc only: musl and others have no malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def _resident_mb() -> float | None:
+    """This process's resident memory in MB (from /proc/self/statm; None where there is none)."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return round(resident_pages * os.sysconf("SC_PAGE_SIZE") / 1e6, 1)
 
 
 # ----- watchdog -----------------------------------------------------------------------------

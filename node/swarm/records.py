@@ -41,9 +41,10 @@ from hivespec.protocol.private import PrivateSwarm
 
 logger = logging.getLogger(__name__)
 
-# Parsed records kept (by content) so a record polled again is not re-verified. A node meets a few dozen
-# distinct records per bucket (the keys of its walks and placement path, ~40 at 64 nodes), so 4096 is hours
-# of them; at ~3.4 KB each the cache stays under 14 MB (65536 was ~220 MB when full).
+# Parsed records kept (by content) so a record polled again is not re-verified, each until it expires (then
+# no peer can return it again): the cache holds the records of the last record_ttl, a few hundred on a small
+# swarm, and at most 4096 on a large one (~3.4 KB each: under 14 MB). Kept by count alone, it filled for
+# hours on a small swarm and looked like a leak of a few MB/h.
 _PARSED = 4096
 # How long the DHT peers nearest a key are written to without looking them up again: about one index
 # bucket, the life of a key our record is re-stored under, so a peer that joins nearer than them is
@@ -84,7 +85,8 @@ class IndexRecords:
         self._p2p_id = ""
         self._maddrs: tuple[str, ...] = ()
         self._held: OrderedDict[str, list[AnnouncedBody]] = OrderedDict()  # key -> our record's items, newest first
-        self._parsed: OrderedDict[bytes, tuple[str, Announce] | None] = OrderedDict()
+        # content digest -> (expiration, (subkey, announce) or None when invalid), least recently seen first
+        self._parsed: OrderedDict[bytes, tuple[float, tuple[str, Announce] | None]] = OrderedDict()
         self._replicas: OrderedDict[str, tuple[float, dict[DHTID, PeerID]]] = OrderedDict()  # key -> (found at, nearest)
         self._seq_lock = threading.Lock()
         self._seq = 0
@@ -229,15 +231,14 @@ class IndexRecords:
         digest = hashlib.sha256(f"{key}|{subkey}|{expiration!r}|".encode() + value).digest()
         if digest in self._parsed:
             self._parsed.move_to_end(digest)
-            cached = self._parsed[digest]
+            cached = self._parsed[digest][1]
             return None if cached is None else (_holder(subkey, cached[1]), cached[1])
         record = DHTRecord(key_id, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration)
         reason, checked = self.validator.check(record)
         if checked is not None and checked[1].key != key:
             reason, checked = "key_not_bound", None
-        self._parsed[digest] = None if checked is None else (subkey, checked[1])
-        while len(self._parsed) > _PARSED:
-            self._parsed.popitem(last=False)
+        self._parsed[digest] = (expiration, None if checked is None else (subkey, checked[1]))
+        self._forget_parsed(get_dht_time())
         if checked is None:
             self._stats["bad_records"] += 1
             logger.debug("skipped bad gossip record under %s by %r: %s", key, subkey[:40], reason)
@@ -245,8 +246,13 @@ class IndexRecords:
         try:
             return _holder(subkey, checked[1]), checked[1]
         except ValueError:
-            self._parsed[digest] = None
+            self._parsed[digest] = (expiration, None)
             return None
+
+    def _forget_parsed(self, now: float) -> None:
+        """Drop the least recently seen records while they have expired or the cache is over its bound."""
+        while self._parsed and (len(self._parsed) > _PARSED or next(iter(self._parsed.values()))[0] < now):
+            self._parsed.popitem(last=False)
 
 
 def _holder(subkey: str, announce: Announce) -> Holder:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _PRUNE_EVERY = 256  # admissions between prunes of the replay log
+# Chat prompts' token ids kept by prompt id: a batch's completions share a prompt, and a prompt comes back
+# within a few rounds or never (~4 KB each). Emptied only at 4096, the cache grew for hours like a leak.
+_PROMPTS_CACHED = 256
 # Rollouts skipped because their prompt spec is not regenerable here are counted per rollout in
 # `IntakeCounters.reasons` as "spec:<reason>" (reasons: `TaskSource.resolve`).
 SPEC_REASON_PREFIX = "spec:"
@@ -137,7 +140,7 @@ class Intake:
         self.limits = limits
         self._admitted = 0
         self.counters = IntakeCounters()
-        self._prompt_cache: dict[str, tuple[int, ...]] = {}
+        self._prompt_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # prompt id -> chat prompt ids, LRU
 
     @classmethod
     def from_config(
@@ -273,7 +276,9 @@ class Intake:
         cached = self._prompt_cache.get(task.prompt_id)
         if cached is None:
             cached = tuple(self.tasks.chat_prompt_ids(self.tokenizer, task))
-            if len(self._prompt_cache) > 4096:
-                self._prompt_cache.clear()
             self._prompt_cache[task.prompt_id] = cached
+            while len(self._prompt_cache) > _PROMPTS_CACHED:
+                self._prompt_cache.popitem(last=False)
+        else:
+            self._prompt_cache.move_to_end(task.prompt_id)
         return cached
