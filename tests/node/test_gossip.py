@@ -312,6 +312,25 @@ def test_a_swarm_smaller_than_the_replica_count_looks_up_at_every_store(swarm: l
     assert writer.stats()["replica_lookups"] == before + 2 and not writer.records._replicas
 
 
+def test_records_read_are_parsed_once_and_forgotten_when_they_expire(swarm: list[Gossip]) -> None:
+    """A record polled again is not verified again; once expired (no peer can return it) it leaves the cache, so the
+    cache holds the last record_ttl's records and does not fill for hours."""
+    author, _, reader = swarm
+    author.publish_rollouts(seal(author.identity, Kind.ROLLOUTS, 1, os.urandom(2_000)), version=1)
+    assert reader.sample_rollouts(k=4, max_age_s=120, timeout=20)
+    cache = reader.records._parsed
+    seen = dict(cache)  # digest -> (expiration, parsed); other reads may add records while the test runs
+    assert seen and all(parsed is not None for _, parsed in seen.values())
+    reader._call(_forget(reader, min(expiration for expiration, _ in seen.values()) - 1.0), 30)
+    assert seen.keys() <= cache.keys()  # none expired yet: all kept
+    reader._call(_forget(reader, max(expiration for expiration, _ in seen.values()) + 1.0), 30)
+    assert not seen.keys() & cache.keys()
+
+
+async def _forget(node: Gossip, now: float) -> None:
+    node.records._forget_parsed(now)
+
+
 def test_a_record_moves_to_a_new_bucket_at_its_own_moment(swarm: list[Gossip]) -> None:
     """Before its placement_delay into a bucket a holder keeps writing in its previous bucket's key; from then on in
     the new bucket's, where it stays."""

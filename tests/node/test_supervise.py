@@ -44,11 +44,13 @@ _TRIM_CHILD = textwrap.dedent("""
     clock = [0.0]
     trimmer = HeapTrimmer(every_s=30.0, clock=lambda: clock[0])
     before = psutil.Process().memory_info().rss
-    assert not trimmer.maybe_trim()  # not due yet
+    assert not trimmer.maybe_trim() and trimmer.resident_mb is None  # not due yet, nothing measured
     clock[0] = 30.0
     assert trimmer.maybe_trim()
+    after = psutil.Process().memory_info().rss
+    assert abs(trimmer.resident_mb - after / 1e6) < 16  # the floor it reports is this process's RSS right after
     assert not trimmer.maybe_trim()  # due again only 30 s later
-    print((before - psutil.Process().memory_info().rss) / 2**20)
+    print((before - after) / 2**20)
 """)
 
 
