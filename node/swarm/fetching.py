@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P
@@ -34,8 +34,9 @@ from hivespec.protocol.private import PrivateSwarm
 logger = logging.getLogger(__name__)
 
 Claim = tuple[bytes, str, int]  # (sha256, author, size)
-# Fetched and failed claims kept for dedupe: a claim is offered for at most record_ttl (600 s), and a node
-# takes at most K (4) a step, so even at a step a second 16384 outlasts every claim it can meet again (~5 MB).
+# Fetched and failed claims kept for dedupe, each for two record TTLs: a claim is offered for at most record_ttl
+# (600 s), so after that no record can bring it back. At most 16384 (~5 MB; a node takes at most K (4) a step):
+# kept by count alone, the set grew for hours on a small swarm.
 _REMEMBERED = 16384
 
 
@@ -65,7 +66,9 @@ class Fetcher:
         peers: PeerScores | None,
         request_timeout: float,
         stats: Counter,
+        record_ttl: float = 600.0,
         max_parallel: int = 8,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.private = private
         self.peers = peers
@@ -73,8 +76,10 @@ class Fetcher:
         self._stats = stats
         self._p2p: P2P | None = None
         self._slots = asyncio.Semaphore(max_parallel)
-        self._done: OrderedDict[Claim, None] = OrderedDict()
-        self._failed: OrderedDict[tuple[Claim, str], None] = OrderedDict()  # (claim, holder) that served bad bytes
+        self._remember_s = 2 * record_ttl
+        self._clock = clock
+        self._done: OrderedDict[Claim, float] = OrderedDict()  # -> when remembered, oldest first
+        self._failed: OrderedDict[tuple[Claim, str], float] = OrderedDict()  # (claim, holder) that served bad bytes
         self._inflight: set[Claim] = set()
 
     def attach(self, p2p: P2P) -> None:
@@ -86,7 +91,7 @@ class Fetcher:
 
     def mark_done(self, claim: Claim) -> None:
         """Never fetch this claim (our own body, or one we already have)."""
-        _remember(self._done, claim)
+        self._remember(self._done, claim)
 
     def usable_holders(self, claim: Claim, holders: Sequence[Holder], direct: set[str]) -> list[Holder]:
         """The holders worth asking for `claim`: not caught serving other bytes for it, not graylisted, reachable."""
@@ -134,14 +139,14 @@ class Fetcher:
                         )
                         body = self._open(wire, context)
                     except BadBody as exc:
-                        _remember(self._failed, (claim, holder.peer))
+                        self._remember(self._failed, (claim, holder.peer))
                         self._blame(holder.peer, f"{context}: body from holder {holder.peer}: {exc}")
                         continue
                     except Exception as exc:  # noqa: BLE001 - unreachable or slow holder (incl. TimeoutError): next holder
                         self._stats["fetch_failures"] += 1
                         logger.debug("fetch from %s failed (will retry): %s: %s", holder.peer, type(exc).__name__, exc)
                         continue
-                    _remember(self._done, claim)
+                    self._remember(self._done, claim)
                     self._stats["bodies_fetched"] += 1
                     self._stats["bytes_in"] += len(wire)
                     if holder.peer != author:
@@ -159,6 +164,14 @@ class Fetcher:
             raise BadBody(f"private body: {verdict}")
         return body
 
+    def _remember(self, seen: OrderedDict, key: object) -> None:
+        """Keep `key` (newest last); forget the oldest past `_remember_s` or past `_REMEMBERED` entries."""
+        now = self._clock()
+        seen[key] = now
+        seen.move_to_end(key)
+        while len(seen) > _REMEMBERED or next(iter(seen.values())) < now - self._remember_s:
+            seen.popitem(last=False)
+
     def _blame(self, holder: str, reason: str) -> None:
         self._stats["bad_bodies"] += 1
         logger.debug("rejected a body: %s", reason)
@@ -171,8 +184,4 @@ def relay_only(holder: Holder, direct: set[str]) -> bool:
     return any(is_circuit(m) for m in holder.maddrs) and holder.p2p_peer_id.to_base58() not in direct
 
 
-def _remember(seen: OrderedDict, key: object) -> None:
-    seen[key] = None
-    seen.move_to_end(key)
-    while len(seen) > _REMEMBERED:
-        seen.popitem(last=False)
+

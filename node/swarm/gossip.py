@@ -141,7 +141,9 @@ class Gossip:
         self.bodies = BodyStore(
             keep_seconds=config.keep_seconds, keep_bytes=config.keep_bytes, request_timeout=config.request_timeout, stats=self._stats
         )
-        self.fetcher = Fetcher(private=private, peers=peers, request_timeout=config.request_timeout, stats=self._stats)
+        self.fetcher = Fetcher(
+            private=private, peers=peers, request_timeout=config.request_timeout, stats=self._stats, record_ttl=config.record_ttl
+        )
         self._rng = random.Random()
 
         self._loop: asyncio.AbstractEventLoop | None = None
