@@ -107,7 +107,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                 events.write({"event": "round", **report.to_dict()})
             print(format_report_line(report.to_dict()), flush=True)
 
-        node.run(on_report)
+        node.run(on_report, keep=0)  # each report went out as it was made: a node run for days keeps none
         _keep_policy(node)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -230,7 +230,7 @@ def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
 
     def run_rounds() -> None:
         try:
-            node.run(lambda report: events.write({"event": "round", **report.to_dict()}) if events else None)
+            node.run(lambda report: events.write({"event": "round", **report.to_dict()}) if events else None, keep=0)
             _keep_policy(node)
             if events:
                 events.write({"event": "done", "name": node.name})

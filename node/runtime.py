@@ -165,16 +165,16 @@ class Node:
             stop_token_ids=stop_token_ids(tokenizer, getattr(getattr(trainer, "model", None), "generation_config", None)),
         )
 
-    def run(self, on_report: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
+    def run(self, on_report: Callable[[RoundReport], None] | None = None, *, keep: int = REPORTS_KEPT) -> list[RoundReport]:
         """Run rounds ``next_round`` .. ``config.rounds - 1`` (forever when 0); `control` can pause or stop it between rounds.
 
         A checkpoint is saved every ``checkpoint.every_rounds`` rounds and when the loop ends; then
         the node keeps its latest policy for `hivespec export` (`kept_policy`: the record's path,
         None when writing it failed) before the status says finished, however the node was run.
-        Returns the last REPORTS_KEPT rounds' reports (a node run for days must not keep every one:
-        each goes to `on_report` as it is made).
+        Returns the last `keep` rounds' reports (a node run for days must not keep every one: each
+        goes to `on_report` as it is made, and the command line keeps none).
         """
-        reports: deque[RoundReport] = deque(maxlen=REPORTS_KEPT)
+        reports: deque[RoundReport] = deque(maxlen=keep)
         heap = HeapTrimmer()
         saved_at = self.next_round
         stopped: RoundStopped | None = None

@@ -1,0 +1,29 @@
+"""Node.run's loop on the tiny digit model (no mocks): what it keeps and reports, for a node run for days."""
+
+from __future__ import annotations
+
+import pytest
+from test_resume import make_digit_model
+
+from hivespec.node.config import load_config
+
+
+@pytest.mark.timeout(600)
+def test_a_node_returns_only_the_reports_it_is_asked_to_keep(tmp_path):
+    """Every report goes to on_report as it is made; the returned list holds the last `keep` (none from the command line)."""
+    from hivespec.node.build import build_node
+
+    model = make_digit_model(tmp_path / "digit-model")
+    config = load_config("tiny", overrides={
+        "home": str(tmp_path / "home"), "name": "keeper", "model.name": str(model), "rounds": "3", "seed": "7",
+        "swarm.swarm": "test-keep", "swarm.expected_peers": "0", "swarm.bootstrap_timeout": "0", "status.enabled": "false",
+        "checkpoint.every_rounds": "0", "checkpoint.at_exit": "false", "checkpoint.resume": "false",
+        "speculation.enabled": "false", "rollout.prompts_per_round": "2",
+    })
+    node = build_node(config)
+    seen = []
+    try:
+        kept = node.run(seen.append, keep=1)
+        assert [r.round for r in seen] == [0, 1, 2] and kept == seen[-1:]
+    finally:
+        node.close()
