@@ -3,10 +3,12 @@
 A round's activations, gradients and the allocator's free lists swing a node's RSS by hundreds of MB,
 so where in that swing a sample lands says nothing about a leak. The robust figure is read at one
 fixed point instead: a node trims its C heap between rounds (at most every 30 s) and reports its
-resident memory right after (`resident_mb_after_trim` in the round event). After a warm-up (the
+resident memory right after (`resident_mb_after_trim` in the round event). Now and then a floor
+still holds a transient of the round (about one fp32 copy of the model) that the next does not, so
+the lowest floor of each `--window-minutes` window is what the node keeps. After a warm-up (the
 first 20 % of the run, while caches and allocator pools fill) `rss_slope_mb_per_h` is the worst
-node's least-squares slope per hour of those floors, each node's slope with its standard error
-beside it (`rss_slopes_mb_per_h`, `rss_slope_se_mb_per_h`: what the run can resolve).
+node's least-squares slope per hour of those window floors, each node's slope with its standard
+error beside it (`rss_slopes_mb_per_h`, `rss_slope_se_mb_per_h`: what the run can resolve).
 
 Measured from outside as well, every `--sample-every` seconds: RSS and open file descriptors of the
 node process with its children, its p2pd child apart, and the anonymous part (what a leak grows;
@@ -170,7 +172,9 @@ def main() -> int:
     rss_slopes, python_slopes, p2pd_slopes, anon_slopes, fit_slopes, fd_slopes, growth, minima = {}, {}, {}, {}, {}, {}, {}, {}
     (root / "soak_series.json").write_text(json.dumps({"columns": ["seconds", "rss_mb", "fds", "p2pd_rss_mb", "anon_rss_mb"], "warmup_s": warmup,
                                                        "series": series}))
-    floors = {n.name: _trim_floors(n, started_wall, warmup) for n in nodes}
+    # A floor now and then still holds a round's transient (~0.5 GB at 135M parameters) that a later one does not:
+    # the lowest floor of each window is what the node keeps.
+    floors = {n.name: _window_minima(_trim_floors(n, started_wall, warmup), window_s) for n in nodes}
     floor_slopes = {name: _slope_per_hour(points) for name, points in floors.items()}
     for name, points in series.items():
         steady = [p for p in points if p[0] >= warmup]
@@ -195,7 +199,8 @@ def main() -> int:
         "rss_slopes_mb_per_h": {k: round(v, 2) for k, v in floor_slopes.items()},
         # +- one standard error of each slope: a slope within about 2 of these of 0 is not shown to be a leak.
         "rss_slope_se_mb_per_h": {k: None if (se := _slope_se_per_hour(f)) is None else round(se, 2) for k, f in floors.items()},
-        "trims": {k: len(f) for k, f in floors.items()},
+        "trims": {n.name: len(_trim_floors(n, started_wall, warmup)) for n in nodes},
+        "floor_minima_mb": {k: [round(y, 1) for _, y in f] for k, f in floors.items()},
         "window_rss_slope_mb_per_h": round(max(rss_slopes.values(), key=abs), 2),
         "python_rss_slope_mb_per_h": round(max(python_slopes.values(), key=abs), 2),
         "p2pd_rss_slope_mb_per_h": round(max(p2pd_slopes.values(), key=abs), 2),

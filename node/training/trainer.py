@@ -287,6 +287,9 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm).double()
             self.optimizer_steps_in_call += 1
             self.optimizer.step()
+        # The gradients (one fp32 copy of the weights) are not needed until the next step: free them now, not at its
+        # start, so generation, sync and gossip between steps run without them (a node's floor drops by that copy).
+        self.optimizer.zero_grad(set_to_none=True)
         loss_total, clipped_total, kl_total, grad_norm_value = to_host([torch.stack([loss_sum, clipped, kl_sum, grad_norm])])[0].tolist()
         self.version += 1
         self.model.eval()
