@@ -174,7 +174,8 @@ def main() -> int:
                                                        "series": series}))
     # A floor now and then still holds a round's transient (~0.5 GB at 135M parameters) that a later one does not:
     # the lowest floor of each window is what the node keeps.
-    floors = {n.name: _window_minima(_trim_floors(n, started_wall, warmup), window_s) for n in nodes}
+    trims = {n.name: _trim_floors(n, started_wall, warmup) for n in nodes}
+    floors = {name: _window_minima(points, window_s) for name, points in trims.items()}
     floor_slopes = {name: _slope_per_hour(points) for name, points in floors.items()}
     for name, points in series.items():
         steady = [p for p in points if p[0] >= warmup]
@@ -199,7 +200,7 @@ def main() -> int:
         "rss_slopes_mb_per_h": {k: round(v, 2) for k, v in floor_slopes.items()},
         # +- one standard error of each slope: a slope within about 2 of these of 0 is not shown to be a leak.
         "rss_slope_se_mb_per_h": {k: None if (se := _slope_se_per_hour(f)) is None else round(se, 2) for k, f in floors.items()},
-        "trims": {n.name: len(_trim_floors(n, started_wall, warmup)) for n in nodes},
+        "trims": {name: len(points) for name, points in trims.items()},
         "floor_minima_mb": {k: [round(y, 1) for _, y in f] for k, f in floors.items()},
         "window_rss_slope_mb_per_h": round(max(rss_slopes.values(), key=abs), 2),
         "python_rss_slope_mb_per_h": round(max(python_slopes.values(), key=abs), 2),
