@@ -2,12 +2,15 @@
 
 Every node is a real `Gossip` (its own hivemind DHTNode, its own p2pd, its own Ed25519 identity)
 with no model: it publishes a real signed rollout batch (`RolloutBatch` of random tokens, sealed
-as `Kind.ROLLOUTS`; ~10 KB for half the nodes, ~150 KB for the other half) with
+as `Kind.ROLLOUTS`; ~10 KB and ~150 KB, alternating step by step on every node) with
 `publish_rollouts`, then takes up to K = 4 fresh batches with `sample_rollouts` (index read plus
 fetches, within a 10 s step timeout), opens each envelope and decodes each batch as intake would,
 then sleeps its own jittered step period. Nobody waits for anybody: step periods are spread
-log-evenly over a 10x range (2 s to 20 s by default; speed and batch size are assigned so that
-both sizes span all speeds), each node starts at a random phase. Several nodes share a worker
+log-evenly over a 10x range (2 s to 20 s by default), each node starts at a random phase and
+with a random one of the two sizes. Every node alternating, the swarm's published mix is half and
+half at every N and every speed; a size fixed per node would tie it to the speeds, and in a
+swarm of 8 the fastest node's size weighs most (mean published batch 69 kB against 78 at 64,
+when sizes alternated by speed rank): N = 8 paid less per fetched batch for that alone. Several nodes share a worker
 process (8 by default; each node its own gossip loop thread and step thread), so 64 nodes fit on
 2 cores and a few GB. Node 0 is the bootstrap peer everyone joins through, and a stepping node too.
 
@@ -171,10 +174,10 @@ class LightNode:
         from hivespec.node.swarm.gossip import Gossip
         from hivespec.protocol.identity import Identity
 
-        self.index, self.period, self.size = index, plan["period"], plan["size"]
+        self.index, self.period, self.first_size = index, plan["period"], plan["first_size"]
         self.identity = Identity.generate()
         self.gossip = Gossip(self.identity, config)
-        _, self._batch = _batch_body(self.size, index)
+        self._batches = [_batch_body(size, index)[1] for size in SIZES]
         self.steps: list[dict] = []
         self.errors: Counter = Counter()
 
@@ -184,7 +187,8 @@ class LightNode:
         from hivespec.protocol.envelope import Kind, seal
         from hivespec.protocol.rollout import encode_batch
 
-        return seal(self.identity, Kind.ROLLOUTS, seq, encode_batch(dataclasses.replace(self._batch, round=seq, policy_version=seq)))
+        batch = self._batches[(self.first_size + seq) % len(SIZES)]  # the sizes alternate step by step
+        return seal(self.identity, Kind.ROLLOUTS, seq, encode_batch(dataclasses.replace(batch, round=seq, policy_version=seq)))
 
     def counters(self) -> dict:
         stats = self.gossip.stats()
@@ -304,7 +308,7 @@ def worker(argv: list[str]) -> None:
     cpu = {"python_s": round(cpu_end[0] - cpu_start[0], 2), "p2pd_s": round(cpu_end[1] - cpu_start[1], 2),
            "wall_s": round(time.monotonic() - cpu_start[2], 2)} if cpu_start else None
     _emit({"op": "done", "rss": rss, "cpu": cpu, "nodes": [{
-        "index": node.index, "peer": node.identity.peer_id, "period": node.period, "size": node.size,
+        "index": node.index, "peer": node.identity.peer_id, "period": node.period,
         "steps": node.steps, "errors": dict(node.errors),
         "delta": {k: end_counters[node.index][k] - start_counters.get(node.index, {}).get(k, 0) for k in (*COUNTERS, *RPC_COUNTS)},
         "max_records_per_key": end_counters[node.index]["max_records_per_key"],
@@ -458,10 +462,12 @@ class ShapedLan(Network):
 
 
 def plan_nodes(n: int, fastest_s: float, spread: float, seed: int) -> list[dict]:
-    """Step periods log-evenly over [fastest_s, spread x fastest_s], shuffled over node indices; sizes alternate by speed rank."""
+    """Step periods log-evenly over [fastest_s, spread x fastest_s], shuffled over node indices; each node's first size at random
+    (every node alternates sizes step by step, see the module docstring)."""
+    rng = random.Random(seed + n)
     ranks = list(range(n))
-    random.Random(seed + n).shuffle(ranks)
-    return [{"index": i, "period": round(fastest_s * spread ** (r / max(1, n - 1)), 3), "size": SIZES[r % 2]}
+    rng.shuffle(ranks)
+    return [{"index": i, "period": round(fastest_s * spread ** (r / max(1, n - 1)), 3), "first_size": rng.randrange(len(SIZES))}
             for i, r in enumerate(ranks)]
 
 
@@ -616,7 +622,7 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
 def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peers: dict[str, int], measure_from: float, until: float,
               wire_before: int | None, wire_after: int | None, drops: int | None, unclean: list[str], startup_s: float) -> dict:
     nodes = [node for message in done for node in message["nodes"]]
-    steps = [dict(s, node=node["index"], size=node["size"]) for node in nodes for s in node["steps"] if measure_from <= s["t"] < until]
+    steps = [dict(s, node=node["index"]) for node in nodes for s in node["steps"] if measure_from <= s["t"] < until]
     node_steps = max(1, len(steps))
     delta = Counter()
     for node in nodes:
@@ -656,6 +662,7 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         "bytes_counted_as": "wire" if wire is not None else "bodies",
         "body_bytes_per_node_step": round(body_bytes / node_steps),
         "bytes_per_fetched_batch": round((wire if wire is not None else body_bytes) / max(1, fetched)),
+        "mean_fetched_batch_bytes": round(sum(s["bytes"] for s in steps) / max(1, fetched)),
         "dht_requests_per_node_step": round((delta["dht_gets"] + delta["dht_stores"]) / node_steps, 2),
         "dht_gets_per_node_step": round(delta["dht_gets"] / node_steps, 2),
         "dht_stores_per_node_step": round(delta["dht_stores"] / node_steps, 2),

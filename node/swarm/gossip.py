@@ -3,9 +3,10 @@
 Two ways to find bodies, one machinery underneath:
 - **Rollouts, by recency** (`publish_rollouts`, `sample_rollouts`): nodes share no round numbers.
   A batch is announced in the index of the current time bucket (`index.py`: a tree of keys of at
-  most `index_key_records` records each); a step reads the current and previous buckets along one
-  random path, chooses at most `max_foreign_batches` fresh batches by peer score with exploration,
-  at most `max_batches_per_peer` per author, and fetches them. Held bodies younger than
+  most `index_key_records` records each, a record listing its holder's newest own batches and the
+  ones it relays); a step reads the current bucket along one random path (the previous one too
+  where the current is thin), chooses at most `max_foreign_batches` fresh batches by peer score
+  with exploration, at most `max_batches_per_peer` per author, and fetches them. Held bodies younger than
   `announce_seconds` are re-announced in each new bucket, so a slow author's batch stays findable.
 - **Slots** (`publish`, `fetch_slot`, `wait_for_slot`): one key per (topic, slot) for the weight
   topics ("delta", "snapshot", "head"), which a leader's followers read in order.
@@ -51,7 +52,6 @@ from hivespec.node.swarm.bootstrap import Joiner, PeerCache
 from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
 from hivespec.node.swarm.fetching import Fetched, Fetcher
 from hivespec.node.swarm.index import (
-    PLACEMENT_SPREAD,
     Candidate,
     bucket_of,
     choose_claims,
@@ -83,6 +83,10 @@ logger = logging.getLogger(__name__)
 _POLL_MIN_S, _POLL_MAX_S = 0.1, 1.0  # slot reads while waiting back off from 0.1 s to 1 s
 _GRACE_S = 5.0  # slack for the caller's wait on top of the timeout enforced inside the loop
 _EXPLORE = 0.25  # share of a candidate's weight that does not depend on its author's score
+# Our own bodies an index record lists, the newest: a reader takes at most max_batches_per_peer (1) of an
+# author's a step and prefers the fresh, so older ones only made every copy of the record larger
+# (9 items are 1.3 KB sealed, 2 are 0.6 KB, and whole records are most of what an index read moves).
+_OWN_ANNOUNCED = 2
 
 T = TypeVar("T")
 
@@ -387,7 +391,7 @@ class Gossip:
         self.fetcher.mark_done((item.sha256, item.author, item.size))
         self._remember_announced(item)
         key = await self._placed_key(time.time())
-        self.records.hold(key, item, first=True)
+        self.records.hold(key, item, first=True, own_limit=_OWN_ANNOUNCED)
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
         self._stats["published"] += 1
 
@@ -408,10 +412,9 @@ class Gossip:
         bucket = bucket_of(now, self.config.index_bucket_s)
         candidates: dict[tuple[bytes, str], Candidate] = {}
         self._add_candidates(candidates, await self._walk(bucket, deadline))
-        moving = now - bucket * self.config.index_bucket_s < PLACEMENT_SPREAD * self.config.index_bucket_s
-        if moving or len(candidates) < 2 * k:
-            # Early in a bucket holders are still moving into it (placement_delay): until then their newest
-            # batches are in their record of the previous bucket. Later, a thin bucket is topped up from it.
+        if len(candidates) < 2 * k:
+            # A thin bucket (a small swarm, or early in a bucket while holders still move into it at their
+            # placement_delay) is topped up from the previous one, where their newest batches are until then.
             self._add_candidates(candidates, await self._walk(bucket - 1, deadline))
         peers = self.peers
         chosen = choose_claims(
@@ -509,7 +512,7 @@ class Gossip:
             self._placed.popitem(last=False)
         if previous is not None:  # what we announced in the previous bucket comes along
             for item in self._fresh_announced(now):
-                self.records.hold(key, item)
+                self.records.hold(key, item, own_limit=_OWN_ANNOUNCED)
         return key
 
     async def _keep_announcing(self) -> None:
@@ -528,7 +531,7 @@ class Gossip:
             bucket = bucket_of(now, bucket_s)
             try:
                 key = await self._placed_key(now)
-                added = [self.records.hold(key, item) for item in fresh]
+                added = [self.records.hold(key, item, own_limit=_OWN_ANNOUNCED) for item in fresh]
                 if any(added):
                     await asyncio.wait_for(self.records.store(key), self.request_timeout)
                     self._stats["reannounced"] += 1

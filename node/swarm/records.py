@@ -107,16 +107,24 @@ class IndexRecords:
     def holds(self, key: str) -> bool:
         return bool(self._held.get(key))
 
-    def hold(self, key: str, item: AnnouncedBody, *, first: bool = False) -> bool:
-        """Add `item` to our record under `key` (first: our own newest body; else a relayed one, while there is room)."""
+    def hold(self, key: str, item: AnnouncedBody, *, first: bool = False, own_limit: int = MAX_ITEMS) -> bool:
+        """Add `item` to our record under `key` (first: our own newest body; else a relayed one, while there is room).
+
+        At most `own_limit` of the record's items are our own bodies, the newest: older ones leave it
+        as a new one comes first, and one that is not first is refused once the record has as many.
+        """
         held = self.held(key)
         if any(h.sha256 == item.sha256 for h in held):
             return False
+        mine = self.identity.peer_id
         if first:
             held.insert(0, item)
+            own = [i for i, h in enumerate(held) if h.author == mine]
+            for i in reversed(own[own_limit:]):
+                del held[i]
             del held[MAX_ITEMS:]
             return True
-        if len(held) >= MAX_ITEMS:
+        if len(held) >= MAX_ITEMS or (item.author == mine and sum(h.author == mine for h in held) >= own_limit):
             return False
         held.append(item)
         return True
