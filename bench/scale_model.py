@@ -7,10 +7,12 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
                           for announce_seconds, plus relayed ones)
   records per key         r = min(H, cap * overfill): the tree fills top-down, a key takes `cap` records plus the few
                           writers racing for its last slot (overfill, measured)
-  keys per walk           E = sum of DESCEND^l over l = 0..L, L the first level not full (H <= cap (2^(L+1) - 1)):
+  keys per walk           E = sum of DESCEND^l over l = 0..L, L the first level not full (H <= r (2^(L+1) - 1)), plus
+                          DESCEND^(L+1) where level L is exactly full (the walk reads the empty key below it):
                           below a full key a walk goes on with probability DESCEND = 1/2, so E < 2 whatever N
-  walks per step          1 + prev_share: the previous bucket is read in a bucket's first third (holders still moving
-                          in) and when the current offers fewer than 2K batches
+  walks per step          1 + prev_share: the previous bucket is read where the current one offers fewer than 2K
+                          batches: most steps of a small swarm, a bucket's first seconds (before holders move in) of
+                          a large one; fitted at each measured N, the largest N's share beyond it
   DHT gets                walks * E (index reads) + (L + 1) * step_s / bucket_s (placing our record once a bucket)
   DHT stores              1 (publish) + relay_stores + step_s / bucket_s (the keep-announcing re-store, once a bucket)
   replica lookups         step_s / bucket_s: the first store under a key (once a bucket) finds its replicas, later
@@ -25,10 +27,10 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
   k_fill                  a node of period T can take at most one new batch per author per step:
                           min(K, sum over others of min(1, T / T_j)) / K, averaged over node-steps
 
-rpc_bytes, entry_bytes, replies and prev_share are fitted to the bench's measured points (`--measured FILE`,
+rpc_bytes, entry_bytes, replies and prev_share (per N) are fitted to the bench's measured points (`--measured FILE`,
 the bench's RESULT line or its JSON, refits them and prints model and measurement side by side; the
 defaults come from the run in docs/scale.md). record_bytes is measured on the real encoder when hivespec
-is importable (a sealed record with 9 items). Variants: `lookup_every_store` is the design measured
+is importable (a sealed record with a holder's 2 newest own batches). Variants: `lookup_every_store` is the design measured
 on 2026-11-24 (hivemind's store, which looks the replicas up every time, and placement reads that crawl
 the beam); `crawl_full_walks` the design before that (every read crawls the beam with hivemind's caching
 on, walks go to the bottom of the tree, both buckets read every step); `coalesced_stores` a lever not
@@ -60,7 +62,7 @@ class Design:
 
     k: int = 4  # swarm.max_foreign_batches
     body_bytes: float = 80_000  # mean batch: half the nodes 10 KB, half 150 KB (the bench's mix)
-    cap: int = 16  # swarm.index_key_records
+    cap: int = 4  # swarm.index_key_records
     overfill: float = 1.25  # records a full key holds / cap: writers racing for its last slot (measured 1.2-1.4)
     bucket_s: float = 30.0  # swarm.index_bucket_s
     fastest_s: float = 2.0  # step periods log-even over [fastest_s, spread * fastest_s] (the bench's load)
@@ -68,23 +70,23 @@ class Design:
     descend: float = 0.5  # index.DESCEND
     replicas: int = 5  # hivemind num_replicas
     beam: int = 20  # hivemind bucket_size = beam_size
-    read_workers: int = 2  # records.read's requests in flight for an index read
+    read_workers: int = 1  # records.read's requests in flight for an index read
     relay_stores: float = 0.2  # relayed-batch re-stores per step (coalesced; measured 0.1-0.3)
     store_every_s: float = 0.0  # 0: a store per publish (as built); > 0: at most one store per this many seconds
     direct_stores: bool = True  # as built: stores go straight to a key's replicas, looked up once a bucket
     crawl_placement: bool = False  # the design before: placement reads crawl the beam for the newest copy
-    record_bytes: float = 1280  # a sealed index record with 9 items (see record_size())
+    record_bytes: float = 580  # a sealed index record with 2 items (see record_size())
     rpc_bytes: float = 2191  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
     entry_bytes: float = 3130  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
     replies: float = 1.0  # replicas that answer an early-stopping index read with the key (fitted)
-    prev_share: float = 0.381  # steps that also read the previous bucket (fitted)
+    prev_share: tuple[tuple[int, float], ...] = ((8, 0.44), (64, 0.0))  # (N, steps that also read the previous bucket), fitted
     idle_bytes_per_node_s: float = 53.0  # libp2p and DHT upkeep of a joined node (fitted: small)
     crawl_reads: bool = False  # the design before: every read crawls the beam, walks to the bottom, both buckets
     caching: bool = False  # the design before: hivemind's caching on (cached copies answer too; a push per get)
     cached_share: float = 0.45  # with caching: share of the crawled non-replica peers answering with a cached copy
 
 
-def record_size(items: int = 9) -> int | None:
+def record_size(items: int = 2) -> int | None:
     """Bytes of a sealed index record with `items` items, from the real encoder (None when hivespec is not importable)."""
     try:
         import os
@@ -131,25 +133,39 @@ def stores_per_step(n: int, d: Design) -> float:
     return sum(min(r, 1.0 / d.store_every_s) for r in rates) / sum(rates)
 
 
-def tree_levels(h: float, d: Design) -> int:
-    """L + 1: the levels a bucket of h records fills (levels below L full, level L not)."""
-    level, room = 0, float(d.cap)
+def tree_levels(h: float, d: Design) -> tuple[int, bool]:
+    """L + 1, the levels a bucket of h records fills (levels below L full, level L not quite), and whether level L is
+    exactly full (a walk then reads the empty key below it). Keys hold cap x overfill where more writers race for them."""
+    per_key = min(h, d.cap * d.overfill) if h > d.cap else float(d.cap)
+    level, room = 0, per_key
     while h > room and level < MAX_INDEX_LEVEL:
         level += 1
-        room += d.cap * 2**level
-    return level + 1
+        room += per_key * 2**level
+    return level + 1, h >= room
+
+
+def prev_share_at(n: int, d: Design) -> float:
+    """The share of steps that also walk the previous bucket: interpolated in log N between fitted points, the ends beyond."""
+    points = sorted(d.prev_share)
+    if n <= points[0][0]:
+        return points[0][1]
+    for (n0, s0), (n1, s1) in zip(points, points[1:]):
+        if n <= n1:
+            return s0 + (s1 - s0) * math.log(n / n0) / math.log(n1 / n0)
+    return points[-1][1]
 
 
 def per_node_step(n: int, d: Design) -> dict:
     """The model's per node-step figures for a swarm of n nodes."""
     step_s = mean_period(n, d)
-    levels = tree_levels(n, d)
+    levels, full = tree_levels(n, d)
     per_key = min(float(n), d.cap * d.overfill)
     once_a_bucket = min(1.0, step_s / d.bucket_s)
     if d.crawl_reads:
         keys_per_walk, walks = float(levels), 2.0
     else:
-        keys_per_walk, walks = sum(d.descend**level for level in range(levels)), 1.0 + d.prev_share
+        keys_per_walk = sum(d.descend**level for level in range(levels + full))
+        walks = 1.0 + prev_share_at(n, d)
     index_reads = walks * keys_per_walk
     placement_reads = levels * once_a_bucket
     gets = index_reads + placement_reads
@@ -186,7 +202,7 @@ def per_node_step(n: int, d: Design) -> dict:
 
 def hot_key(n: int, d: Design, step_s: float = 60.0) -> dict:
     """Load on one bucket's root key: every walk reads it (the previous bucket's root on prev_share of the steps)."""
-    reads = n / step_s * (2.0 if d.crawl_reads else 1.0 + d.prev_share)
+    reads = n / step_s * (2.0 if d.crawl_reads else 1.0 + prev_share_at(n, d))
     answering = d.replicas if d.crawl_reads else min(d.replies, d.replicas)
     per_holder = reads * answering / d.replicas  # replies each of the root's replicas sends per second
     return {"root_reads_per_s": round(reads), "replies_per_s_per_replica": round(per_holder),
@@ -211,8 +227,8 @@ def fit(measured: list[dict], d: Design) -> Design:
     shares = []
     for r in measured:
         walk = per_node_step(r["nodes"], d)["keys_per_walk"]
-        shares.append(max(0.0, r["index_keys_read_per_node_step"] / walk - 1.0))
-    d = dataclasses.replace(d, prev_share=round(sum(shares) / len(shares), 3))
+        shares.append((r["nodes"], round(min(1.0, max(0.0, r["index_keys_read_per_node_step"] / walk - 1.0)), 3)))
+    d = dataclasses.replace(d, prev_share=tuple(sorted(shares)))
     best, err = d.replies, math.inf
     for replies in [1 + i / 20 for i in range(81)]:
         trial = dataclasses.replace(d, replies=replies)

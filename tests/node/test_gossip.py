@@ -18,7 +18,7 @@ from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm import records
 from hivespec.node.swarm.dht_guard import MAX_RECORDS_PER_KEY
 from hivespec.node.swarm.gossip import Gossip, GossipError
-from hivespec.node.swarm.index import bucket_of, placement_delay, placement_path
+from hivespec.node.swarm.index import PLACEMENT_SPREAD, bucket_of, placement_delay, placement_path
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.transfer import CHUNK_BYTES, BadBody, download
 from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
@@ -134,13 +134,27 @@ def test_rollouts_are_found_by_recency_and_sampled_at_most_k_and_one_per_author(
     assert len(last) == 1 and len({f.sha256 for f in first + second + last}) == 4
 
 
+def _settle_in_bucket(node: Gossip, *, settled: float | None = None) -> None:
+    """Wait until `settled` s into a bucket with 10 s of it left; by default past PLACEMENT_SPREAD, where every holder moves
+    into the current bucket when it next writes."""
+    bucket_s = node.config.index_bucket_s
+    settled = PLACEMENT_SPREAD * bucket_s + 0.5 if settled is None else settled
+    phase = time.time() % bucket_s
+    if phase < settled:
+        time.sleep(settled - phase)
+    elif phase > bucket_s - 10.0:
+        time.sleep(bucket_s - phase + settled)
+
+
 def test_a_full_index_key_splits_and_readers_still_find_every_author() -> None:
     """index_key_records = 2 with 6 publishers: the root key holds 2, the rest go a level down; no key holds more."""
     first = start_node(index_key_records=2)
     nodes = [first] + [start_node(first.visible_maddrs, index_key_records=2) for _ in range(5)]
     try:
+        _settle_in_bucket(first, settled=0.0)  # all six placed in one bucket
         for node in nodes:
             node.publish_rollouts(seal(node.identity, Kind.ROLLOUTS, 1, os.urandom(5_000)), version=1)
+        bucket = bucket_of(time.time(), first.config.index_bucket_s)
         reader = nodes[0]
         authors = {n.identity.peer_id for n in nodes[1:]}
         seen: set[str] = set()
@@ -150,8 +164,7 @@ def test_a_full_index_key_splits_and_readers_still_find_every_author() -> None:
                 break
         assert seen == authors
         assert 0 < max(n.stats()["max_records_per_key"] for n in nodes) <= 2 + 1  # + one racing writer at most
-        bucket = bucket_of(time.time(), nodes[0].config.index_bucket_s)
-        placed = [n._placed.get(bucket) for n in nodes]  # each node's key this bucket
+        placed = [n._placed.get(bucket) for n in nodes]  # each node's key in the bucket it published in
         roots = sum(key == placement_path(SWARM, bucket, n.identity.peer_id)[0] for key, n in zip(placed, nodes))
         assert roots <= 3 and all(placed)
     finally:
@@ -329,6 +342,45 @@ def test_records_read_are_parsed_once_and_forgotten_when_they_expire(swarm: list
 
 async def _forget(node: Gossip, now: float) -> None:
     node.records._forget_parsed(now)
+
+
+def test_a_record_lists_its_holders_two_newest_own_batches_and_what_it_relays(swarm: list[Gossip]) -> None:
+    """A reader takes at most one of an author's batches a step, the freshest by weight: older own batches only made
+    every copy of the record larger. A relayed batch keeps its place as its holder publishes its own."""
+    author, relayer, reader = swarm
+    _settle_in_bucket(author)
+    author.publish_rollouts(seal(author.identity, Kind.ROLLOUTS, 101, os.urandom(2_000)), version=101)
+    relayed = relayer.sample_rollouts(k=4, max_age_s=120, timeout=20, version_ok=lambda v: v == 101)
+    assert [f.version for f in relayed] == [101]
+    for version in (102, 103, 104):
+        author.publish_rollouts(seal(author.identity, Kind.ROLLOUTS, version, os.urandom(2_000)), version=version)
+        relayer.publish_rollouts(seal(relayer.identity, Kind.ROLLOUTS, version, os.urandom(2_000)), version=version)
+    for node in (author, relayer):
+        key = node._call(node._placed_key(time.time()), 30)
+        deadline = time.monotonic() + 10
+        while True:  # the relay is added by a task of its own
+            records, _ = reader._call(reader.records.read(key, 10), 30)
+            items = next(a.items for h, a in records if h.peer == node.identity.peer_id)
+            if node is author or relayed[0].sha256 in {i.sha256 for i in items} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert [i.version for i in items if i.author == node.identity.peer_id] == [104, 103]
+    assert relayed[0].sha256 in {i.sha256 for i in items}  # the relayer's record still offers what it relayed
+
+
+def test_the_previous_bucket_is_read_only_where_the_current_is_thin(swarm: list[Gossip]) -> None:
+    """2K fresh batches in the current bucket: a step walks only it (one key, the root not full); fewer: the previous
+    bucket's walk tops it up."""
+    author, other, reader = swarm
+    _settle_in_bucket(reader)
+    for node in (author, other):
+        node.publish_rollouts(seal(node.identity, Kind.ROLLOUTS, 201, os.urandom(2_000)), version=201)
+    before = reader.stats()["index_keys_read"]
+    assert len(reader.sample_rollouts(k=1, max_age_s=120, timeout=20)) == 1  # 2 records' fresh batches >= 2K = 2
+    assert reader.stats()["index_keys_read"] == before + 1
+    before = reader.stats()["index_keys_read"]
+    reader.sample_rollouts(k=10, max_age_s=120, timeout=20)  # two records list at most 18 < 2K = 20
+    assert reader.stats()["index_keys_read"] == before + 2
 
 
 def test_a_record_moves_to_a_new_bucket_at_its_own_moment(swarm: list[Gossip]) -> None:
