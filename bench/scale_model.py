@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -149,7 +150,7 @@ def prev_share_at(n: int, d: Design) -> float:
     points = sorted(d.prev_share)
     if n <= points[0][0]:
         return points[0][1]
-    for (n0, s0), (n1, s1) in zip(points, points[1:]):
+    for (n0, s0), (n1, s1) in itertools.pairwise(points):
         if n <= n1:
             return s0 + (s1 - s0) * math.log(n / n0) / math.log(n1 / n0)
     return points[-1][1]

@@ -33,7 +33,8 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
   rss_mb_per_node            a worker's RSS plus its p2pd children's, over its nodes (max over samples and workers)
   idle_bytes_per_node_step   the wire bytes of the joined swarm idling for --idle-s before any step (libp2p and DHT
                              upkeep), per node and second, times the seconds one node-step takes: part of bytes_per_node_step
-  flat                       bytes_per_node_step at the largest N / at N = 8
+  flat                       bytes_per_node_step at the largest N / at N = 8; flat_bodies the same of the bodies alone
+                             (its floor while N = 8's k_fill is below 1), flat_per_fetched_batch of bytes per batch fetched
   clean_shutdowns            no worker log holds a traceback, "Task was destroyed", "was never retrieved",
                              "gossip shutdown was not clean" or "did not stop within"; shutdown_stages_cut_short counts
                              shutdown stages that ran into the node's deadline (p2pd slow to exit while every peer
@@ -774,6 +775,8 @@ def main() -> int:
         "flat": round(largest["bytes_per_node_step"] / smallest["bytes_per_node_step"], 3) if smallest["nodes"] != largest["nodes"] else None,
         "flat_vs_nodes": smallest["nodes"],
         "flat_per_fetched_batch": round(largest["bytes_per_fetched_batch"] / smallest["bytes_per_fetched_batch"], 3),
+        # What flat would be if the index cost nothing: the bodies alone (k_fill below 1 at N = 8, and the batch mix).
+        "flat_bodies": round(largest["body_bytes_per_node_step"] / smallest["body_bytes_per_node_step"], 3),
         "clean_shutdowns": all(r["clean_shutdowns"] for r in runs) and shaped_error is None,
         "shaped_error": shaped_error,
         "runs": runs,

@@ -2,9 +2,9 @@
 
 Nodes share no round numbers. A holder announces the batches it serves in the index of the
 current time bucket (`bucket = floor(unix time / bucket_s)`), and a reader looks at the current
-bucket, and at the previous one too during the bucket's first `PLACEMENT_SPREAD` (while holders
-move their records into it, see Writing) or when the current offers fewer than 2K batches it
-could take: what it sees is at most two buckets old.
+bucket, and at the previous one too where the current offers fewer than 2K batches it could take
+(a small swarm, or a bucket's first `PLACEMENT_SPREAD` while holders move their records into it,
+see Writing): what it sees is at most two buckets old.
 
 Inside a bucket the records form a binary tree of DHT keys, `rollout_index_key(swarm, bucket,
 level, prefix)`: level 0 is one key, level l has 2^l keys, and a holder's key at level l is the
