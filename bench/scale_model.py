@@ -18,7 +18,9 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
   replica lookups         step_s / bucket_s: the first store under a key (once a bucket) finds its replicas, later
                           stores write straight to them (records.py)
   RPCs                    an index read and a placement read stop at the first replica with a fresh record:
-                          read_workers + hops RPCs, hops = log2(N / beam); a lookup crawls the beam: min(N - 1, beam + hops);
+                          read_workers + hops RPCs, hops = log2(N / beam), none where the node is one of the key's
+                          replicas itself (replicas / N of the keys: its own copy answers); a replica lookup crawls
+                          its beam of 10: min(N - 1, lookup_beam + hops) (hivemind's store crawled 20);
                           a store sends `replicas` store RPCs
   record copies           every replica a find reaches answers with the whole key: replies * r per index or placement
                           read (replies fitted, about 1), replicas * r per lookup
@@ -71,6 +73,7 @@ class Design:
     descend: float = 0.5  # index.DESCEND
     replicas: int = 5  # hivemind num_replicas
     beam: int = 20  # hivemind bucket_size = beam_size
+    lookup_beam: int = 10  # the replica lookup's beam (records.py: twice the replicas)
     read_workers: int = 1  # records.read's requests in flight for an index read
     relay_stores: float = 0.2  # relayed-batch re-stores per step (coalesced; measured 0.1-0.3)
     store_every_s: float = 0.0  # 0: a store per publish (as built); > 0: at most one store per this many seconds
@@ -179,15 +182,18 @@ def per_node_step(n: int, d: Design) -> dict:
         holders = d.replicas + (d.cached_share * max(0.0, crawl - d.replicas) if d.caching else 0.0)
         read_copies = min(holders, n - 1) * per_key
     else:
-        read_rpcs = min(n - 1, d.read_workers + hops)
-        read_copies = min(d.replies, n - 1) * per_key
+        # A node among the key's replicas (replicas / N of the keys) finds a fresh copy in its own storage: no RPC.
+        remote = 1.0 - min(1.0, d.replicas / n)
+        read_rpcs = remote * min(n - 1, d.read_workers + hops)
+        read_copies = remote * min(d.replies, n - 1) * per_key
     replica_copies = min(d.replicas, n - 1) * per_key
     if d.crawl_placement or d.crawl_reads:
         placement_rpcs, placement_copies = crawl, replica_copies
     else:
         placement_rpcs, placement_copies = read_rpcs, read_copies
     copies = index_reads * read_copies + placement_reads * placement_copies + lookups * replica_copies
-    find_rpcs = index_reads * read_rpcs + placement_reads * placement_rpcs + lookups * crawl
+    lookup_crawl = min(n - 1, d.lookup_beam + hops)
+    find_rpcs = index_reads * read_rpcs + placement_reads * placement_rpcs + lookups * lookup_crawl
     store_rpcs = stores * d.replicas + (gets if d.caching else 0.0)  # cache_nearest=1 pushed each get's result once
     fill = k_fill(n, d)
     body = 2 * fill * d.k * d.body_bytes
@@ -293,8 +299,9 @@ def main() -> int:
     variants = {
         "as_built": built,
         "coalesced_stores": dataclasses.replace(built, store_every_s=10.0),
-        "lookup_every_store": dataclasses.replace(built, direct_stores=False, crawl_placement=True),
-        "crawl_full_walks": dataclasses.replace(built, crawl_reads=True, caching=True, direct_stores=False, crawl_placement=True),
+        "lookup_every_store": dataclasses.replace(built, direct_stores=False, crawl_placement=True, lookup_beam=built.beam),
+        "crawl_full_walks": dataclasses.replace(built, crawl_reads=True, caching=True, direct_stores=False, crawl_placement=True,
+                                                lookup_beam=built.beam),
     }
     tables = {}
     for name, design in variants.items():
