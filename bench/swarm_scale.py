@@ -10,8 +10,8 @@ log-evenly over a 10x range (2 s to 20 s by default), each node starts at a rand
 with a random one of the two sizes. Every node alternating, the swarm's published mix is half and
 half at every N and every speed; a size fixed per node would tie it to the speeds, and in a
 swarm of 8 the fastest node's size weighs most (mean published batch 69 kB against 78 at 64,
-when sizes alternated by speed rank): N = 8 paid less per fetched batch for that alone. Several nodes share a worker
-process (8 by default; each node its own gossip loop thread and step thread), so 64 nodes fit on
+when sizes alternated by speed rank): N = 8 paid less per fetched batch for that alone. Several
+nodes share a worker process (8 by default; each node its own gossip loop thread and step thread), so 64 nodes fit on
 2 cores and a few GB. Node 0 is the bootstrap peer everyone joins through, and a stepping node too.
 
 Runs: N = 8, 16, 32, 64 on loopback (inside a network namespace of our own, so its `lo` counters

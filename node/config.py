@@ -298,7 +298,7 @@ class SwarmConfig(_Section):
     index_key_records: int = _help(
         "records one index key holds at most; a full key splits into two keys of the next level (by peer-id prefix), "
         "so a key's size is bounded whatever the swarm's size (a read brings a whole key back: 4 keeps the index "
-        "a fifth of a node's bytes at 64 nodes, 16 made it a third)", 4, ge=1)
+        "a sixth of a node's bytes at 64 nodes, 16 made it a third)", 4, ge=1)
     announce_seconds: float = _help(
         "seconds a batch we serve (our own or relayed) stays announced in the current index bucket; match "
         "train.staleness_seconds", 240.0, gt=0)
