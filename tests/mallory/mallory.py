@@ -3,7 +3,8 @@
 Usage: python -P mallory.py <honest maddr> <swarm> <victim peer id> <victim libp2p id> <honest peer id> <linger s> <out.json>
 
 It joins the swarm through the honest node and announces in the rollout index (by recency, like
-any node: `publish_rollouts` into the current bucket) and serves: rollouts signed by itself with
+any node: `publish_rollouts` into the current bucket, but as a modified client that lists all its
+batches in one record, as many as a record may hold, where ours lists its 2 newest) and serves: rollouts signed by itself with
 NaN / inf / positive log-probs, out-of-vocabulary ids, mismatched lengths, a false reward, a
 batch signed long ago but announced as fresh, and a batch from a far-future policy version
 announced as version 0; an envelope that claims the honest node as author with a forged
@@ -30,11 +31,12 @@ from hivemind.p2p import PeerID
 
 from hivespec.node.config import SwarmConfig, load_config
 from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint
+from hivespec.node.swarm import gossip as gossip_module
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.index import bucket_of, placement_path
 from hivespec.node.swarm.transfer import STREAM_NAME
 from hivespec.node.tasks.source import TaskSource
-from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
+from hivespec.protocol.announce import MAX_ITEMS, Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.codec import pack
 from hivespec.protocol.envelope import Kind, open_envelope, seal, signed_message
 from hivespec.protocol.identity import Identity
@@ -130,6 +132,7 @@ def main() -> None:
     fingerprint = model_fingerprint(model.config, tokenizer)
     tasks = TaskSource.from_config(config.tasks)
     me = Identity.generate()
+    gossip_module._OWN_ANNOUNCED = MAX_ITEMS  # a hostile client: every attack in one record, where a reader meets them all
     g = Gossip(me, SwarmConfig(swarm=swarm, initial_peers=[maddr], request_timeout=5.0, bootstrap_timeout=10.0))
     g.start()
     tally: dict[str, object] = {"mallory": me.peer_id, "announced": [], "dht": {}}
