@@ -391,7 +391,7 @@ class Gossip:
         self.fetcher.mark_done((item.sha256, item.author, item.size))
         self._remember_announced(item)
         key = await self._placed_key(time.time())
-        self.records.hold(key, item, first=True, own_limit=_OWN_ANNOUNCED)
+        self._hold_rollouts(key, item, first=True)
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
         self._stats["published"] += 1
 
@@ -484,7 +484,7 @@ class Gossip:
         """Serve a fetched batch too: add it to our record in the current bucket (while there is room)."""
         try:
             key = await self._placed_key(time.time())
-            if self.records.hold(key, item):
+            if self._hold_rollouts(key, item):
                 await self._restore(key)
         except Exception as exc:  # noqa: BLE001 - relaying is best effort
             logger.debug("relaying %s failed: %s", item.sha256.hex()[:12], exc)
@@ -512,7 +512,7 @@ class Gossip:
             self._placed.popitem(last=False)
         if previous is not None:  # what we announced in the previous bucket comes along
             for item in self._fresh_announced(now):
-                self.records.hold(key, item, own_limit=_OWN_ANNOUNCED)
+                self._hold_rollouts(key, item)
         return key
 
     async def _keep_announcing(self) -> None:
@@ -531,7 +531,7 @@ class Gossip:
             bucket = bucket_of(now, bucket_s)
             try:
                 key = await self._placed_key(now)
-                added = [self.records.hold(key, item, own_limit=_OWN_ANNOUNCED) for item in fresh]
+                added = [self._hold_rollouts(key, item) for item in fresh]
                 if any(added):
                     await asyncio.wait_for(self.records.store(key), self.request_timeout)
                     self._stats["reannounced"] += 1
@@ -542,6 +542,10 @@ class Gossip:
         """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""
         fresh = [item for item in self._announced.values() if now - item.born <= self.config.announce_seconds]
         return sorted(fresh, key=lambda i: (i.author != self.identity.peer_id, -i.born))
+
+    def _hold_rollouts(self, key: str, item: AnnouncedBody, *, first: bool = False) -> bool:
+        """Add a rollout batch to our record under `key`: at most `_OWN_ANNOUNCED` of its items our own (see `IndexRecords.hold`)."""
+        return self.records.hold(key, item, first=first, own_limit=_OWN_ANNOUNCED)
 
     def _remember_announced(self, item: AnnouncedBody) -> None:
         self._announced[item.sha256] = item

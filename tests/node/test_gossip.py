@@ -355,16 +355,23 @@ def test_a_record_lists_its_holders_two_newest_own_batches_and_what_it_relays(sw
     for version in (102, 103, 104):
         author.publish_rollouts(seal(author.identity, Kind.ROLLOUTS, version, os.urandom(2_000)), version=version)
         relayer.publish_rollouts(seal(relayer.identity, Kind.ROLLOUTS, version, os.urandom(2_000)), version=version)
-    for node in (author, relayer):
+
+    def record_items(node: Gossip) -> tuple[AnnouncedBody, ...]:
+        """The items of `node`'s record as the reader reads it from the DHT."""
         key = node._call(node._placed_key(time.time()), 30)
-        deadline = time.monotonic() + 10
-        while True:  # the relay is added by a task of its own
-            records, _ = reader._call(reader.records.read(key, 10), 30)
-            items = next(a.items for h, a in records if h.peer == node.identity.peer_id)
-            if node is author or relayed[0].sha256 in {i.sha256 for i in items} or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert [i.version for i in items if i.author == node.identity.peer_id] == [104, 103]
+        records, _ = reader._call(reader.records.read(key, 10), 30)
+        return next(a.items for h, a in records if h.peer == node.identity.peer_id)
+
+    def own_versions(node: Gossip, items: tuple[AnnouncedBody, ...]) -> list[int]:
+        return [i.version for i in items if i.author == node.identity.peer_id]
+
+    assert own_versions(author, record_items(author)) == [104, 103]
+    deadline = time.monotonic() + 10
+    items = record_items(relayer)
+    while relayed[0].sha256 not in {i.sha256 for i in items} and time.monotonic() < deadline:
+        time.sleep(0.5)  # the relay is added by a task of its own
+        items = record_items(relayer)
+    assert own_versions(relayer, items) == [104, 103]
     assert relayed[0].sha256 in {i.sha256 for i in items}  # the relayer's record still offers what it relayed
 
 
