@@ -29,6 +29,9 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
                              gossip's own bytes_in+bytes_out (bodies only)
   dht_requests_per_node_step gossip's dht_gets + dht_stores (each a hivemind traversal) per node-step;
                              hivemind_rpcs_per_node_step counts the RPCs under them (DHTProtocol.call_find/call_store/call_ping)
+  dht_payload_bytes_per_node_step  the DHT RPCs' protobuf payload (request + reply, in + out) by kind: find (index
+                             reads, placement counts, replica lookups), store, ping; the rest of the wire bytes
+                             beyond the bodies is framing (TLS, yamux, TCP/IP) and libp2p's own upkeep
   max_records_per_key        max over nodes of the most records one index key held when read
   rss_mb_per_node            a worker's RSS plus its p2pd children's, over its nodes (max over samples and workers)
   idle_bytes_per_node_step   the wire bytes of the joined swarm idling for --idle-s before any step (libp2p and DHT
@@ -82,7 +85,8 @@ COUNTERS = ("bytes_in", "bytes_out", "bodies_served", "bodies_fetched", "bodies_
             "peer_hangups", "reannounced", "relay_records", "published", "announce_store_failed", "bad_records", "bad_bodies",
             "dht_key_full_refused")
 RPCS = ("call_find", "call_store", "call_ping")
-RPC_COUNTS = (*RPCS, "find_records")
+SERVED = {"rpc_find": "find_bytes", "rpc_store": "store_bytes", "rpc_ping": "ping_bytes"}  # handler -> its counter
+RPC_COUNTS = (*RPCS, "find_records", *SERVED.values())
 NS_PREFIX = "hsn"  # net_topology.PREFIX: namespaces named hsn<owner pid>-<role>, so its remove_stale() clears a killed run's
 
 
@@ -110,6 +114,17 @@ def _count_rpcs() -> None:
             return result
 
         setattr(DHTProtocol, name, functools.wraps(original)(counted))
+
+    for name, counter in SERVED.items():
+        original = getattr(DHTProtocol, name)
+
+        async def served(self, request, context, _original=original, _counter=counter):
+            # Request plus reply payload (protobuf) of each DHT RPC this node answers: the index's bytes before framing.
+            response = await _original(self, request, context)
+            _rpc_counts[(id(self), _counter)] += request.ByteSize() + response.ByteSize()
+            return response
+
+        setattr(DHTProtocol, name, functools.wraps(original)(served))
 
 
 def _rss_kb(pid: int) -> int:
@@ -671,6 +686,9 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         "hivemind_rpcs_per_node_step": round(sum(delta[name] for name in RPCS) / node_steps, 1),
         "hivemind_rpcs_by_kind_per_node_step": {name: round(delta[name] / node_steps, 1) for name in RPCS},
         "dht_record_copies_per_node_step": round(delta["find_records"] / node_steps, 1),
+        # Payload in + out (twice what the answering node saw, like bytes_per_node_step): the DHT's share before framing.
+        "dht_payload_bytes_per_node_step": {kind: round(2 * delta[counter] / node_steps) for kind, counter in
+                                            (("find", "find_bytes"), ("store", "store_bytes"), ("ping", "ping_bytes"))},
         "candidates_per_step": round(delta["sample_candidates"] / node_steps, 1),
         "max_records_per_key": max((node["max_records_per_key"] for node in nodes), default=0),
         "records_read_per_node_step": round(delta["records_read"] / node_steps, 1),

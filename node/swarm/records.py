@@ -214,7 +214,10 @@ class IndexRecords:
         else:
             # One request in flight, not hivemind's four: every replica that answers sends the whole key, and the
             # nearest peer asked first is mostly a replica (two in flight brought 2.1 copies of a key a read at 64 nodes).
-            search = {"sufficient_expiration_time": get_dht_time() + self.record_ttl - fresh_within, "num_workers": 1}
+            # The replica lookup's beam, not hivemind's 20: a key no one holds (a bucket's first placement, a walk
+            # below the tree's deepest key) is given up once the nearest 10 peers have answered without it.
+            search = {"sufficient_expiration_time": get_dht_time() + self.record_ttl - fresh_within, "num_workers": 1,
+                      "beam_size": _LOOKUP_BEAM * self._dht.num_replicas}
         try:
             found = await asyncio.wait_for(self._dht.get(key, **search), timeout)
         except TimeoutError:

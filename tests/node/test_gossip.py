@@ -319,6 +319,41 @@ def test_later_stores_under_a_key_go_straight_to_its_replicas(monkeypatch: pytes
             node.shutdown()
 
 
+def test_an_index_read_gives_up_on_a_key_no_one_holds_after_the_nearest_ten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """13 nodes: reading a key no one holds (a bucket's first placement, a walk below the deepest key) asks the
+    replica lookup's beam of 10 nearest peers, not hivemind's 20 (here: all 12 others), and a held key is still found."""
+    first = start_node()
+    nodes = [first] + [start_node(first.visible_maddrs) for _ in range(12)]
+    reader, writer = nodes[0], nodes[1]
+    finds = Counter()
+    protocol = reader._dht.protocol
+    original = protocol.call_find
+
+    async def counted(peer, keys):
+        finds[tuple(keys)] += 1
+        return await original(peer, keys)
+
+    monkeypatch.setattr(protocol, "call_find", counted)
+    try:
+        deadline = time.monotonic() + 30
+        while reader.stats()["known_peers"] < 12 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the reader's routing table learns every peer (each one pings it on joining)
+        assert reader.stats()["known_peers"] == 12
+        absent = placement_path(SWARM, 1, writer.identity.peer_id)[3]  # a bucket long gone, level 3: nobody holds it
+        assert reader._call(reader.records.read(absent, 10.0, fresh_within=30.0), 20) == ([], 0)
+        assert sum(finds.values()) <= records._LOOKUP_BEAM * reader._dht.num_replicas  # hivemind's default: 12 here
+
+        writer.publish_rollouts(seal(writer.identity, Kind.ROLLOUTS, 1, os.urandom(1_000)), version=1)
+        held = writer._placed[bucket_of(time.time(), writer.config.index_bucket_s)]
+        finds.clear()
+        found, total = reader._call(reader.records.read(held, 10.0, fresh_within=30.0), 20)
+        assert total == 1 and [holder.peer for holder, _ in found] == [writer.identity.peer_id]
+        assert sum(finds.values()) <= records._LOOKUP_BEAM * reader._dht.num_replicas
+    finally:
+        for node in reversed(nodes):
+            node.shutdown()
+
+
 def test_a_swarm_smaller_than_the_replica_count_looks_up_at_every_store(swarm: list[Gossip]) -> None:
     """Fewer nodes than hivemind's num_replicas (or a node still joining): the lookup is not remembered, so the
     next store finds a peer that joined since."""
