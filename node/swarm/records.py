@@ -86,6 +86,7 @@ class IndexRecords:
         self._p2p_id = ""
         self._maddrs: tuple[str, ...] = ()
         self._held: OrderedDict[str, list[AnnouncedBody]] = OrderedDict()  # key -> our record's items, newest first
+        self._stored: set[str] = set()  # keys of _held whose record a DHT peer has accepted at least once
         # content digest -> (expiration, (subkey, announce) or None when invalid), least recently seen first
         self._parsed: OrderedDict[bytes, tuple[float, tuple[str, Announce] | None]] = OrderedDict()
         self._replicas: OrderedDict[str, tuple[float, dict[DHTID, PeerID]]] = OrderedDict()  # key -> (found at, nearest)
@@ -102,8 +103,12 @@ class IndexRecords:
         held = self._held.setdefault(key, [])
         self._held.move_to_end(key)
         while len(self._held) > self.max_keys:
-            self._held.popitem(last=False)
+            self._stored.discard(self._held.popitem(last=False)[0])
         return held
+
+    def stored(self, key: str) -> bool:
+        """Whether our record under `key` was ever accepted by a DHT peer: a placement counts for the others only then."""
+        return key in self._stored
 
     def holds(self, key: str) -> bool:
         return bool(self._held.get(key))
@@ -152,6 +157,8 @@ class IndexRecords:
             # Only our own replica may exist; peers can still find the record once they reach us.
             self._stats["announce_store_failed"] += 1
             logger.debug("%s: no DHT peer accepted our index record", key)
+        elif key in self._held:
+            self._stored.add(key)
         return bool(stored)
 
     async def _store_at_replicas(self, key: str, record: bytes, expires: float) -> bool | None:

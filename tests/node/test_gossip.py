@@ -445,6 +445,21 @@ def test_a_record_moves_to_a_new_bucket_at_its_own_moment(swarm: list[Gossip]) -
     assert node._call(node._placed_key(start), 30) == moved  # placed: it stays for the bucket
 
 
+def test_a_record_moved_by_a_reannouncing_tick_is_stored_at_once(swarm: list[Gossip]) -> None:
+    """A holder that moves into a new bucket between its own publishes (its re-announcing tick, or a relay) stores its
+    record there at once: until stored, the others' placements do not count it and overfill the key."""
+    node, reader = swarm[1], swarm[2]
+    node.publish_rollouts(seal(node.identity, Kind.ROLLOUTS, 1, os.urandom(2_000)), version=1)
+    bucket_s = node.config.index_bucket_s
+    bucket = bucket_of(time.time(), bucket_s) + 1
+    moment = bucket * bucket_s + placement_delay(node.identity.peer_id, bucket, bucket_s) + 0.01
+    assert node._call(node._reannounce(moment), 30)  # moved: our fresh batch came along, nothing new was added
+    key = node._placed[bucket]
+    records, total = reader._call(reader.records.read(key, 10.0, fresh_within=60.0), 20)
+    assert total >= 1 and node.identity.peer_id in {holder.peer for holder, _ in records}
+    assert not node._call(node._reannounce(moment + 1.0), 30)  # stored and unchanged: no store
+
+
 def test_a_body_outlives_its_author_through_a_holder() -> None:
     author = start_node()
     relay = start_node(author.visible_maddrs)
