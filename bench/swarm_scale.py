@@ -687,8 +687,8 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         "hivemind_rpcs_by_kind_per_node_step": {name: round(delta[name] / node_steps, 1) for name in RPCS},
         "dht_record_copies_per_node_step": round(delta["find_records"] / node_steps, 1),
         # Payload in + out (twice what the answering node saw, like bytes_per_node_step): the DHT's share before framing.
-        "dht_payload_bytes_per_node_step": {kind: round(2 * delta[counter] / node_steps) for kind, counter in
-                                            (("find", "find_bytes"), ("store", "store_bytes"), ("ping", "ping_bytes"))},
+        "dht_payload_bytes_per_node_step": {handler.removeprefix("rpc_"): round(2 * delta[counter] / node_steps)
+                                            for handler, counter in SERVED.items()},
         "candidates_per_step": round(delta["sample_candidates"] / node_steps, 1),
         "max_records_per_key": max((node["max_records_per_key"] for node in nodes), default=0),
         "records_read_per_node_step": round(delta["records_read"] / node_steps, 1),
