@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -275,15 +276,18 @@ def worker(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _count_rpcs()
-    from hivespec.node.config import SwarmConfig
+    from hivespec.node.config import load_config
 
+    # The public preset's swarm section (its re-bootstrap period included: that is upkeep every node pays), on
+    # loopback: no relay slots, the bench's step timeout.
+    public = load_config("public", environ={}).swarm
     plans = json.loads(args.plan)
     nodes: list[LightNode] = []
     bootstrap = args.bootstrap
     for plan in plans:
-        config = SwarmConfig(swarm="scale", host=args.host, port=0, initial_peers=[bootstrap] if bootstrap else [],
-                             request_timeout=STEP_TIMEOUT_S, bootstrap_timeout=30.0,
-                             **({"index_key_records": args.key_records} if args.key_records else {}))
+        config = dataclasses.replace(public, swarm="scale", host=args.host, port=0, initial_peers=[bootstrap] if bootstrap else [],
+                                     use_auto_relay=False, request_timeout=STEP_TIMEOUT_S, bootstrap_timeout=30.0,
+                                     **({"index_key_records": args.key_records} if args.key_records else {}))
         node = LightNode(plan["index"], plan, config)
         node.gossip.start()
         nodes.append(node)

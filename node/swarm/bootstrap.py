@@ -10,7 +10,11 @@ our own id to fill the routing table, each under a timeout. At start it retries 
 exponential backoff until `bootstrap_timeout`; if nobody answered, the node runs **solo**
 (logged as a warning, visible in `Gossip.status()`) and keeps retrying in the background. Once
 joined it re-bootstraps every `rebootstrap_interval` seconds, which merges a DHT that started
-split (hivemind#624). Reachability is measured, not guessed, after every (re)join: the peer that
+split (hivemind#624): a ping to each bootstrap peer, and the routing-table lookup only where the
+join is new (first, out of solo, after losing the peer we joined through) or `REFRESH_S` after
+the last one. That lookup crawls hivemind's beam of 20 peers, each reply listing 20 neighbours:
+84 kB per node at 64 light nodes (bench/swarm_scale.py), 5.6 kB/s on every node at the public
+preset's 15 s if done at each re-bootstrap. Reachability is measured, not guessed, after every (re)join: the peer that
 answered opens a fresh connection to us, or another peer reaches us through our relay
 (node/swarm/nat.py; hivemind's own dial-back reuses our connection and passes behind any NAT).
 
@@ -50,6 +54,7 @@ LOCK_FILE = "node.lock"
 MAX_CACHED_PEERS = 64
 LOST_CHECK_S = 2.0  # how often keep_joined checks that p2pd still holds a connection to the peer we joined through
 REMEASURE_S = 300.0  # a settled reachability is re-measured at the first re-bootstrap after this long
+REFRESH_S = 300.0  # a joined node's routing-table lookup runs again at the first re-bootstrap after this long
 _MADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/(tcp|udp)/\d{1,5}(/[^\s]*)?/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
@@ -216,11 +221,16 @@ class Joiner:
     reachability_detail: str = ""
     last_attempt: float = 0.0
     _measured_at: float = field(default=-1e9, repr=False)
+    refreshes: int = 0  # routing-table lookups run (join_once with refresh)
+    _refreshed_at: float = field(default=-1e9, repr=False)
     _joined_peer: PeerID | None = field(default=None, repr=False)
     _lost: bool = field(default=False, repr=False)  # the peer we joined through dropped: rejoin with backoff
 
-    async def join_once(self) -> bool:
-        """Try every candidate once (concurrently); True if at least one answered a DHT ping."""
+    async def join_once(self, *, refresh: bool = True) -> bool:
+        """Try every candidate once (concurrently); True if at least one answered a DHT ping.
+
+        With `refresh`, a lookup of our own id follows (fills the routing table around us).
+        """
         self.last_attempt = time.time()
         own = {str(self.p2p.peer_id)}
         todo = [(s, m) for s, m in self.candidates if Multiaddr(m).value_for_protocol("p2p") not in own]
@@ -232,10 +242,13 @@ class Joiner:
             return False
         self.solo, self._lost = False, False
         self.joined_via, self._joined_peer = answered[0][0], answered[0][1]
-        try:
-            await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), 3 * self.rpc_timeout)
-        except TimeoutError:
-            logger.debug("routing table refresh timed out after a successful bootstrap ping")
+        if refresh:
+            self.refreshes += 1
+            self._refreshed_at = time.monotonic()
+            try:
+                await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), 3 * self.rpc_timeout)
+            except TimeoutError:
+                logger.debug("routing table refresh timed out after a successful bootstrap ping")
         if self.needs_measuring():
             self._record(await self._reachability(answered[0][1]))
         await self.remember_peers()
@@ -306,7 +319,8 @@ class Joiner:
 
         Until a relay is confirmed (reachability not yet reachable/relayed), rejoin at least every 10 s.
         When p2pd loses its connection to the peer we joined through (a restarted public node, our
-        relay), rejoin within LOST_CHECK_S and then with backoff, not after a whole `interval`.
+        relay), rejoin within LOST_CHECK_S and then with backoff, not after a whole `interval`. A
+        routine re-bootstrap pings; the routing-table lookup runs on a new join or REFRESH_S after the last.
         """
         delay = 1.0
         while True:
@@ -317,8 +331,9 @@ class Joiner:
                 wait = interval if settled else min(interval, 10.0)
             await self._wait(wait * random.uniform(0.8, 1.2))
             was_solo = self.solo
+            refresh = was_solo or self._lost or time.monotonic() - self._refreshed_at > REFRESH_S
             try:
-                ok = await self.join_once()
+                ok = await self.join_once(refresh=refresh)
                 if not self.candidates:
                     await self.measure()
             except Exception as exc:  # noqa: BLE001 - a failed attempt must not end the task

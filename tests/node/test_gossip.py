@@ -15,7 +15,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 
 from hivespec.node.config import SwarmConfig
-from hivespec.node.swarm import records
+from hivespec.node.swarm import bootstrap, records
 from hivespec.node.swarm.dht_guard import MAX_RECORDS_PER_KEY
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.index import PLACEMENT_SPREAD, bucket_of, placement_delay, placement_path
@@ -542,6 +542,28 @@ def test_unreachable_bootstrap_peer_means_visible_solo_mode() -> None:
             joiner.shutdown()
     finally:
         solo.shutdown()
+
+
+def test_a_routine_rebootstrap_pings_and_leaves_the_routing_lookup_to_new_joins() -> None:
+    # The lookup of our own id crawls 20 peers (84 kB a node at 64 light nodes): a re-bootstrap every
+    # few seconds must not repeat it while the peer we joined through still answers.
+    first = start_node()
+    joiner = start_node(first.visible_maddrs, rebootstrap_interval=0.3)
+    try:
+        rejoins = joiner._joiner
+        assert rejoins.refreshes == 1  # the first join
+        started = rejoins.last_attempt
+        time.sleep(3.0)
+        assert rejoins.last_attempt > started + 1.0, "no re-bootstrap ran"
+        assert rejoins.refreshes == 1
+        rejoins._refreshed_at -= bootstrap.REFRESH_S  # REFRESH_S later
+        deadline = time.monotonic() + 10
+        while rejoins.refreshes < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rejoins.refreshes == 2
+    finally:
+        joiner.shutdown()
+        first.shutdown()
 
 
 def test_fetch_dials_a_holder_it_never_met() -> None:
