@@ -10,11 +10,13 @@ our own id to fill the routing table, each under a timeout. At start it retries 
 exponential backoff until `bootstrap_timeout`; if nobody answered, the node runs **solo**
 (logged as a warning, visible in `Gossip.status()`) and keeps retrying in the background. Once
 joined it re-bootstraps every `rebootstrap_interval` seconds, which merges a DHT that started
-split (hivemind#624): a ping to each bootstrap peer, and the routing-table lookup only where the
-join is new (first, out of solo, after losing the peer we joined through) or `REFRESH_S` after
-the last one. That lookup crawls hivemind's beam of 20 peers, each reply listing 20 neighbours:
-84 kB per node at 64 light nodes (bench/swarm_scale.py), 5.6 kB/s on every node at the public
-preset's 15 s if done at each re-bootstrap. Reachability is measured, not guessed, after every (re)join: the peer that
+split (hivemind#624). A routine re-bootstrap (joined, the peer we joined through still
+connected, the last full join under `REFRESH_S` ago) pings the configured bootstrap peers and the
+peer we joined through; a full join (the first, out of solo, after losing that peer, or every
+`REFRESH_S`) pings every candidate, the peer cache's too, and looks up our own id. That lookup
+crawls hivemind's beam of 20 peers, each reply listing 20 neighbours: done at every re-bootstrap
+of the public preset (15 s), it was 80 % of a node's idle traffic at 64 light nodes (7.9 kB/s per
+node, against 1.6 routine; bench/swarm_scale.py). Reachability is measured, not guessed, after every (re)join: the peer that
 answered opens a fresh connection to us, or another peer reaches us through our relay
 (node/swarm/nat.py; hivemind's own dial-back reuses our connection and passes behind any NAT).
 
@@ -54,7 +56,7 @@ LOCK_FILE = "node.lock"
 MAX_CACHED_PEERS = 64
 LOST_CHECK_S = 2.0  # how often keep_joined checks that p2pd still holds a connection to the peer we joined through
 REMEASURE_S = 300.0  # a settled reachability is re-measured at the first re-bootstrap after this long
-REFRESH_S = 300.0  # a joined node's routing-table lookup runs again at the first re-bootstrap after this long
+REFRESH_S = 300.0  # a joined node's re-bootstrap is a full join again (every candidate, own-id lookup) after this long
 _MADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/(tcp|udp)/\d{1,5}(/[^\s]*)?/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
@@ -221,19 +223,26 @@ class Joiner:
     reachability_detail: str = ""
     last_attempt: float = 0.0
     _measured_at: float = field(default=-1e9, repr=False)
-    refreshes: int = 0  # routing-table lookups run (join_once with refresh)
-    _refreshed_at: float = field(default=-1e9, repr=False)
+    full_joins: int = 0  # joins that answered and looked up our own id
+    last_tried: int = 0  # candidates the last attempt pinged
+    _full_at: float = field(default=-1e9, repr=False)
     _joined_peer: PeerID | None = field(default=None, repr=False)
+    _joined_maddr: str = field(default="", repr=False)
     _lost: bool = field(default=False, repr=False)  # the peer we joined through dropped: rejoin with backoff
 
-    async def join_once(self, *, refresh: bool = True) -> bool:
-        """Try every candidate once (concurrently); True if at least one answered a DHT ping.
+    async def join_once(self, *, routine: bool = False) -> bool:
+        """Try the candidates once (concurrently); True if at least one answered a DHT ping.
 
-        With `refresh`, a lookup of our own id follows (fills the routing table around us).
+        A full join tries every candidate and then looks up our own id (fills the routing table
+        around us); a `routine` one pings the configured bootstrap peers and the peer we joined
+        through, and looks nothing up.
         """
         self.last_attempt = time.time()
         own = {str(self.p2p.peer_id)}
         todo = [(s, m) for s, m in self.candidates if Multiaddr(m).value_for_protocol("p2p") not in own]
+        if routine:
+            todo = [(s, m) for s, m in todo if s != "cache" or m == self._joined_maddr]
+        self.last_tried = len(todo)
         if not todo:
             return False
         results = await asyncio.gather(*(self._try(s, m) for s, m in todo))
@@ -241,10 +250,11 @@ class Joiner:
         if not answered:
             return False
         self.solo, self._lost = False, False
-        self.joined_via, self._joined_peer = answered[0][0], answered[0][1]
-        if refresh:
-            self.refreshes += 1
-            self._refreshed_at = time.monotonic()
+        (source, maddr), self._joined_peer = answered[0][0], answered[0][1]
+        self.joined_via, self._joined_maddr = f"{source} {maddr}", maddr
+        if not routine:
+            self.full_joins += 1
+            self._full_at = time.monotonic()
             try:
                 await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), 3 * self.rpc_timeout)
             except TimeoutError:
@@ -267,7 +277,7 @@ class Joiner:
         self.reachability, self.reachability_detail = verdict.state, verdict.detail
         self._measured_at = time.monotonic()
 
-    async def _try(self, source: str, maddr: str) -> tuple[str, PeerID] | None:
+    async def _try(self, source: str, maddr: str) -> tuple[tuple[str, str], PeerID] | None:
         try:
             peer = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
             await dial(self.p2p, peer, [maddr], self.rpc_timeout)
@@ -275,7 +285,7 @@ class Joiner:
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: try the next one
             logger.debug("bootstrap peer %s (%s) did not answer: %s: %s", maddr, source, type(exc).__name__, exc)
             return None
-        return (f"{source} {maddr}", peer) if node_id is not None else None
+        return ((source, maddr), peer) if node_id is not None else None
 
     async def _reachability(self, peer: PeerID) -> Reach:
         """Ask `peer` to dial us back; if it cannot, to have a third peer reach us through our relays."""
@@ -319,8 +329,8 @@ class Joiner:
 
         Until a relay is confirmed (reachability not yet reachable/relayed), rejoin at least every 10 s.
         When p2pd loses its connection to the peer we joined through (a restarted public node, our
-        relay), rejoin within LOST_CHECK_S and then with backoff, not after a whole `interval`. A
-        routine re-bootstrap pings; the routing-table lookup runs on a new join or REFRESH_S after the last.
+        relay), rejoin within LOST_CHECK_S and then with backoff, not after a whole `interval`. Out
+        of solo, after a loss and every REFRESH_S the rejoin is a full one; in between, routine.
         """
         delay = 1.0
         while True:
@@ -331,9 +341,9 @@ class Joiner:
                 wait = interval if settled else min(interval, 10.0)
             await self._wait(wait * random.uniform(0.8, 1.2))
             was_solo = self.solo
-            refresh = was_solo or self._lost or time.monotonic() - self._refreshed_at > REFRESH_S
+            routine = not (was_solo or self._lost) and time.monotonic() - self._full_at <= REFRESH_S
             try:
-                ok = await self.join_once(refresh=refresh)
+                ok = await self.join_once(routine=routine)
                 if not self.candidates:
                     await self.measure()
             except Exception as exc:  # noqa: BLE001 - a failed attempt must not end the task

@@ -544,26 +544,32 @@ def test_unreachable_bootstrap_peer_means_visible_solo_mode() -> None:
         solo.shutdown()
 
 
-def test_a_routine_rebootstrap_pings_and_leaves_the_routing_lookup_to_new_joins() -> None:
-    # The lookup of our own id crawls 20 peers (84 kB a node at 64 light nodes): a re-bootstrap every
-    # few seconds must not repeat it while the peer we joined through still answers.
+def test_a_routine_rebootstrap_pings_the_configured_peers_and_leaves_the_full_join_to_new_joins(tmp_path) -> None:
+    # A full join pings every candidate (the peer cache holds up to 64) and looks up our own id, a crawl
+    # of 20 peers: a re-bootstrap every few seconds must not repeat either while the swarm still answers.
     first = start_node()
-    joiner = start_node(first.visible_maddrs, rebootstrap_interval=0.3)
+    others = [start_node(first.visible_maddrs) for _ in range(2)]
+    cache = bootstrap.PeerCache(tmp_path / "peers.cache.json")
+    cache.remember([maddr for node in others for maddr in node.visible_maddrs])
+    candidates = bootstrap.bootstrap_candidates(first.visible_maddrs, cache=cache, environ={})
+    node = Gossip(Identity.generate(), swarm_config(first.visible_maddrs, rebootstrap_interval=0.3), bootstrap=candidates,
+                  peer_cache=cache)
+    node.start()
     try:
-        rejoins = joiner._joiner
-        assert rejoins.refreshes == 1  # the first join
-        started = rejoins.last_attempt
+        joiner = node._joiner
+        assert (joiner.full_joins, joiner.last_tried) == (1, len(candidates))  # the first join: every candidate
+        started = joiner.last_attempt
         time.sleep(3.0)
-        assert rejoins.last_attempt > started + 1.0, "no re-bootstrap ran"
-        assert rejoins.refreshes == 1
-        rejoins._refreshed_at -= bootstrap.REFRESH_S  # REFRESH_S later
+        assert joiner.last_attempt > started + 1.0, "no re-bootstrap ran"
+        assert (joiner.full_joins, joiner.last_tried) == (1, 1)  # routine: the configured peer, no lookup
+        joiner._full_at -= bootstrap.REFRESH_S  # REFRESH_S later
         deadline = time.monotonic() + 10
-        while rejoins.refreshes < 2 and time.monotonic() < deadline:
+        while joiner.full_joins < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert rejoins.refreshes == 2
+        assert joiner.full_joins == 2
     finally:
-        joiner.shutdown()
-        first.shutdown()
+        for gossip in (node, *others, first):
+            gossip.shutdown()
 
 
 def test_fetch_dials_a_holder_it_never_met() -> None:
