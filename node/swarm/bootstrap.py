@@ -16,9 +16,11 @@ peer we joined through; a full join (the first, out of solo, after losing that p
 `REFRESH_S`) pings every candidate, the peer cache's too, and looks up our own id. That lookup
 crawls hivemind's beam of 20 peers, each reply listing 20 neighbours: done at every re-bootstrap
 of the public preset (15 s), it was 80 % of a node's idle traffic at 64 light nodes (7.9 kB/s per
-node, against 1.6 routine; bench/swarm_scale.py). Reachability is measured, not guessed, after every (re)join: the peer that
-answered opens a fresh connection to us, or another peer reaches us through our relay
-(node/swarm/nat.py; hivemind's own dial-back reuses our connection and passes behind any NAT).
+node, against 1.6 routine; bench/swarm_scale.py).
+
+Reachability is measured, not guessed, after every (re)join: the peer that answered opens a fresh
+connection to us, or another peer reaches us through our relay (node/swarm/nat.py; hivemind's own
+dial-back reuses our connection and passes behind any NAT).
 
 `HomeLock` holds an exclusive lock on the node's home, so a second node with the same identity
 file refuses to start instead of fighting the first over its peer id.
