@@ -37,6 +37,7 @@ import os
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,7 +227,8 @@ class Joiner:
     last_attempt: float = 0.0
     _measured_at: float = field(default=-1e9, repr=False)
     full_joins: int = 0  # joins that answered and looked up our own id
-    last_tried: int = 0  # candidates the last attempt pinged
+    attempts: Counter = field(default_factory=Counter)  # join attempts by kind: "full", "routine"
+    pinged: Counter = field(default_factory=Counter)  # candidates those attempts pinged, by kind
     _full_at: float = field(default=-1e9, repr=False)
     _joined_peer: PeerID | None = field(default=None, repr=False)
     _joined_maddr: str = field(default="", repr=False)
@@ -244,7 +246,9 @@ class Joiner:
         todo = [(s, m) for s, m in self.candidates if Multiaddr(m).value_for_protocol("p2p") not in own]
         if routine:
             todo = [(s, m) for s, m in todo if s != "cache" or m == self._joined_maddr]
-        self.last_tried = len(todo)
+        kind = "routine" if routine else "full"
+        self.attempts[kind] += 1
+        self.pinged[kind] += len(todo)
         if not todo:
             return False
         results = await asyncio.gather(*(self._try(s, m) for s, m in todo))
