@@ -61,6 +61,9 @@ _NAME = re.compile(r"^ckpt-(\d{6,})$")
 _TMP_PREFIX = ".tmp-ckpt-"
 _HASH_CHUNK = 4 * 1024 * 1024
 _SEPARATOR = "::"
+# Optimizer settings that pick a kernel for this machine (a fused one where the device has it), not hyper-parameters:
+# a resumed trainer keeps its own, so a checkpoint resumes with the kernel of the machine it resumes on.
+_KERNEL_CHOICES = frozenset({"foreach", "fused", "capturable", "differentiable"})
 _SPACE_MARGIN = 1.1  # refuse a save that would leave less than 10 % slack on the disk
 
 
@@ -224,7 +227,7 @@ def restore_optimizer(
             raise CheckpointError("the optimizer's parameters differ from the checkpoint's: it was made for another model")
         group = dict(live)
         for key, value in saved.items():
-            if key != "params":
+            if key != "params" and key not in _KERNEL_CHOICES:
                 group[key] = tuple(value) if isinstance(live.get(key), tuple) else value  # JSON turned tuples into lists
         groups.append(group)
     state: dict[int, dict[str, Any]] = {}

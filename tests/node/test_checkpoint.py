@@ -85,6 +85,21 @@ def test_round_trip_is_exact_and_training_continues_identically(tmp_path):
     assert other.head.weight is other.embed.weight
 
 
+def test_a_resumed_optimizer_keeps_its_own_kernel_and_continues_with_the_same_numbers(tmp_path):
+    """Which AdamW kernel runs (fused, foreach, a loop) is this machine's choice: a checkpoint saved by one resumes into another."""
+    model, optimizer = _trained()
+    CheckpointManager(tmp_path).save(training_snapshot(model, optimizer, {"next_round": 2}))
+    other = _Net(3)
+    fused = torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    restore_training(CheckpointManager(tmp_path).load_latest(), other, fused)
+    assert fused.param_groups[0]["fused"] is True
+    for step in (2, 3):
+        _step(model, optimizer, step)
+        _step(other, fused, step)
+    for (name, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_keeps_only_the_newest_complete_checkpoints(tmp_path):
     model, optimizer = _trained()
     manager = CheckpointManager(tmp_path, keep=2)
