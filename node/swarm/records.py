@@ -12,7 +12,8 @@ lookup asks answers with the whole key: at 64 nodes that was 3 in 4 of the recor
 received. So the first store under a key finds its replicas and later ones write straight to them
 for `REPLICAS_TTL_S`; a replica that does not answer sends the next store through a new lookup, and
 a lookup that found fewer than hivemind's num_replicas (a swarm of a few nodes, or one we are still
-joining) is not remembered.
+joining) is not remembered. That lookup crawls towards a neighbour of the key's id
+(`replica_probe`): the same nearest peers, and replies that carry none of the key's records.
 
 Loop-thread state: only gossip's event loop calls these.
 """
@@ -174,9 +175,10 @@ class IndexRecords:
         if remembered is None or time.monotonic() - remembered[0] > REPLICAS_TTL_S:
             # A beam of twice the replicas, not hivemind's 20: the crawl stops once the 10 nearest peers it knows have
             # answered (at 64 nodes a node's RPCs per step fell from 16.2 to 13.8).
-            found = await dht.find_nearest_nodes([key_id], k_nearest=dht.num_replicas, beam_size=_LOOKUP_BEAM * dht.num_replicas)
+            probe = replica_probe(key_id)
+            found = await dht.find_nearest_nodes([probe], k_nearest=dht.num_replicas, beam_size=_LOOKUP_BEAM * dht.num_replicas)
             self._stats["replica_lookups"] += 1
-            remembered = (time.monotonic(), found.get(key_id, {}))
+            remembered = (time.monotonic(), found.get(probe, {}))
             self._replicas.pop(key, None)
             # Only a full set is remembered: fewer means a swarm of under num_replicas nodes, or one we have
             # barely joined (alone, a lookup finds only us), and either may grow before the next store.
@@ -275,6 +277,18 @@ class IndexRecords:
         """Drop the least recently seen records while they have expired or the cache is over its bound."""
         while self._parsed and (len(self._parsed) > _PARSED or next(iter(self._parsed.values()))[0] < now):
             self._parsed.popitem(last=False)
+
+
+def replica_probe(key_id: DHTID) -> DHTID:
+    """The id a replica lookup for `key_id` crawls towards: `key_id` with its lowest bit flipped.
+
+    Its nearest peers are the key's: flipping one bit of the target flips the same bit of every
+    peer's XOR distance, which reorders only two peers whose ids differ in that bit alone (never,
+    for random 160-bit ids). But no peer holds a value under it, so no find reply of the crawl
+    carries the key's records: hivemind's find answers with the whole key wherever it is stored,
+    and the crawl asks all 5 replicas.
+    """
+    return DHTID(key_id ^ 1)
 
 
 def _holder(subkey: str, announce: Announce) -> Holder:

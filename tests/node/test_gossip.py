@@ -310,10 +310,26 @@ def test_later_stores_under_a_key_go_straight_to_its_replicas(monkeypatch: pytes
         bodies.append(os.urandom(2_000))
         writer.publish(7, bodies[-1], topic="delta")  # the gone replica does not answer; the others take it
         assert [f.body for f in reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)] == [bodies[-1]]
+        replies: list = []  # what the writer's find RPCs bring back from here on
+        protocol = writer._dht.protocol
+        original = protocol.call_find
+
+        async def recorded(peer, keys):
+            reply = await original(peer, keys)
+            replies.append(reply)
+            return reply
+
+        monkeypatch.setattr(protocol, "call_find", recorded)
         bodies.append(os.urandom(2_001))
         writer.publish(7, bodies[-1], topic="delta")
         assert writer.stats()["replica_lookups"] == 2  # looked up again after the miss
         assert gone not in set(writer.records._replicas.get(key, (0.0, {}))[1].values())
+        # The lookup crawled the remaining replicas, which hold the key, yet no reply carried it ...
+        assert replies and all(value is None for reply in replies for value, _ in (reply or {}).values())
+        # ... and the probe's crawl finds the peers hivemind's own lookup of the key finds.
+        key_id, probe = DHTID.generate(source=key), records.replica_probe(DHTID.generate(source=key))
+        found = writer._call(writer._dht.find_nearest_nodes([key_id, probe], k_nearest=writer._dht.num_replicas), 20)
+        assert len(found[key_id]) == writer._dht.num_replicas and found[probe] == found[key_id]
         assert [f.body for f in reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)] == [bodies[-1]]
     finally:
         for node in reversed(nodes):
@@ -359,7 +375,7 @@ def test_a_swarm_smaller_than_the_replica_count_looks_up_at_every_store(swarm: l
     """Fewer nodes than hivemind's num_replicas (or a node still joining): the lookup is not remembered, so the
     next store finds a peer that joined since."""
     writer = swarm[0]
-    before = writer.stats()["replica_lookups"]
+    before = writer.stats().get("replica_lookups", 0)  # absent until the node's first lookup
     writer.publish(11, b"a" * 500, topic="delta")
     writer.publish(11, b"b" * 500, topic="delta")
     assert writer.stats()["replica_lookups"] == before + 2 and not writer.records._replicas
