@@ -23,7 +23,8 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
                           its beam of 10: min(N - 1, lookup_beam + hops) (hivemind's store crawled 20);
                           a store sends `replicas` store RPCs
   record copies           every replica a find reaches answers with the whole key: replies * r per index or placement
-                          read (replies fitted, about 1), replicas * r per lookup
+                          read (replies fitted, about 1); none per replica lookup, which crawls towards the key's id
+                          with its lowest bit flipped (records.replica_probe); replicas * r per lookup before
   bytes                   2 * k_fill * K * body (in + out) + find RPCs * rpc_bytes + copies * entry_bytes
                           + store RPCs * (record_bytes + rpc_bytes) + idle upkeep (measured, per node-step)
   k_fill                  a node of period T can take at most one new batch per author per step:
@@ -78,6 +79,7 @@ class Design:
     relay_stores: float = 0.2  # relayed-batch re-stores per step (coalesced; measured 0.1-0.3)
     store_every_s: float = 0.0  # 0: a store per publish (as built); > 0: at most one store per this many seconds
     direct_stores: bool = True  # as built: stores go straight to a key's replicas, looked up once a bucket
+    lookup_copies: bool = False  # the design before: a replica lookup crawled the key's own id, whose replicas answer with it
     crawl_placement: bool = False  # the design before: placement reads crawl the beam for the newest copy
     record_bytes: float = 580  # a sealed index record with 2 items (see record_size())
     rpc_bytes: float = 2191  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
@@ -191,7 +193,7 @@ def per_node_step(n: int, d: Design) -> dict:
         placement_rpcs, placement_copies = crawl, replica_copies
     else:
         placement_rpcs, placement_copies = read_rpcs, read_copies
-    copies = index_reads * read_copies + placement_reads * placement_copies + lookups * replica_copies
+    copies = index_reads * read_copies + placement_reads * placement_copies + (lookups * replica_copies if d.lookup_copies else 0.0)
     lookup_crawl = min(n - 1, d.lookup_beam + hops)
     find_rpcs = index_reads * read_rpcs + placement_reads * placement_rpcs + lookups * lookup_crawl
     store_rpcs = stores * d.replicas + (gets if d.caching else 0.0)  # cache_nearest=1 pushed each get's result once
@@ -299,9 +301,10 @@ def main() -> int:
     variants = {
         "as_built": built,
         "coalesced_stores": dataclasses.replace(built, store_every_s=10.0),
-        "lookup_every_store": dataclasses.replace(built, direct_stores=False, crawl_placement=True, lookup_beam=built.beam),
+        "lookup_every_store": dataclasses.replace(built, direct_stores=False, crawl_placement=True, lookup_beam=built.beam,
+                                                  lookup_copies=True),
         "crawl_full_walks": dataclasses.replace(built, crawl_reads=True, caching=True, direct_stores=False, crawl_placement=True,
-                                                lookup_beam=built.beam),
+                                                lookup_beam=built.beam, lookup_copies=True),
     }
     tables = {}
     for name, design in variants.items():
