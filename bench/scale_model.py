@@ -82,11 +82,11 @@ class Design:
     lookup_copies: bool = False  # the design before: a replica lookup crawled the key's own id, whose replicas answer with it
     crawl_placement: bool = False  # the design before: placement reads crawl the beam for the newest copy
     record_bytes: float = 580  # a sealed index record with 2 items (see record_size())
-    rpc_bytes: float = 2191  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
-    entry_bytes: float = 3130  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
+    rpc_bytes: float = 1116  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
+    entry_bytes: float = 7121  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
     replies: float = 1.0  # replicas that answer an early-stopping index read with the key (fitted)
-    prev_share: tuple[tuple[int, float], ...] = ((8, 0.44), (64, 0.0))  # (N, steps that also read the previous bucket), fitted
-    idle_bytes_per_node_s: float = 53.0  # libp2p and DHT upkeep of a joined node (fitted: small)
+    prev_share: tuple[tuple[int, float], ...] = ((8, 0.627), (16, 0.143), (32, 0.131), (64, 0.048))  # (N, steps that also read the previous bucket), fitted
+    idle_bytes_per_node_s: float = 153.0  # libp2p and DHT upkeep of a joined node (measured at N = 8)
     crawl_reads: bool = False  # the design before: every read crawls the beam, walks to the bottom, both buckets
     caching: bool = False  # the design before: hivemind's caching on (cached copies answer too; a push per get)
     cached_share: float = 0.45  # with caching: share of the crawled non-replica peers answering with a cached copy
