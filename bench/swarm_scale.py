@@ -1,7 +1,7 @@
 """Light gossip-only nodes at N = 8..64: what one node pays per step for rollout sharing by recency, and how that grows with N.
 
 Every node is a real `Gossip` (its own hivemind DHTNode, its own p2pd, its own Ed25519 identity)
-built from the `public` preset's swarm section (its 15-s re-bootstrap included; no relay slots on
+built from the `public` preset's swarm section (its re-bootstrap interval included; no relay slots on
 loopback), with no model: it publishes a real signed rollout batch (`RolloutBatch` of random tokens, sealed
 as `Kind.ROLLOUTS`; ~10 KB and ~150 KB, alternating step by step on every node) with
 `publish_rollouts`, then takes up to K = 4 fresh batches with `sample_rollouts` (index read plus

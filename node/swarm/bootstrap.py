@@ -15,8 +15,11 @@ connected, the last full join under `REFRESH_S` ago) pings the configured bootst
 peer we joined through; a full join (the first, out of solo, after losing that peer, or every
 `REFRESH_S`) pings every candidate, the peer cache's too, and looks up our own id. That lookup
 crawls hivemind's beam of 20 peers, each reply listing 20 neighbours: done at every re-bootstrap
-of the public preset (15 s), it was 80 % of a node's idle traffic at 64 light nodes (7.9 kB/s per
-node, against 1.6 routine; bench/swarm_scale.py).
+of the public preset (then every 15 s), it was 80 % of a node's idle traffic at 64 light nodes (7.9
+kB/s per node, against 1.6 routine; bench/swarm_scale.py). A restarted peer is not waited for by
+the interval: losing the peer we joined through is noticed within `LOST_CHECK_S` and retried with
+backoff to at most `RETRY_MAX_S`, so every bootstrap peer answers each joined node's ping once a
+`rebootstrap_interval` (60 s), not more often.
 
 Reachability is measured, not guessed, after every (re)join: the peer that answered opens a fresh
 connection to us, or another peer reaches us through our relay (node/swarm/nat.py; hivemind's own
@@ -60,6 +63,7 @@ MAX_CACHED_PEERS = 64
 LOST_CHECK_S = 2.0  # how often keep_joined checks that p2pd still holds a connection to the peer we joined through
 REMEASURE_S = 300.0  # a settled reachability is re-measured at the first re-bootstrap after this long
 REFRESH_S = 300.0  # a joined node's re-bootstrap is a full join again (every candidate, own-id lookup) after this long
+RETRY_MAX_S = 15.0  # a solo or lost node's retries back off to at most this (or rebootstrap_interval, if shorter)
 _MADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/(tcp|udp)/\d{1,5}(/[^\s]*)?/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
@@ -335,8 +339,9 @@ class Joiner:
 
         Until a relay is confirmed (reachability not yet reachable/relayed), rejoin at least every 10 s.
         When p2pd loses its connection to the peer we joined through (a restarted public node, our
-        relay), rejoin within LOST_CHECK_S and then with backoff, not after a whole `interval`. Out
-        of solo, after a loss and every REFRESH_S the rejoin is a full one; in between, routine.
+        relay), rejoin within LOST_CHECK_S and then with backoff (at most RETRY_MAX_S between tries),
+        not after a whole `interval`. Out of solo, after a loss and every REFRESH_S the rejoin is a
+        full one; in between, routine.
         """
         delay = 1.0
         while True:
@@ -360,7 +365,7 @@ class Joiner:
             if not ok and not self.solo and not self.dht.protocol.routing_table.uid_to_peer_id:
                 self.solo = True
                 logger.warning("solo mode: every known peer is gone; retrying the bootstrap sources")
-            delay = 1.0 if ok else min(delay * 2, interval)
+            delay = 1.0 if ok else min(delay * 2, interval, RETRY_MAX_S)
 
     async def _wait(self, seconds: float) -> None:
         """Sleep `seconds`, waking early (and marking us lost) when the peer we joined through disconnects."""
