@@ -164,7 +164,7 @@ class Gossip:
         self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
         self._authors_by_slot: OrderedDict[str, set[str]] = OrderedDict()  # slot key -> authors fetched from it
         self._tasks: set[asyncio.Task] = set()
-        self._restoring: set[str] = set()
+        self._restoring: dict[str, bool] = {}  # key -> a relayed body joined while its store was under way
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -481,7 +481,7 @@ class Gossip:
                        born=candidate.item.born, version=candidate.item.version)
 
     async def _relay_rollouts(self, item: AnnouncedBody) -> None:
-        """Serve a fetched batch too: add it to our record in the current bucket (while there is room)."""
+        """Serve a fetched batch too: add it to our record in the current bucket (see `IndexRecords.hold`)."""
         try:
             key = await self._placed_key(time.time())
             if self._hold_rollouts(key, item) or not self.records.stored(key):  # new in our record, or a placement to store
@@ -679,18 +679,26 @@ class Gossip:
         return verdict.ok and envelope is not None and envelope.peer_id == author
 
     async def _restore(self, key: str) -> None:
-        """Re-store our record under `key` after relayed bodies joined it (one store for a burst)."""
+        """Re-store our record under `key` after relayed bodies joined it (one store for a burst).
+
+        A body that joins while the store is under way was not in what it sent: one more store follows.
+        """
         if key in self._restoring:
-            return  # the pending store picks up this body too
-        self._restoring.add(key)
+            self._restoring[key] = True  # the pending store picks up this body, or the one after it does
+            return
+        self._restoring[key] = False
         try:
             await asyncio.sleep(0.05)
-            await asyncio.wait_for(self.records.store(key), self.request_timeout)
-            self._stats["relay_records"] += 1
+            while True:
+                self._restoring[key] = False
+                await asyncio.wait_for(self.records.store(key), self.request_timeout)
+                self._stats["relay_records"] += 1
+                if not self._restoring[key]:
+                    break
         except Exception as exc:  # noqa: BLE001 - relaying is best effort
             logger.debug("re-storing our record under %s failed: %s", key, exc)
         finally:
-            self._restoring.discard(key)
+            del self._restoring[key]
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -115,10 +115,13 @@ class IndexRecords:
         return bool(self._held.get(key))
 
     def hold(self, key: str, item: AnnouncedBody, *, first: bool = False, own_limit: int = MAX_ITEMS) -> bool:
-        """Add `item` to our record under `key` (first: our own newest body; else a relayed one, while there is room).
+        """Add `item` to our record under `key` (first: our own newest body; else one we relay); True if the record changed.
 
         At most `own_limit` of the record's items are our own bodies, the newest: older ones leave it
         as a new one comes first, and one that is not first is refused once the record has as many.
+        A full record takes a relayed body in place of the oldest one it relays (by the author's
+        signature time) when that one is older: readers look for the freshest, and a NATed author's
+        batch reaches other NATed peers only through the records of those who relay it.
         """
         held = self.held(key)
         if any(h.sha256 == item.sha256 for h in held):
@@ -131,8 +134,14 @@ class IndexRecords:
                 del held[i]
             del held[MAX_ITEMS:]
             return True
-        if len(held) >= MAX_ITEMS or (item.author == mine and sum(h.author == mine for h in held) >= own_limit):
+        if item.author == mine and sum(h.author == mine for h in held) >= own_limit:
             return False
+        if len(held) >= MAX_ITEMS:
+            relayed = [i for i, h in enumerate(held) if h.author != mine]
+            oldest = min(relayed, key=lambda i: held[i].born, default=None)
+            if oldest is None or held[oldest].born >= item.born:
+                return False
+            del held[oldest]
         held.append(item)
         return True
 

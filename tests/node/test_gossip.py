@@ -3,6 +3,7 @@ solo mode, shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import threading
@@ -21,7 +22,7 @@ from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.index import PLACEMENT_SPREAD, bucket_of, placement_delay, placement_path
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.transfer import CHUNK_BYTES, BadBody, download
-from hivespec.protocol.announce import Announce, AnnouncedBody, encode_announce
+from hivespec.protocol.announce import MAX_ITEMS, Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import delta_key, topic_key
@@ -429,6 +430,73 @@ def test_a_record_lists_its_holders_two_newest_own_batches_and_what_it_relays(sw
         items = record_items(relayer)
     assert own_versions(relayer, items) == [104, 103]
     assert relayed[0].sha256 in {i.sha256 for i in items}  # the relayer's record still offers what it relayed
+
+
+def test_a_full_record_relays_the_newest_batches_in_place_of_its_oldest(swarm: list[Gossip]) -> None:
+    """Readers look for the freshest batches, and a NATed author's batch reaches other NATed peers only through a
+    relayer's record: a full record takes a newer relayed batch in place of its oldest relayed one, never an older one,
+    and never in place of its holder's own."""
+    author, relayer, reader = swarm
+    now = time.time()
+
+    def item(born: float, author_id: str = author.identity.peer_id) -> AnnouncedBody:
+        return AnnouncedBody(author_id, os.urandom(32), 1_000, born, 1)
+
+    key = f"{SWARM}/unit-full-record"
+    own = [item(now - 100.0, relayer.identity.peer_id) for _ in range(2)]
+    for body in own:
+        assert relayer.records.hold(key, body, first=True, own_limit=2)
+    relayed = [item(now - 90.0 + i) for i in range(MAX_ITEMS - 2)]
+    for body in relayed:
+        assert relayer.records.hold(key, body)
+    assert not relayer.records.hold(key, item(now - 95.0))  # older than every relayed one: refused
+    newer = item(now)
+    assert relayer.records.hold(key, newer)
+    held = relayer.records.held(key)
+    assert len(held) == MAX_ITEMS and newer in held and relayed[0] not in held and all(body in held for body in own)
+
+    # Live: ten batches relayed one after another through a record of nine; the record in the DHT lists the newest.
+    _settle_in_bucket(author)
+    versions = range(301, 311)
+    for version in versions:
+        author.publish_rollouts(seal(author.identity, Kind.ROLLOUTS, version, os.urandom(2_000)), version=version)
+        assert [f.version for f in relayer.sample_rollouts(k=1, max_age_s=120, timeout=20, version_ok=lambda v, w=version: v == w)] == [version]
+    placed = relayer._call(relayer._placed_key(time.time()), 30)
+    deadline = time.monotonic() + 10
+    while True:
+        records, _ = reader._call(reader.records.read(placed, 10), 30)
+        listed = {i.version for h, a in records if h.peer == relayer.identity.peer_id for i in a.items if i.author == author.identity.peer_id}
+        if versions[-1] in listed or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # the relay is stored by a task of its own
+    assert versions[-1] in listed and versions[0] not in listed
+
+
+def test_a_batch_relayed_while_the_record_is_being_stored_is_stored_after_it(swarm: list[Gossip], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relayed batch that joins the record while its store is under way (that store sent the record without it) is
+    stored by one more store, not left out until the holder next writes."""
+    author, relayer, reader = swarm
+    store = relayer.records.store
+
+    async def slow_store(key: str) -> bool:
+        stored = await store(key)
+        await asyncio.sleep(1.0)  # the store's record is sent; it is still under way
+        return stored
+
+    monkeypatch.setattr(relayer.records, "store", slow_store)
+    first, second = (AnnouncedBody(author.identity.peer_id, os.urandom(32), 1_000, time.time(), 1) for _ in range(2))
+
+    async def relay_both() -> str:
+        pending = asyncio.create_task(relayer._relay_rollouts(first))
+        await asyncio.sleep(0.5)
+        await relayer._relay_rollouts(second)
+        await pending
+        return await relayer._placed_key(time.time())
+
+    key = relayer._call(relay_both(), 30)
+    records, _ = reader._call(reader.records.read(key, 10), 30)
+    listed = {i.sha256 for h, a in records if h.peer == relayer.identity.peer_id for i in a.items}
+    assert {first.sha256, second.sha256} <= listed
 
 
 def test_the_previous_bucket_is_read_only_where_the_current_is_thin(swarm: list[Gossip]) -> None:
