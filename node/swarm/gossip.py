@@ -62,11 +62,11 @@ from hivespec.node.swarm.index import (
     placement_path,
     trust_from_score,
 )
-from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
+from hivespec.node.swarm.nat import REACH_STREAM, ReachService, is_circuit, relay_candidates, start_p2pd
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder, IndexRecords
 from hivespec.node.swarm.transfer import STREAM_NAME
-from hivespec.protocol.announce import AnnouncedBody
+from hivespec.protocol.announce import MAX_ITEMS, AnnouncedBody
 from hivespec.protocol.envelope import open_envelope
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import check_swarm_name, topic_key
@@ -164,7 +164,7 @@ class Gossip:
         self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
         self._authors_by_slot: OrderedDict[str, set[str]] = OrderedDict()  # slot key -> authors fetched from it
         self._tasks: set[asyncio.Task] = set()
-        self._restoring: dict[str, bool] = {}  # key -> a relayed body joined while its store was under way
+        self._restoring: set[str] = set()
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -476,15 +476,26 @@ class Gossip:
         if self._signed_by_author(body, candidate.item.author):
             self.bodies.keep(candidate.item.sha256, wire)
             self._remember_announced(candidate.item)
-            self._spawn(self._relay_rollouts(candidate.item))
+            author = next((h for h in candidate.holders if h.peer == candidate.item.author), None)
+            behind_nat = author is not None and any(is_circuit(m) for m in author.maddrs)
+            self._spawn(self._relay_rollouts(candidate.item, urgent=behind_nat))
         return Fetched(candidate.item.author, body, holder=holder.peer, sha256=candidate.item.sha256,
                        born=candidate.item.born, version=candidate.item.version)
 
-    async def _relay_rollouts(self, item: AnnouncedBody) -> None:
-        """Serve a fetched batch too: add it to our record in the current bucket (see `IndexRecords.hold`)."""
+    async def _relay_rollouts(self, item: AnnouncedBody, *, urgent: bool) -> None:
+        """Serve a fetched batch too: add it to our record in the current bucket (see `IndexRecords.hold`), and store it.
+
+        In place of an older relayed batch (the record is full) it is stored at once only when `urgent`: its author
+        announces relay circuits, so NATed readers get it only from the records of those who relay it. Otherwise our
+        next store takes it (our next publish, or the re-announcing tick): a store per relayed batch would cost a
+        fast holder a store per step, for batches their authors announce themselves.
+        """
         try:
             key = await self._placed_key(time.time())
-            if self._hold_rollouts(key, item) or not self.records.stored(key):  # new in our record, or a placement to store
+            full = len(self.records.held(key)) >= MAX_ITEMS
+            if not self._hold_rollouts(key, item) and self.records.stored(key):
+                return
+            if not full or urgent or not self.records.stored(key):  # new in our record, or a placement to store
                 await self._restore(key)
         except Exception as exc:  # noqa: BLE001 - relaying is best effort
             logger.debug("relaying %s failed: %s", item.sha256.hex()[:12], exc)
@@ -530,7 +541,8 @@ class Gossip:
                 logger.debug("re-announcing in bucket %d failed: %s", bucket_of(now, bucket_s), exc)
 
     async def _reannounce(self, now: float) -> bool:
-        """One tick of `_keep_announcing`: store our record when it moved to a new bucket (or a body is missing from it).
+        """One tick of `_keep_announcing`: store our record when it moved to a new bucket, or a body is missing from it or
+        joined it since our last store (a relayed one whose store was left to us, see `_relay_rollouts`).
 
         A record placed in a new key is stored at once: the others count a key's records when they place theirs,
         and one placed but not stored let them overfill the key (at 64 light nodes half the placements read a
@@ -541,7 +553,7 @@ class Gossip:
             return False
         key = await self._placed_key(now)
         added = [self._hold_rollouts(key, item) for item in fresh]
-        if not any(added) and self.records.stored(key):
+        if not any(added) and self.records.stored(key) and not self.records.unsent(key):
             return False
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
         self._stats["reannounced"] += 1
@@ -684,21 +696,19 @@ class Gossip:
         A body that joins while the store is under way was not in what it sent: one more store follows.
         """
         if key in self._restoring:
-            self._restoring[key] = True  # the pending store picks up this body, or the one after it does
-            return
-        self._restoring[key] = False
+            return  # the pending store picks up this body, or the one after it does
+        self._restoring.add(key)
         try:
             await asyncio.sleep(0.05)
             while True:
-                self._restoring[key] = False
                 await asyncio.wait_for(self.records.store(key), self.request_timeout)
                 self._stats["relay_records"] += 1
-                if not self._restoring[key]:
+                if not self.records.unsent(key):
                     break
         except Exception as exc:  # noqa: BLE001 - relaying is best effort
             logger.debug("re-storing our record under %s failed: %s", key, exc)
         finally:
-            del self._restoring[key]
+            self._restoring.discard(key)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -88,6 +88,7 @@ class IndexRecords:
         self._maddrs: tuple[str, ...] = ()
         self._held: OrderedDict[str, list[AnnouncedBody]] = OrderedDict()  # key -> our record's items, newest first
         self._stored: set[str] = set()  # keys of _held whose record a DHT peer has accepted at least once
+        self._unsent: set[str] = set()  # keys of _held whose items changed since their last store began
         # content digest -> (expiration, (subkey, announce) or None when invalid), least recently seen first
         self._parsed: OrderedDict[bytes, tuple[float, tuple[str, Announce] | None]] = OrderedDict()
         self._replicas: OrderedDict[str, tuple[float, dict[DHTID, PeerID]]] = OrderedDict()  # key -> (found at, nearest)
@@ -104,7 +105,9 @@ class IndexRecords:
         held = self._held.setdefault(key, [])
         self._held.move_to_end(key)
         while len(self._held) > self.max_keys:
-            self._stored.discard(self._held.popitem(last=False)[0])
+            evicted = self._held.popitem(last=False)[0]
+            self._stored.discard(evicted)
+            self._unsent.discard(evicted)
         return held
 
     def stored(self, key: str) -> bool:
@@ -113,6 +116,10 @@ class IndexRecords:
 
     def holds(self, key: str) -> bool:
         return bool(self._held.get(key))
+
+    def unsent(self, key: str) -> bool:
+        """Whether our record under `key` changed since its last store began (`hold` changed it; no store sent it yet)."""
+        return key in self._unsent
 
     def hold(self, key: str, item: AnnouncedBody, *, first: bool = False, own_limit: int = MAX_ITEMS) -> bool:
         """Add `item` to our record under `key` (first: our own newest body; else one we relay); True if the record changed.
@@ -133,6 +140,7 @@ class IndexRecords:
             for i in reversed(own[own_limit:]):
                 del held[i]
             del held[MAX_ITEMS:]
+            self._unsent.add(key)
             return True
         if item.author == mine and sum(h.author == mine for h in held) >= own_limit:
             return False
@@ -143,11 +151,13 @@ class IndexRecords:
                 return False
             del held[oldest]
         held.append(item)
+        self._unsent.add(key)
         return True
 
     async def store(self, key: str) -> bool:
         """Write our record for `key` (what we hold there); False when no DHT peer accepted it."""
         items = self.held(key)[:MAX_ITEMS]
+        self._unsent.discard(key)
         # Strictly increasing: the DHT keeps a subkey's value only if its expiration is newer.
         expires = max(get_dht_time() + self.record_ttl, self._last_expiry + 1e-3)
         self._last_expiry = expires
