@@ -487,8 +487,8 @@ class Gossip:
 
         In place of an older relayed batch (the record is full) it is stored at once only when `urgent`: its author
         announces relay circuits, so NATed readers get it only from the records of those who relay it. Otherwise our
-        next store takes it (our next publish, or the re-announcing tick): a store per relayed batch would cost a
-        fast holder a store per step, for batches their authors announce themselves.
+        next publish takes it: a store per relayed batch would cost a fast holder one more store per step, for
+        batches their authors announce themselves.
         """
         try:
             key = await self._placed_key(time.time())
@@ -541,8 +541,7 @@ class Gossip:
                 logger.debug("re-announcing in bucket %d failed: %s", bucket_of(now, bucket_s), exc)
 
     async def _reannounce(self, now: float) -> bool:
-        """One tick of `_keep_announcing`: store our record when it moved to a new bucket, or a body is missing from it or
-        joined it since our last store (a relayed one whose store was left to us, see `_relay_rollouts`).
+        """One tick of `_keep_announcing`: store our record when it moved to a new bucket (or a body is missing from it).
 
         A record placed in a new key is stored at once: the others count a key's records when they place theirs,
         and one placed but not stored let them overfill the key (at 64 light nodes half the placements read a
@@ -553,7 +552,7 @@ class Gossip:
             return False
         key = await self._placed_key(now)
         added = [self._hold_rollouts(key, item) for item in fresh]
-        if not any(added) and self.records.stored(key) and not self.records.unsent(key):
+        if not any(added) and self.records.stored(key):
             return False
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
         self._stats["reannounced"] += 1

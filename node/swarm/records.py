@@ -64,6 +64,11 @@ class Holder:
     maddrs: tuple[str, ...]
 
 
+def _oldest_relayed(held: list[AnnouncedBody], mine: str) -> int | None:
+    """Index of the relayed body (not authored by `mine`) with the oldest signature time in `held`; None if none."""
+    return min((i for i, h in enumerate(held) if h.author != mine), key=lambda i: held[i].born, default=None)
+
+
 class IndexRecords:
     """Our index records (what we hold under each key) and the reading of everyone's."""
 
@@ -126,9 +131,9 @@ class IndexRecords:
 
         At most `own_limit` of the record's items are our own bodies, the newest: older ones leave it
         as a new one comes first, and one that is not first is refused once the record has as many.
-        A full record takes a relayed body in place of the oldest one it relays (by the author's
-        signature time) when that one is older: readers look for the freshest, and a NATed author's
-        batch reaches other NATed peers only through the records of those who relay it.
+        In a full record a body takes the place of the oldest one it relays (by the author's signature
+        time), a relayed body only when that one is older: readers look for the freshest, and a NATed
+        author's batch reaches other NATed peers only through the records of those who relay it.
         """
         held = self.held(key)
         if any(h.sha256 == item.sha256 for h in held):
@@ -139,14 +144,15 @@ class IndexRecords:
             own = [i for i, h in enumerate(held) if h.author == mine]
             for i in reversed(own[own_limit:]):
                 del held[i]
-            del held[MAX_ITEMS:]
+            while len(held) > MAX_ITEMS:
+                oldest = _oldest_relayed(held, mine)
+                del held[oldest if oldest is not None else MAX_ITEMS]
             self._unsent.add(key)
             return True
         if item.author == mine and sum(h.author == mine for h in held) >= own_limit:
             return False
         if len(held) >= MAX_ITEMS:
-            relayed = [i for i, h in enumerate(held) if h.author != mine]
-            oldest = min(relayed, key=lambda i: held[i].born, default=None)
+            oldest = _oldest_relayed(held, mine)
             if oldest is None or held[oldest].born >= item.born:
                 return False
             del held[oldest]

@@ -457,18 +457,19 @@ def test_a_full_record_relays_the_newest_batches_in_place_of_its_oldest(swarm: l
 
 
 
-def test_a_full_record_stores_a_natted_authors_batch_at_once_and_a_reachable_ones_with_its_next_store(
+def test_a_full_record_stores_a_natted_authors_batch_at_once_and_a_reachable_ones_with_its_next_publish(
     swarm: list[Gossip], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In place of an older relayed batch, one whose author announces relay circuits is stored at once (NATed readers
-    get it from relayers' records only); one whose author serves it directly waits for the holder's next store, here
-    its re-announcing tick: a store per relayed batch would cost a fast holder a store per step."""
+    get it from relayers' records only); one whose author serves it directly goes out with the holder's next publish,
+    which keeps it and takes the oldest relayed batch's place: a store per relayed batch would cost a fast holder one
+    more store per step."""
     author, relayer, reader = swarm
 
     async def no_tick(now: float) -> bool:
         return False
 
-    monkeypatch.setattr(relayer, "_reannounce", no_tick)  # the background tick waits; this test runs it itself
+    monkeypatch.setattr(relayer, "_reannounce", no_tick)  # its re-announcing tick would store the record too
     _settle_in_bucket(relayer)
     deadline = time.monotonic() + 10
     while relayer._restoring and time.monotonic() < deadline:
@@ -488,14 +489,13 @@ def test_a_full_record_stores_a_natted_authors_batch_at_once_and_a_reachable_one
     assert relayer.records.unsent(key) and reachable.sha256 not in listed()
     relayer._call(relayer._relay_rollouts(natted, urgent=True), 30)
     assert {reachable.sha256, natted.sha256} <= listed()  # the store sent both
-    assert not relayer.records.unsent(key)
-    body = os.urandom(1_000)
-    relayed = AnnouncedBody(author.identity.peer_id, hashlib.sha256(body).digest(), len(body), time.time(), 1)
-    relayer.bodies.keep(relayed.sha256, body)  # a body we serve, as a fetched one is
-    relayer._remember_announced(relayed)
+    relayed = AnnouncedBody(author.identity.peer_id, os.urandom(32), 1_000, time.time(), 1)
     relayer._call(relayer._relay_rollouts(relayed, urgent=False), 30)
-    assert relayer._call(Gossip._reannounce(relayer, time.time()), 30)  # the tick stores what joined since the last store
-    assert relayed.sha256 in listed()
+    own = seal(relayer.identity, Kind.ROLLOUTS, 401, os.urandom(2_000))
+    relayer.publish_rollouts(own, version=401)
+    now_listed = listed()
+    assert relayed.sha256 in now_listed and hashlib.sha256(own).digest() in now_listed
+    assert {reachable.sha256, natted.sha256} <= now_listed  # the publish took an older relayed batch's place
 
 
 def test_a_batch_relayed_while_the_record_is_being_stored_is_stored_after_it(swarm: list[Gossip], monkeypatch: pytest.MonkeyPatch) -> None:
