@@ -432,6 +432,14 @@ def test_a_record_lists_its_holders_two_newest_own_batches_and_what_it_relays(sw
     assert relayed[0].sha256 in {i.sha256 for i in items}  # the relayer's record still offers what it relayed
 
 
+def _relayed_batch(author: Gossip, relayer: Gossip, born: float) -> AnnouncedBody:
+    """A batch `author` signed, held by `relayer` as if it had fetched it: a later reader that takes it can fetch it."""
+    wire = seal(author.identity, Kind.ROLLOUTS, 1, os.urandom(1_000))
+    item = AnnouncedBody(author.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), born, 1)
+    relayer.bodies.keep(item.sha256, wire)
+    return item
+
+
 def test_a_full_record_relays_the_newest_batches_in_place_of_its_oldest(swarm: list[Gossip]) -> None:
     """Readers look for the freshest batches, and a NATed author's batch reaches other NATed peers only through a
     relayer's record: a full record takes a newer relayed batch in place of its oldest relayed one, never an older one,
@@ -475,7 +483,7 @@ def test_a_full_record_stores_a_natted_authors_batch_at_once_and_a_reachable_one
     while relayer._restoring and time.monotonic() < deadline:
         time.sleep(0.1)  # the earlier tests' relays: their stores would send ours too
     key = relayer._call(relayer._placed_key(time.time()), 30)
-    filler = [AnnouncedBody(author.identity.peer_id, os.urandom(32), 1_000, time.time() - 60.0, 1) for _ in range(MAX_ITEMS)]
+    filler = [_relayed_batch(author, relayer, time.time() - 60.0) for _ in range(MAX_ITEMS)]
     for body in filler:
         relayer.records.hold(key, body)
     relayer._call(relayer.records.store(key), 30)
@@ -484,12 +492,12 @@ def test_a_full_record_stores_a_natted_authors_batch_at_once_and_a_reachable_one
         records, _ = reader._call(reader.records.read(key, 10), 30)
         return {i.sha256 for h, a in records if h.peer == relayer.identity.peer_id for i in a.items}
 
-    reachable, natted = (AnnouncedBody(author.identity.peer_id, os.urandom(32), 1_000, time.time(), 1) for _ in range(2))
+    reachable, natted = (_relayed_batch(author, relayer, time.time()) for _ in range(2))
     relayer._call(relayer._relay_rollouts(reachable, urgent=False), 30)
     assert relayer.records.unsent(key) and reachable.sha256 not in listed()
     relayer._call(relayer._relay_rollouts(natted, urgent=True), 30)
     assert {reachable.sha256, natted.sha256} <= listed()  # the store sent both
-    relayed = AnnouncedBody(author.identity.peer_id, os.urandom(32), 1_000, time.time(), 1)
+    relayed = _relayed_batch(author, relayer, time.time())
     relayer._call(relayer._relay_rollouts(relayed, urgent=False), 30)
     own = seal(relayer.identity, Kind.ROLLOUTS, 401, os.urandom(2_000))
     relayer.publish_rollouts(own, version=401)
@@ -513,7 +521,7 @@ def test_a_batch_relayed_while_the_record_is_being_stored_is_stored_after_it(swa
     while relayer._restoring and time.monotonic() < deadline:
         time.sleep(0.1)  # an earlier test's relay: its store would send ours too
     monkeypatch.setattr(relayer.records, "store", slow_store)
-    first, second = (AnnouncedBody(author.identity.peer_id, os.urandom(32), 1_000, time.time(), 1) for _ in range(2))
+    first, second = (_relayed_batch(author, relayer, time.time()) for _ in range(2))
 
     async def relay_both() -> str:
         pending = asyncio.create_task(relayer._relay_rollouts(first, urgent=True))
