@@ -181,7 +181,7 @@ class Fetcher:
 
 def relay_only(holder: Holder, direct: set[str]) -> bool:
     """A NATed holder (it announces relay circuits) we have no direct connection to."""
-    return any(is_circuit(m) for m in holder.maddrs) and holder.p2p_peer_id.to_base58() not in direct
+    return holder.behind_nat and holder.p2p_peer_id.to_base58() not in direct
 
 
 

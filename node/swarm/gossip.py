@@ -62,7 +62,7 @@ from hivespec.node.swarm.index import (
     placement_path,
     trust_from_score,
 )
-from hivespec.node.swarm.nat import REACH_STREAM, ReachService, is_circuit, relay_candidates, start_p2pd
+from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder, IndexRecords
 from hivespec.node.swarm.transfer import STREAM_NAME
@@ -477,8 +477,7 @@ class Gossip:
             self.bodies.keep(candidate.item.sha256, wire)
             self._remember_announced(candidate.item)
             author = next((h for h in candidate.holders if h.peer == candidate.item.author), None)
-            behind_nat = author is not None and any(is_circuit(m) for m in author.maddrs)
-            self._spawn(self._relay_rollouts(candidate.item, urgent=behind_nat))
+            self._spawn(self._relay_rollouts(candidate.item, urgent=author is not None and author.behind_nat))
         return Fetched(candidate.item.author, body, holder=holder.peer, sha256=candidate.item.sha256,
                        born=candidate.item.born, version=candidate.item.version)
 
@@ -493,9 +492,8 @@ class Gossip:
         try:
             key = await self._placed_key(time.time())
             full = len(self.records.held(key)) >= MAX_ITEMS
-            if not self._hold_rollouts(key, item) and self.records.stored(key):
-                return
-            if not full or urgent or not self.records.stored(key):  # new in our record, or a placement to store
+            changed = self._hold_rollouts(key, item)
+            if (changed and (urgent or not full)) or not self.records.stored(key):  # or a placement to store
                 await self._restore(key)
         except Exception as exc:  # noqa: BLE001 - relaying is best effort
             logger.debug("relaying %s failed: %s", item.sha256.hex()[:12], exc)

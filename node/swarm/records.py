@@ -35,6 +35,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from hivespec.node.swarm.dht_guard import AnnounceValidator
+from hivespec.node.swarm.nat import is_circuit
 from hivespec.protocol.announce import MAX_ITEMS, MAX_MADDRS, Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
@@ -62,6 +63,11 @@ class Holder:
     peer: str
     p2p_peer_id: PeerID
     maddrs: tuple[str, ...]
+
+    @property
+    def behind_nat(self) -> bool:
+        """It announces relay circuits: a NATed peer, reached through a relay unless we hold a connection to it."""
+        return any(is_circuit(m) for m in self.maddrs)
 
 
 def _oldest_relayed(held: list[AnnouncedBody], mine: str) -> int | None:
