@@ -42,6 +42,12 @@ from typing import Self
 PREFIX = "hsn"
 WAN_NET = "203.0.113"  # TEST-NET-3 (RFC 5737): documentation only, never routed
 PUBLIC_ADDR = f"{WAN_NET}.10"
+MAX_HOMES = 200  # home i's LAN is 10.i.0.0/24
+
+
+def router_addr(home: int) -> str:
+    """Home `home`'s router on the WAN: 203.0.113.<home>, skipping the public host's .10."""
+    return f"{WAN_NET}.{home if home < 10 else home + 1}"
 _HERE = Path(__file__).resolve()
 
 
@@ -193,8 +199,8 @@ class Topology:
 
     def build(self) -> Self:
         """Create the namespaces, links, addresses, routes, NAT rules and tbf; raises on any failure (after cleanup)."""
-        if not 1 <= self.homes <= 9:
-            raise ValueError(f"homes must be in 1..9, got {self.homes}")
+        if not 1 <= self.homes <= MAX_HOMES:
+            raise ValueError(f"homes must be in 1..{MAX_HOMES}, got {self.homes}")
         remove_stale()
         atexit.register(self.close)
         _exit_on_sigterm()
@@ -222,7 +228,7 @@ class Topology:
         self.public = Host(public, PUBLIC_ADDR)
         for i in range(1, self.homes + 1):
             router, home = self._netns(f"nat{i}"), self._netns(f"home{i}")
-            uplink(router, f"{WAN_NET}.{i}", f"p-nat{i}")
+            uplink(router, router_addr(i), f"p-nat{i}")
             lan, gateway, addr = f"10.{i}.0.0/24", f"10.{i}.0.1", f"10.{i}.0.2"
             _ip("link", "add", "lan0", "netns", router, "type", "veth", "peer", "name", "eth0", "netns", home)
             _ip("-n", router, "addr", "add", f"{gateway}/24", "dev", "lan0")
@@ -230,7 +236,7 @@ class Topology:
             _ip("-n", home, "addr", "add", f"{addr}/24", "dev", "eth0")
             _ip("-n", home, "link", "set", "eth0", "up")
             _ip("-n", home, "route", "add", "default", "via", gateway)
-            router_host = Host(router, f"{WAN_NET}.{i}")
+            router_host = Host(router, router_addr(i))
             router_host.run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
             router_host.run([sys.executable, str(_HERE), "masquerade", lan])
             self.set_uplink(router_host, self.uplink_mbit)

@@ -274,20 +274,21 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--bootstrap", default="")
     parser.add_argument("--plan", required=True, help="JSON: [{index, period, size}, ...]")
     parser.add_argument("--key-records", type=int, default=None, help="swarm.index_key_records (default: the config's)")
+    parser.add_argument("--auto-relay", action="store_true", help="behind NAT: reserve relay slots on the bootstrap peer (the preset's way)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _count_rpcs()
     from hivespec.node.config import load_config
 
-    # The public preset's swarm section (its re-bootstrap period included: that is upkeep every node pays), on
-    # loopback: no relay slots, the bench's step timeout.
+    # The public preset's swarm section (its re-bootstrap period included: that is upkeep every node pays), with
+    # relay slots only behind NAT (--auto-relay), and the bench's step timeout.
     public = load_config("public", environ={}).swarm
     plans = json.loads(args.plan)
     nodes: list[LightNode] = []
     bootstrap = args.bootstrap
     for plan in plans:
         config = dataclasses.replace(public, swarm="scale", host=args.host, port=0, initial_peers=[bootstrap] if bootstrap else [],
-                                     use_auto_relay=False, request_timeout=STEP_TIMEOUT_S, bootstrap_timeout=30.0,
+                                     use_auto_relay=args.auto_relay, request_timeout=STEP_TIMEOUT_S, bootstrap_timeout=30.0,
                                      **({"index_key_records": args.key_records} if args.key_records else {}))
         node = LightNode(plan["index"], plan, config)
         node.gossip.start()
@@ -479,6 +480,40 @@ class ShapedLan(Network):
         return total
 
 
+class NatWan(Network):
+    """Worker 0 on a public host, every other worker in a home network behind its own masquerading router
+    (bench/net_topology.py: no port forwarding, so homes reach each other only through the public node's relay
+    circuits or through what it re-serves). Each home's upload shaped by tbf where `up_mbit` is set."""
+
+    name = "nat"
+    natted = True
+
+    def __init__(self, homes: int, up_mbit: float | None) -> None:
+        super().__init__()
+        import net_topology
+
+        self.topology = net_topology.Topology(homes=homes, uplink_mbit=up_mbit).build()
+        self.hosts = [self.topology.public, *self.topology.home_hosts]
+        self.public_addr = net_topology.PUBLIC_ADDR
+
+    def prefix(self, worker: int) -> list[str]:
+        return self.hosts[worker].command([])
+
+    def host(self, worker: int) -> str:
+        return self.public_addr if worker == 0 else "0.0.0.0"  # as bench/nat_swarm.py's homes listen
+
+    def uploads(self) -> tuple[int, int]:
+        """Bytes sent onto the WAN so far: (the public host's, all home routers' together)."""
+        public = _tx_bytes(self.topology.public.ns, "wan0")
+        return public, sum(_tx_bytes(router.ns, "wan0") for router in self.topology.routers)
+
+    def wire_bytes(self) -> int:
+        return sum(self.uploads())
+
+    def close(self) -> None:
+        self.topology.close()
+
+
 # ----- parent: one run, then the summary -----------------------------------------------------------
 
 
@@ -537,6 +572,8 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
             argv += ["--key-records", str(key_records)]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
+        if getattr(network, "natted", False) and slot > 0:
+            argv += ["--auto-relay"]
         worker = Worker(slot, argv, logs / f"{label}-worker{slot}.log")
         workers.append(worker)
         return worker
@@ -590,6 +627,7 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
             worker.send({"t0": t0, "measure_from": measure_from, "until": until})
         time.sleep(max(0.0, measure_from - time.time()))
         wire_before = network.wire_bytes()
+        uploads_before = network.uploads() if isinstance(network, NatWan) else None
         progress: dict[int, dict] = {}
 
         def note(worker: Worker, message: dict) -> None:
@@ -608,6 +646,7 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
                   f"{fetched}/{chosen} chosen batches fetched", flush=True)
         done = [wait_for(worker, "done", STEP_TIMEOUT_S * 3 + 60.0) for worker in workers]
         wire_after = network.wire_bytes()
+        uploads_after = network.uploads() if isinstance(network, NatWan) else None
         drops = network.drops() if isinstance(network, ShapedLan) else None
         for message, worker in zip(done, workers):
             message["census"] = wait_for(worker, "census", 120.0)["tree"]
@@ -634,6 +673,17 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
     summary = summarize(n, network, done, byes, peers, measure_from, until, wire_before, wire_after, drops, unclean, startup_s)
     summary["idle_bytes_per_node_s"] = None if idle_rate is None else round(idle_rate)
     summary["shutdown_stages_cut_short"] = cut_short
+    if uploads_before is not None and uploads_after is not None:
+        public, homes = (after - before for before, after in zip(uploads_before, uploads_after, strict=True))
+        window = summary["window_s"]
+        home_steps = sum(1 for message in done for node in message["nodes"] if node["index"] != 0
+                         for step in node["steps"] if measure_from <= step["t"] < until)
+        # Where the bytes go when homes cannot dial each other: the public node relays circuits and re-serves bodies.
+        summary["upload"] = {
+            "public_mbit_s": round(8 * public / window / 1e6, 2), "home_mbit_s_mean": round(8 * homes / window / 1e6 / (n - 1), 2),
+            "public_share": round(public / max(1, public + homes), 3),
+            "public_bytes_per_home_step": round(public / max(1, home_steps)),
+        }
     if idle_rate is not None and summary["node_steps"]:
         # The idle traffic that falls on one node-step: a node pays it whatever it shares.
         summary["idle_bytes_per_node_step"] = round(idle_rate * n * summary["window_s"] / summary["node_steps"])
@@ -746,6 +796,9 @@ def main() -> int:
     parser.add_argument("--logs", type=Path, default=None, help="folder for the workers' logs (default: a new temp folder)")
     parser.add_argument("--idle-s", type=float, default=20.0, help="seconds the joined swarm idles before stepping (background traffic)")
     parser.add_argument("--key-records", type=int, default=None, help="swarm.index_key_records (default: the config's)")
+    parser.add_argument("--nat", type=int, default=0, metavar="HOMES",
+                        help="also run 1 public node + HOMES nodes each behind its own NAT router (relay slots on the public node; "
+                             "--up-mbit caps each home's upload; default 0: skipped)")
     args = parser.parse_args()
     sizes = args.nodes or ([8, 16] if args.quick else [8, 16, 32, 64])
     shaped = args.shaped if args.shaped is not None else (0 if args.quick else 16)
@@ -787,6 +840,19 @@ def main() -> int:
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # the loopback runs still report
             shaped_error = f"{type(exc).__name__}: {str(exc)[:500]}"
             print(f"shaped-{shaped}: failed: {shaped_error}", flush=True)
+    nat_error = None
+    if args.nat and not why_not:
+        try:
+            network = NatWan(args.nat, args.up_mbit)
+            try:
+                runs.append(run_swarm(args.nat + 1, network, per_worker=1, label=f"nat-{args.nat}", **common))
+            finally:
+                network.close()
+            runs[-1]["link_mbit"] = {"home_up": args.up_mbit}
+            print(_row(runs[-1]) + f" | upload {runs[-1]['upload']}", flush=True)
+        except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as exc:
+            nat_error = f"{type(exc).__name__}: {str(exc)[:500]}"
+            print(f"nat-{args.nat}: failed: {nat_error}", flush=True)
     loop = [r for r in runs if r["network"] == "loopback"]
     largest = max(loop, key=lambda r: r["nodes"])
     smallest = min(loop, key=lambda r: r["nodes"])
@@ -800,8 +866,9 @@ def main() -> int:
         "flat_per_fetched_batch": round(largest["bytes_per_fetched_batch"] / smallest["bytes_per_fetched_batch"], 3),
         # What flat would be if the index cost nothing: the bodies alone (k_fill below 1 at N = 8, and the batch mix).
         "flat_bodies": round(largest["body_bytes_per_node_step"] / smallest["body_bytes_per_node_step"], 3),
-        "clean_shutdowns": all(r["clean_shutdowns"] for r in runs) and shaped_error is None,
+        "clean_shutdowns": all(r["clean_shutdowns"] for r in runs) and shaped_error is None and nat_error is None,
         "shaped_error": shaped_error,
+        "nat_error": nat_error,
         "runs": runs,
     }
     print("RESULT " + json.dumps(result))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
+from hivespec.node.swarm.index import Candidate
 from hivespec.node.swarm.nat import RELAYED_BODY_LIMIT, is_circuit
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder
@@ -107,6 +108,20 @@ class Fetcher:
                 continue
             usable.append(holder)
         return usable
+
+    def fetchable(self, candidates: Sequence[Candidate], direct: set[str]) -> list[Candidate]:
+        """The candidates some holder could serve us, each left with only those holders (`usable_holders`).
+
+        Sampling chooses among these alone: behind NAT, a large body whose only holders are NATed
+        peers we reach through a relay cannot be fetched, and choosing it would waste one of K.
+        """
+        fetchable = []
+        for candidate in candidates:
+            candidate.holders = self.usable_holders(candidate.claim, candidate.holders, direct)
+            if candidate.holders:
+                fetchable.append(candidate)
+        self._stats["unfetchable_skipped"] += len(candidates) - len(fetchable)
+        return fetchable
 
     async def directly_connected(self) -> set[str]:
         """Base58 ids of peers p2pd holds a non-relayed connection to."""

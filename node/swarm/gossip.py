@@ -6,7 +6,8 @@ Two ways to find bodies, one machinery underneath:
   most `index_key_records` records each, a record listing its holder's newest own batches and the
   ones it relays); a step reads the current bucket along one random path (the previous one too
   where the current is thin), chooses at most `max_foreign_batches` fresh batches by peer score
-  with exploration, at most `max_batches_per_peer` per author, and fetches them. Held bodies younger than
+  with exploration, at most `max_batches_per_peer` per author, among those some holder can serve
+  it (behind NAT, not a large body held only by NATed peers: `Fetcher.fetchable`), and fetches them. Held bodies younger than
   `announce_seconds` are re-announced in each new bucket, so a slow author's batch stays findable.
 - **Slots** (`publish`, `fetch_slot`, `wait_for_slot`): one key per (topic, slot) for the weight
   topics ("delta", "snapshot", "head"), which a leader's followers read in order.
@@ -416,9 +417,13 @@ class Gossip:
             # A thin bucket (a small swarm, or early in a bucket while holders still move into it at their
             # placement_delay) is topped up from the previous one, where their newest batches are until then.
             self._add_candidates(candidates, await self._walk(bucket - 1, deadline))
+        # Only what some holder can serve us (`Fetcher.fetchable`); `direct` matters only for NATed holders.
+        natted = {h.peer for c in candidates.values() for h in c.holders if h.behind_nat}
+        direct = await self.fetcher.directly_connected() if natted else set()
+        fetchable = self.fetcher.fetchable(list(candidates.values()), direct)
         peers = self.peers
         chosen = choose_claims(
-            list(candidates.values()), k=k, per_author=self.config.max_batches_per_peer, now=now, max_age_s=max_age_s,
+            fetchable, k=k, per_author=self.config.max_batches_per_peer, now=now, max_age_s=max_age_s,
             trust=(lambda author: trust_from_score(peers.score(author))) if peers is not None else (lambda _author: 0.5),
             explore=_EXPLORE, rng=self._rng, version_ok=version_ok,
         )
@@ -426,8 +431,8 @@ class Gossip:
         self._stats["sample_chosen"] += len(chosen)
         if not chosen:
             return []
-        direct = await self.fetcher.directly_connected() if any(h.maddrs for c in chosen for h in c.holders) else set()
-        results = await asyncio.gather(*(self._fetch_rollouts(c, direct, deadline) for c in chosen))
+        # A NATed author's batch is relayed urgently (`_relay_rollouts`), whichever holder we got it from.
+        results = await asyncio.gather(*(self._fetch_rollouts(c, deadline, urgent=c.item.author in natted) for c in chosen))
         return [f for f in results if f is not None]
 
     def _add_candidates(self, candidates: dict[tuple[bytes, str], Candidate], walk: list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]) -> None:
@@ -465,9 +470,10 @@ class Gossip:
                 break
         return found
 
-    async def _fetch_rollouts(self, candidate: Candidate, direct: set[str], deadline: float) -> Fetched | None:
+    async def _fetch_rollouts(self, candidate: Candidate, deadline: float, *, urgent: bool) -> Fetched | None:
+        """Fetch a chosen candidate from one of its holders (all usable: `Fetcher.fetchable` kept only those), then relay it."""
         claim = candidate.claim
-        holders = self.fetcher.usable_holders(claim, candidate.holders, direct)
+        holders = list(candidate.holders)
         self._rng.shuffle(holders)  # any holder will do: relays spread the author's upload
         got = await self.fetcher.fetch(claim, holders, deadline, context=self._rollout_context)
         if got is None:
@@ -476,8 +482,7 @@ class Gossip:
         if self._signed_by_author(body, candidate.item.author):
             self.bodies.keep(candidate.item.sha256, wire)
             self._remember_announced(candidate.item)
-            author = next((h for h in candidate.holders if h.peer == candidate.item.author), None)
-            self._spawn(self._relay_rollouts(candidate.item, urgent=author is not None and author.behind_nat))
+            self._spawn(self._relay_rollouts(candidate.item, urgent=urgent))
         return Fetched(candidate.item.author, body, holder=holder.peer, sha256=candidate.item.sha256,
                        born=candidate.item.born, version=candidate.item.version)
 

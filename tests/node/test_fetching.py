@@ -1,7 +1,8 @@
-"""Fetcher's memory of what it fetched (node/swarm/fetching.py): bounded by time, not only by count."""
+"""Fetcher (node/swarm/fetching.py): its memory of what it fetched is bounded by time; behind NAT it offers only what it can fetch."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
 from hivespec.node.swarm.fetching import Fetcher
@@ -19,3 +20,38 @@ def test_fetched_claims_are_remembered_for_two_record_ttls_then_forgotten() -> N
     clock[0] = 1201.0
     fetcher.mark_done((b"c" * 32, "hsc", 10))
     assert fetcher.wanted(old) and not fetcher.wanted(new)
+
+
+def test_sampling_chooses_only_what_some_holder_can_serve_behind_nat() -> None:
+    """A large body held only by NATed peers we reach through a relay cannot be fetched: sampling must not spend
+    one of K on it, while a directly connected holder or a small body (a circuit carries it) keeps it choosable."""
+    from hivemind.p2p import PeerID
+
+    from hivespec.node.swarm.index import Candidate
+    from hivespec.node.swarm.nat import RELAYED_BODY_LIMIT
+    from hivespec.node.swarm.records import Holder
+    from hivespec.protocol.announce import AnnouncedBody
+
+    relay = PeerID(hashlib.sha256(b"relay").digest()).to_base58()
+
+    def holder(name: str, *, natted: bool) -> Holder:
+        maddrs = (f"/ip4/203.0.113.10/tcp/31337/p2p/{relay}/p2p-circuit",) if natted else ("/ip4/203.0.113.10/tcp/4001",)
+        return Holder(name, PeerID(hashlib.sha256(name.encode()).digest()), maddrs)
+
+    def candidate(name: str, size: int, *holders: Holder) -> Candidate:
+        item = AnnouncedBody(author=holders[0].peer, sha256=hashlib.sha256(name.encode()).digest(), size=size, born=1.0, version=0)
+        return Candidate(item, holders=list(holders))
+
+    large, small = RELAYED_BODY_LIMIT + 1, RELAYED_BODY_LIMIT
+    author, other_home, public = holder("hsauthor", natted=True), holder("hshome", natted=True), holder("hspublic", natted=False)
+    only_natted = candidate("large-natted", large, author, holder("hsthird", natted=True))
+    relayed_by_public = candidate("large-relayed", large, author, public)
+    small_natted = candidate("small-natted", small, author)
+    connected = candidate("large-connected", large, other_home)
+    stats = Counter()
+    fetcher = Fetcher(private=None, peers=None, request_timeout=1.0, stats=stats)
+    chosen = fetcher.fetchable([only_natted, relayed_by_public, small_natted, connected], direct={other_home.p2p_peer_id.to_base58()})
+    assert chosen == [relayed_by_public, small_natted, connected]
+    assert relayed_by_public.holders == [public]  # the NATed author is not asked for its large body
+    assert connected.holders == [other_home] and small_natted.holders == [author]
+    assert stats["unfetchable_skipped"] == 1
