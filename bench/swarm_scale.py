@@ -85,7 +85,7 @@ UNCLEAN = ("Traceback", "Task was destroyed", "was never retrieved", "gossip shu
 COUNTERS = ("bytes_in", "bytes_out", "bodies_served", "bodies_fetched", "bodies_fetched_from_relay", "dht_gets", "dht_stores",
             "dht_get_timeouts", "records_read", "index_keys_read", "sample_candidates", "sample_chosen", "fetch_failures",
             "peer_hangups", "reannounced", "relay_records", "published", "announce_store_failed", "bad_records", "bad_bodies",
-            "dht_key_full_refused")
+            "dht_key_full_refused", "unfetchable_skipped", "circuit_retries")
 RPCS = ("call_find", "call_store", "call_ping")
 SERVED = {"rpc_find": "find_bytes", "rpc_store": "store_bytes", "rpc_ping": "ping_bytes"}  # handler -> its counter
 RPC_COUNTS = (*RPCS, "find_records", *SERVED.values())
@@ -753,6 +753,8 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         "authors_heard_share": round(sum(1 for node in nodes if heard[node["index"]]) / n, 3),
         "age_p50_s": _percentile(ages, 0.5), "age_p95_s": _percentile(ages, 0.95),
         "bad_bodies": sum(s["bad"] for s in steps) + delta["bad_bodies"], "fetch_failures": delta["fetch_failures"],
+        # Behind NAT: candidates no holder could serve us (not chosen), and streams re-asked after a circuit reset.
+        "unfetchable_per_step": round(delta["unfetchable_skipped"] / node_steps, 2), "circuit_retries": delta["circuit_retries"],
         "dht_get_timeouts": delta["dht_get_timeouts"], "peer_hangups": delta["peer_hangups"],
         "step_errors": dict(errors.most_common(5)),
         "known_peers_min": min((node["known_peers"] for node in nodes), default=0),

@@ -148,10 +148,7 @@ class Fetcher:
                         self._stats["rate_limited"] += 1
                         continue
                     try:
-                        wire = await asyncio.wait_for(
-                            download(self._p2p, holder.p2p_peer_id, holder.maddrs, digest, size, timeout=self.request_timeout),
-                            min(remaining, self.request_timeout),
-                        )
+                        wire = await self._download(holder, digest, size, deadline)
                         body = self._open(wire, context)
                     except BadBody as exc:
                         self._remember(self._failed, (claim, holder.peer))
@@ -170,6 +167,26 @@ class Fetcher:
         finally:
             self._inflight.discard(claim)
         return None
+
+    async def _download(self, holder: Holder, digest: bytes, size: int, deadline: float) -> bytes:
+        """One holder's body within `request_timeout` and `deadline`; a NATed holder's is asked twice if the stream is cut.
+
+        The relay resets a circuit once it has carried ~128 KiB (nat.py), whatever streams it carries, so a small
+        body asked over a circuit that DHT traffic and earlier bodies have used up ends with no bytes; the next
+        stream opens a new circuit.
+        """
+        retries = 1 if holder.behind_nat else 0
+        while True:
+            try:
+                return await asyncio.wait_for(
+                    download(self._p2p, holder.p2p_peer_id, holder.maddrs, digest, size, timeout=self.request_timeout),
+                    max(0.0, min(deadline - time.monotonic(), self.request_timeout)),
+                )
+            except asyncio.IncompleteReadError:
+                if not retries or time.monotonic() >= deadline:
+                    raise
+                retries -= 1
+                self._stats["circuit_retries"] += 1
 
     def _open(self, wire: bytes, context: str) -> bytes:
         if self.private is None:
