@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter
 
 from hivespec.node.swarm.fetching import Fetcher
@@ -55,3 +56,57 @@ def test_sampling_chooses_only_what_some_holder_can_serve_behind_nat() -> None:
     assert relayed_by_public.holders == [public]  # the NATed author is not asked for its large body
     assert connected.holders == [other_home] and small_natted.holders == [author]
     assert stats["unfetchable_skipped"] == 1
+
+
+def test_a_natted_holders_stream_cut_before_the_body_is_asked_once_more() -> None:
+    """The relay resets a circuit after ~128 KiB, cutting whatever stream it carries: a NATed holder's body is asked
+    again on a new stream. Here a real holder (p2pd on loopback) cuts its first stream the way a reset circuit does."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from hivespec.node.swarm.records import Holder
+    from hivespec.node.swarm.transfer import STREAM_NAME, serve_body
+
+    body = b"rollouts" * 1000
+    digest = hashlib.sha256(body).digest()
+    claim = (digest, "hsauthor", len(body))
+
+    async def scenario() -> tuple[list, int, Counter, Counter]:
+        holder_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        reader_p2p = await P2P.create(initial_peers=[str(m) for m in await holder_p2p.get_visible_maddrs()],
+                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        streams = {"n": 0}
+
+        async def handle(_context, reader, writer) -> None:
+            streams["n"] += 1
+            if streams["n"] % 2:  # every other stream ends before its answer, as over a reset circuit
+                await reader.readexactly(32)
+                writer.close()
+                return
+            await serve_body({digest: body}.get, reader, writer, timeout=5.0, stats=Counter())
+
+        await holder_p2p.add_binary_stream_handler(STREAM_NAME, handle)
+        maddrs = tuple(str(m) for m in await holder_p2p.get_visible_maddrs())
+        circuit = f"/ip4/127.0.0.1/tcp/1/p2p/{holder_p2p.peer_id.to_base58()}/p2p-circuit"
+        results, counters = [], []
+        try:
+            for natted in (True, False):
+                stats = Counter()
+                fetcher = Fetcher(private=None, peers=None, request_timeout=5.0, stats=stats)
+                fetcher.attach(reader_p2p)
+                holder = Holder("hsauthor", holder_p2p.peer_id, maddrs + ((circuit,) if natted else ()))
+                results.append(await fetcher.fetch(claim, [holder], time.monotonic() + 20.0, context="rollouts"))
+                counters.append(stats)
+        finally:
+            await reader_p2p.shutdown()
+            await holder_p2p.shutdown()
+        return results, streams["n"], *counters
+
+    results, streams, natted_stats, reachable_stats = asyncio.run(scenario())
+    natted, reachable = results
+    assert natted is not None and natted[2] == body
+    assert natted_stats["circuit_retries"] == 1 and natted_stats["fetch_failures"] == 0
+    # A reachable holder's cut stream is a failure like any other: the next holder (none here) is asked instead.
+    assert reachable is None and reachable_stats["fetch_failures"] == 1 and reachable_stats["circuit_retries"] == 0
+    assert streams == 3
