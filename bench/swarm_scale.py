@@ -20,7 +20,12 @@ are exactly the swarm's wire bytes; on the host's loopback without them when nam
 made), then N = 16 across network namespaces joined by a bridge, each node on its own host
 namespace whose link is shaped with `tc tbf` (upload 10 Mbit/s, download 50 Mbit/s; this kernel
 has no netem, so no added latency). `--quick` runs N = 8 and 16 on loopback (`--shaped` adds the
-namespace run).
+namespace run). `--nat HOMES` adds a run of 1 public node and HOMES nodes each in a home network
+behind its own masquerading router (bench/net_topology.py, no port forwarding; the homes reserve
+relay slots on the public node as the `public` preset does; `--up-mbit` caps each home's upload),
+reporting besides the rest where the WAN bytes go (`upload`: the public node's Mbit/s and share,
+its bytes per home step, a home's Mbit/s), `unfetchable_per_step` (candidates no holder could
+serve: large batches held only by NATed peers) and `circuit_retries`.
 
 Counted over a window after a warm-up (steps that start inside it, counter deltas across it):
   delivery                   batches fetched / batches chosen by sampling (`stats()["sample_chosen"]`), within the step timeout
@@ -48,6 +53,7 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
 
     python bench/swarm_scale.py            # N = 8 16 32 64 loopback + N = 16 shaped
     python bench/swarm_scale.py --quick    # N = 8 16 loopback
+    python bench/swarm_scale.py --nodes 8 --shaped 0 --nat 9   # N = 8 loopback, then 1 public + 9 homes behind NAT
 
 Prints a row per run as it completes and progress every ~20 s, then one line `RESULT {json}`.
 Targets at N = 64 (issue 22): delivery >= 0.99, p95_s <= 5, flat <= 1.3, clean_shutdowns.
