@@ -848,7 +848,9 @@ def main() -> int:
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # the loopback runs still report
             shaped_error = f"{type(exc).__name__}: {str(exc)[:500]}"
             print(f"shaped-{shaped}: failed: {shaped_error}", flush=True)
-    nat_error = None
+    nat_error, nat_skipped = None, (why_not if args.nat and why_not else None)
+    if nat_skipped:
+        print(f"nat-{args.nat}: skipped: {nat_skipped}", flush=True)
     if args.nat and not why_not:
         try:
             network = NatWan(args.nat, args.up_mbit)
@@ -877,6 +879,7 @@ def main() -> int:
         "clean_shutdowns": all(r["clean_shutdowns"] for r in runs) and shaped_error is None and nat_error is None,
         "shaped_error": shaped_error,
         "nat_error": nat_error,
+        "nat_skipped": nat_skipped,
         "runs": runs,
     }
     print("RESULT " + json.dumps(result))
