@@ -799,7 +799,7 @@ def main() -> int:
     parser.add_argument("--spread", type=float, default=10.0, help="slowest / fastest step period")
     parser.add_argument("--warmup-s", type=float, default=None, help="seconds of steps before counting (default 40; --quick 30)")
     parser.add_argument("--window-s", type=float, default=None, help="seconds counted (default 150; --quick 90)")
-    parser.add_argument("--up-mbit", type=float, default=10.0, help="shaped run: each host's upload")
+    parser.add_argument("--up-mbit", type=float, default=10.0, help="shaped run: each host's upload; nat run: each home's upload")
     parser.add_argument("--down-mbit", type=float, default=50.0, help="shaped run: each host's download")
     parser.add_argument("--logs", type=Path, default=None, help="folder for the workers' logs (default: a new temp folder)")
     parser.add_argument("--idle-s", type=float, default=20.0, help="seconds the joined swarm idles before stepping (background traffic)")
