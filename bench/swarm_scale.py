@@ -492,7 +492,6 @@ class NatWan(Network):
     circuits or through what it re-serves). Each home's upload shaped by tbf where `up_mbit` is set."""
 
     name = "nat"
-    natted = True
 
     def __init__(self, homes: int, up_mbit: float | None) -> None:
         super().__init__()
@@ -578,7 +577,7 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
             argv += ["--key-records", str(key_records)]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
-        if getattr(network, "natted", False) and slot > 0:
+        if isinstance(network, NatWan) and slot > 0:
             argv += ["--auto-relay"]
         worker = Worker(slot, argv, logs / f"{label}-worker{slot}.log")
         workers.append(worker)

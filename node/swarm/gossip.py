@@ -654,7 +654,8 @@ class Gossip:
                 holders.insert(0 if holder.peer == item.author else len(holders), holder)
         if not claims:
             return []
-        direct = await self.fetcher.directly_connected() if any(h.maddrs for _, hs in claims.values() for h in hs) else set()
+        # `direct` matters only for NATed holders (`relay_only`): p2pd is asked only when one is among them.
+        direct = await self.fetcher.directly_connected() if any(h.behind_nat for _, hs in claims.values() for h in hs) else set()
 
         async def one(claim: tuple[bytes, str, int], item: AnnouncedBody, holders: list[Holder]) -> Fetched | None:
             got = await self.fetcher.fetch(claim, self.fetcher.usable_holders(claim, holders, direct), deadline, context=key)
