@@ -8,6 +8,13 @@ with the same three processes on the machine, so CPU contention is equal:
   shared  all three in one swarm
   apart   the fast node alone in a swarm of its own, the two slow nodes in another (sharing off for it)
 
+Each node keeps its `seed` across the phases (it is otherwise derived from the node's new identity),
+so it is asked the same questions in the same order in both: the task families' answers differ in
+length several-fold, and a phase that drew more of the long ones ran fewer steps for that alone.
+`--fast-set KEY=VALUE` (repeatable) sets a config key on the fast node in both phases: with
+`train.foreign_fraction=0` it still publishes, samples and fetches but trains on its own samples
+only, so `fast_rate_vs_solo` then holds the cost of sharing without the training it buys.
+
 Counted over each phase's steady window, which starts once every node has published a batch
 (before that there is nothing to share) and ends with the phase:
   foreign_step_share    per node (shared phase): share of its steps that trained on foreign samples
@@ -21,6 +28,7 @@ Counted over each phase's steady window, which starts once every node has publis
 
     python bench/hetero_swarm.py            # 7 minutes per phase
     python bench/hetero_swarm.py --quick    # 4 minutes per phase
+    python bench/hetero_swarm.py --quick --fast-set train.foreign_fraction=0   # sharing's own cost
 
 Ends with one line `RESULT {json}`. Targets (issue 22): foreign_step_share_min >= 0.9, fast_rate_vs_solo >= 0.9.
 """
@@ -44,7 +52,7 @@ COMMON = [
     "swarm.host=127.0.0.1", "swarm.port=0", "swarm.use_auto_relay=false", "swarm.bootstrap_timeout=20",
     "status.enabled=false", "checkpoint.every_rounds=0", "checkpoint.at_exit=false",
 ]
-FAST = ["rollout.prompts_per_round=1", "rollout.num_generations=2"]
+FAST = ["rollout.prompts_per_round=1", "rollout.num_generations=2", "seed=1"]
 SLOW = ["rollout.prompts_per_round=4", "rollout.num_generations=4"]
 
 
@@ -60,11 +68,13 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
             "samples": len(ordered)}
 
 
-def run_phase(root: Path, minutes: float, *, shared: bool) -> dict:
+def run_phase(root: Path, minutes: float, *, shared: bool, fast_sets: list[str]) -> dict:
     """Start the three nodes (one swarm, or the fast node apart), run `minutes`, stop them; per-node step records."""
     name = "shared" if shared else "apart"
-    fast = PublicNode("fast", root / name / "fast", COMMON + FAST + [f"swarm.swarm=hetero-{name}-fast" if not shared else "swarm.swarm=hetero"], 3)
-    slow = [PublicNode(f"slow-{i}", root / name / f"slow-{i}", COMMON + SLOW + [f"swarm.swarm=hetero-{name}" if not shared else "swarm.swarm=hetero"], 3)
+    fast = PublicNode("fast", root / name / "fast",
+                      COMMON + FAST + fast_sets + [f"swarm.swarm=hetero-{name}-fast" if not shared else "swarm.swarm=hetero"], 3)
+    slow = [PublicNode(f"slow-{i}", root / name / f"slow-{i}",
+                       COMMON + SLOW + [f"seed={2 + i}", f"swarm.swarm=hetero-{name}" if not shared else "swarm.swarm=hetero"], 3)
             for i in range(2)]
     nodes = [fast, *slow]
     started = time.monotonic()
@@ -124,7 +134,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="4 minutes per phase instead of 7")
     parser.add_argument("--minutes", type=float, help="minutes per phase (default 7, quick 4)")
     parser.add_argument("--dir", help="working directory (default: a temporary one)")
+    parser.add_argument("--fast-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config key for the fast node in both phases (repeatable), e.g. train.foreign_fraction=0")
     args = parser.parse_args()
+    for item in args.fast_set:
+        if "=" not in item:
+            parser.error(f"--fast-set wants KEY=VALUE, got {item!r}")
     minutes = args.minutes or (4.0 if args.quick else 7.0)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hetero-swarm-"))
     from hivespec.node.model.precision import cpu_facts
@@ -133,7 +148,7 @@ def main() -> int:
     prepare_model()
     phases = {}
     for shared in (True, False):
-        phase = run_phase(root, minutes, shared=shared)
+        phase = run_phase(root, minutes, shared=shared, fast_sets=args.fast_set)
         seconds, steps = steady(phase["arrivals"], phase["end"])
         phases["shared" if shared else "apart"] = (seconds, steps)
 
@@ -162,6 +177,7 @@ def main() -> int:
         "foreign_age_s": _percentiles(ages),
         "foreign_version_lag": _percentiles(lags),
         "minutes_per_phase": minutes,
+        "fast_set": args.fast_set,
     }
     print("RESULT " + json.dumps(result), flush=True)
     return 0
