@@ -13,6 +13,10 @@ seed: the sync's cost depends on how many elements move, not on why).
 
 Ends with ``RESULT {json}``: seconds per mode and dtype, the speedup of the direct write
 (`direct_speedup_bf16`, `direct_speedup_fp32`), and whether both modes ended on the same weights.
+Also per mode and dtype: the check every round makes after its sync (`*_check_s`,
+`WeightSync.mismatched_elements`) and a sync after a step that updated nothing (`*_no_update_s`);
+and `count_kernel`, the changed-element count a round runs twice, the bool sum it used against
+count_nonzero, side by side on the model's tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 
 import torch
 
+from hivespec.kernels.delta import mismatch_count
 from hivespec.node.model.loader import configure_threads, load_model
 from hivespec.node.model.precision import cpu_facts
 from hivespec.node.weights.sync import WeightSync
@@ -41,14 +46,43 @@ def time_sync(trainer: torch.nn.Module, dtype: torch.dtype, encode: bool, learni
     mark = time.perf_counter()
     stats, chunks = sync.sync(1, encode=encode)
     seconds = time.perf_counter() - mark
+    mark = time.perf_counter()
     assert sync.mismatched_elements() == 0, "the engine must equal the trainer's cast after a sync"
+    verify = time.perf_counter() - mark
     digest = sync.engine.hash.hex()
+    # A step that trained nothing (no sample had an advantage) still syncs: nothing moves.
+    mark = time.perf_counter()
+    idle, _ = sync.sync(2, encode=encode)
+    idle_seconds = time.perf_counter() - mark
+    assert idle.changed == 0 and sync.engine.hash.hex() == digest, "a sync without an update must change nothing"
     with torch.no_grad():  # back to the start for the next measurement
         for name, p in trainer.named_parameters():
             p.copy_(start[name])
             p.grad = None
-    return {"seconds": round(seconds, 3), "density": round(stats.density, 4), "coded_bytes": stats.delta_bytes,
-            "chunks": len(chunks), "hash": digest}
+    return {"seconds": round(seconds, 3), "verify_seconds": round(verify, 3), "idle_seconds": round(idle_seconds, 3),
+            "density": round(stats.density, 4), "coded_bytes": stats.delta_bytes, "chunks": len(chunks), "hash": digest}
+
+
+def count_kernels(trainer: torch.nn.Module) -> dict:
+    """Counting changed elements over the bf16 cast of every tensor after an update: the bool `.sum()` a round
+    used to run twice against `mismatch_count` (count_nonzero), side by side, best of 3 each."""
+    tensors = [(p.detach().to(torch.bfloat16).view(torch.int16), p.detach().to(torch.bfloat16).view(torch.int16).clone())
+               for p in trainer.parameters()]
+    for _, changed in tensors:
+        changed.view(-1)[::15] += 1  # ~7 % of the elements move, about what one AdamW step of the demo moves
+
+    def best(count) -> tuple[float, int]:
+        times, total = [], 0
+        for _ in range(3):
+            mark = time.perf_counter()
+            total = sum(int(count(a, b)) for a, b in tensors)
+            times.append(time.perf_counter() - mark)
+        return min(times), total
+
+    old_s, old_n = best(lambda a, b: (a != b).sum())
+    new_s, new_n = best(mismatch_count)
+    assert old_n == new_n, "both counts must agree"
+    return {"bool_sum_s": round(old_s, 3), "count_nonzero_s": round(new_s, 3), "speedup": round(old_s / new_s, 1)}
 
 
 def main() -> None:
@@ -70,12 +104,19 @@ def main() -> None:
             key = f"{'coded' if encode else 'direct'}_{str(dtype).removeprefix('torch.')}"
             rows[key] = time_sync(trainer, dtype, encode, args.lr)
             print(f"{key:>17}: {rows[key]['seconds']:8.2f} s  density {rows[key]['density']:.3f}  "
-                  f"coded {rows[key]['coded_bytes'] / 1e6:8.1f} MB", flush=True)
+                  f"coded {rows[key]['coded_bytes'] / 1e6:8.1f} MB  check {rows[key]['verify_seconds']:.2f} s  "
+                  f"sync without an update {rows[key]['idle_seconds']:.2f} s", flush=True)
+    kernels = count_kernels(trainer)
+    print(f"counting changed elements (bf16): bool sum {kernels['bool_sum_s']:.3f} s, count_nonzero "
+          f"{kernels['count_nonzero_s']:.3f} s ({kernels['speedup']}x)", flush=True)
     for name in ("bfloat16", "float32"):
         assert rows[f"direct_{name}"]["hash"] == rows[f"coded_{name}"]["hash"], f"{name}: both modes must end on the same weights"
     result = {
         "parameters": elements, "threads": args.threads, "cpu": cpu,
         **{f"{key}_s": row["seconds"] for key, row in rows.items()},
+        **{f"{key}_check_s": row["verify_seconds"] for key, row in rows.items()},
+        **{f"{key}_no_update_s": row["idle_seconds"] for key, row in rows.items()},
+        "count_kernel": kernels,
         "direct_speedup_bf16": round(rows["coded_bfloat16"]["seconds"] / rows["direct_bfloat16"]["seconds"], 1),
         "direct_speedup_fp32": round(rows["coded_float32"]["seconds"] / rows["direct_float32"]["seconds"], 1),
         "same_weights": True,

@@ -156,7 +156,7 @@ class EngineWeights:
             flat = self.state[t.name].bits.reshape(-1)
             undo.append((flat, t.indices, flat[t.indices].copy()))
             flat[t.indices] = t.values
-        digest = state_hash(self.state)
+        digest = state_hash(self.state) if delta.tensors else self.hash  # an empty delta (a step that updated nothing) moved no bit
         if digest != delta.result_hash:
             for flat, indices, previous in undo:
                 flat[indices] = previous
@@ -228,9 +228,11 @@ class EngineWeights:
                 if not self._mirrors_engine(name):  # a device engine: the mirror is a copy
                     np.copyto(self.state[name].bits.reshape(-1), host_bits)
 
-    def commit(self, version: int) -> None:
-        """Call the weights `version` and rehash them, after `write_local`."""
-        self.version, self.hash = version, state_hash(self.state)
+    def commit(self, version: int, *, rehash: bool = True) -> None:
+        """Call the weights `version` and rehash them, after `write_local` (`rehash=False`: it wrote nothing, the hash stands)."""
+        self.version = version
+        if rehash:
+            self.hash = state_hash(self.state)
 
     def _push_all(self) -> None:
         """Copy the whole mirror into the engine tensors (one transfer per device and bucket)."""
@@ -347,7 +349,7 @@ class WeightSync:
         tensors = [
             self._tensor_delta(name, flat[2 * i], flat[2 * i + 1]) for i, (name, _, _) in enumerate(found) if flat[2 * i].numel()
         ]
-        result = state_hash(_PatchedState(self.engine.state, tensors))
+        result = state_hash(_PatchedState(self.engine.state, tensors)) if tensors else self.engine.hash
         return WeightDelta(self.engine.version, version, self.engine.hash, result, tuple(tensors))
 
     def _tensor_delta(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> TensorDelta:
@@ -431,7 +433,8 @@ class WeightSync:
                     for i, (name, target) in enumerate(dense_targets)
                 }
                 self.engine.write_local(sparse, dense)
-        self.engine.commit(version)
+        # A step without an optimizer update (no sample had an advantage) leaves every bit as it was.
+        self.engine.commit(version, rehash=changed > 0)
         return changed, written
 
     def reset(self, version: int) -> None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hivespec.kernels.delta import apply_delta, extract_delta
+from hivespec.kernels.delta import apply_delta, extract_delta, mismatch_count
 
 torch.set_num_threads(1)
 
@@ -45,6 +45,9 @@ def test_signed_zero_and_nan_payloads_are_bit_exact(dtype):
     apply_delta(target, indices, values)
     assert _bit_equal(target, new)
     assert extract_delta(new, new.clone())[0].numel() == 0
+    count = mismatch_count(base, new)
+    assert count.dtype == torch.int64 and count.dim() == 0 and int(count) == 3  # -0.0 vs 0.0 and NaN payloads count
+    assert int(mismatch_count(new, new.clone())) == 0
 
 
 def test_apply_into_parameter_that_requires_grad():

@@ -85,6 +85,39 @@ def test_writing_locally_ends_where_the_wire_path_does(engine_dtype):
         assert _bits_equal(a, b), name
 
 
+@pytest.mark.parametrize("encode", [True, False], ids=["leader", "no-followers"])
+def test_a_sync_after_a_step_that_updated_nothing_moves_nothing(encode):
+    """A step whose samples had no advantage runs no optimizer step; its sync only advances the version."""
+    trainer = _tiny()
+    engine = copy.deepcopy(trainer).to(torch.bfloat16)
+    sync = WeightSync(trainer, _engine_params(engine))
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.01)
+    sync.sync(1, encode=encode)
+    before = sync.engine.hash
+    stats, chunks = sync.sync(2, encode=encode)
+    assert stats.changed == 0 and stats.tensors == () and sync.version == 2
+    assert sync.engine.hash == before == state_hash(sync.engine.state) and sync.mismatched_elements() == 0
+    if encode:  # a follower at version 1 takes the empty delta to version 2
+        follower = WeightSync(trainer, _engine_params(copy.deepcopy(engine)))
+        follower.engine.commit(1)
+        verdict, delta = follower.engine.apply_chunks(chunks)
+        assert verdict.ok and delta is not None and follower.version == 2 and follower.engine.hash == before
+
+
+def test_an_empty_delta_that_promises_other_weights_is_refused():
+    trainer = _tiny()
+    engine = copy.deepcopy(trainer).to(torch.bfloat16)
+    sync = WeightSync(trainer, _engine_params(engine))
+    delta = sync.build_delta(1)
+    assert delta.tensors == () and delta.result_hash == delta.base_hash == sync.engine.hash
+    forged = dataclasses.replace(delta, result_hash=b"\x00" * 32)
+    verdict, _ = sync.engine.apply_chunks(sync.encode(forged))
+    assert verdict.reason is Reason.RESULT_MISMATCH and sync.version == 0
+    assert sync.engine.hash == state_hash(sync.engine.state)
+
+
 def test_small_updates_give_a_sparse_bf16_delta():
     trainer = _tiny()
     engine = copy.deepcopy(trainer).to(torch.bfloat16)
