@@ -31,6 +31,18 @@ def _engine_params(model):
     return params
 
 
+def _bf16_sync(**kwargs) -> tuple[LlamaForCausalLM, WeightSync]:
+    """A float32 trainer and the sync into a bf16 copy of it (the engine)."""
+    trainer = _tiny()
+    return trainer, WeightSync(trainer, _engine_params(copy.deepcopy(trainer).to(torch.bfloat16)), **kwargs)
+
+
+@torch.no_grad()
+def _shift(trainer: torch.nn.Module, amount: float) -> None:
+    for p in trainer.parameters():
+        p.add_(amount)
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     view = torch.int16 if a.element_size() == 2 else torch.int32
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
@@ -88,28 +100,22 @@ def test_writing_locally_ends_where_the_wire_path_does(engine_dtype):
 @pytest.mark.parametrize("encode", [True, False], ids=["leader", "no-followers"])
 def test_a_sync_after_a_step_that_updated_nothing_moves_nothing(encode):
     """A step whose samples had no advantage runs no optimizer step; its sync only advances the version."""
-    trainer = _tiny()
-    engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    sync = WeightSync(trainer, _engine_params(engine))
-    with torch.no_grad():
-        for p in trainer.parameters():
-            p.add_(0.01)
+    trainer, sync = _bf16_sync()
+    _shift(trainer, 0.01)
     sync.sync(1, encode=encode)
     before = sync.engine.hash
     stats, chunks = sync.sync(2, encode=encode)
     assert stats.changed == 0 and stats.tensors == () and sync.version == 2
     assert sync.engine.hash == before == state_hash(sync.engine.state) and sync.mismatched_elements() == 0
     if encode:  # a follower at version 1 takes the empty delta to version 2
-        follower = WeightSync(trainer, _engine_params(copy.deepcopy(engine)))
+        follower = WeightSync(trainer, {name: t.clone() for name, t in sync.engine_params.items()})
         follower.engine.commit(1)
         verdict, delta = follower.engine.apply_chunks(chunks)
         assert verdict.ok and delta is not None and follower.version == 2 and follower.engine.hash == before
 
 
 def test_an_empty_delta_that_promises_other_weights_is_refused():
-    trainer = _tiny()
-    engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    sync = WeightSync(trainer, _engine_params(engine))
+    _, sync = _bf16_sync()
     delta = sync.build_delta(1)
     assert delta.tensors == () and delta.result_hash == delta.base_hash == sync.engine.hash
     forged = dataclasses.replace(delta, result_hash=b"\x00" * 32)
@@ -119,9 +125,7 @@ def test_an_empty_delta_that_promises_other_weights_is_refused():
 
 
 def test_small_updates_give_a_sparse_bf16_delta():
-    trainer = _tiny()
-    engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    sync = WeightSync(trainer, _engine_params(engine))
+    trainer, sync = _bf16_sync()
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(torch.randn_like(p) * 1e-6)  # far under half a bf16 ulp for most weights
@@ -132,9 +136,7 @@ def test_small_updates_give_a_sparse_bf16_delta():
 
 
 def test_a_delta_for_another_base_is_refused():
-    trainer = _tiny()
-    engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    sync = WeightSync(trainer, _engine_params(engine))
+    trainer, sync = _bf16_sync()
     with torch.no_grad():
         next(trainer.parameters()).add_(1.0)
     _, chunks = sync.sync(1)
@@ -145,12 +147,8 @@ def test_a_delta_for_another_base_is_refused():
 
 
 def test_a_delta_whose_result_hash_lies_is_rolled_back():
-    trainer = _tiny()
-    engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    sync = WeightSync(trainer, _engine_params(engine))
-    with torch.no_grad():
-        for p in trainer.parameters():
-            p.add_(0.01)
+    trainer, sync = _bf16_sync()
+    _shift(trainer, 0.01)
     delta = sync.build_delta(1)
     forged = dataclasses.replace(delta, result_hash=b"\x00" * 32)
     before = {name: t.clone() for name, t in sync.engine_params.items()}
@@ -162,9 +160,7 @@ def test_a_delta_whose_result_hash_lies_is_rolled_back():
 
 
 def test_sync_through_many_small_chunks():
-    trainer = _tiny()
-    engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    sync = WeightSync(trainer, _engine_params(engine), limits=dataclasses.replace(DEFAULT_LIMITS, max_delta_chunk_bytes=2048))
+    trainer, sync = _bf16_sync(limits=dataclasses.replace(DEFAULT_LIMITS, max_delta_chunk_bytes=2048))
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(torch.randn_like(p) * 0.01)
