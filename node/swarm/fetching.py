@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P
@@ -123,8 +123,14 @@ class Fetcher:
         self._stats["unfetchable_skipped"] += len(candidates) - len(fetchable)
         return fetchable
 
-    async def directly_connected(self) -> set[str]:
-        """Base58 ids of peers p2pd holds a non-relayed connection to."""
+    async def directly_connected(self, holders: Iterable[Holder]) -> set[str]:
+        """Base58 ids of peers p2pd holds a non-relayed connection to, for `usable_holders`.
+
+        Only a NATed holder can be relay-only (`relay_only`), so p2pd is asked only when one of
+        `holders` is behind NAT; otherwise the answer is the empty set without a call.
+        """
+        if not any(holder.behind_nat for holder in holders):
+            return set()
         try:
             peers = await asyncio.wait_for(self._p2p.list_peers(), self.request_timeout)
         except Exception:  # noqa: BLE001 - unknown: treat every circuit holder as relay-only this time
@@ -141,8 +147,7 @@ class Fetcher:
         try:
             async with self._slots:
                 for holder in holders:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    if time.monotonic() >= deadline:
                         return None
                     if self.peers is not None and not self.peers.allow(holder.peer, size):
                         self._stats["rate_limited"] += 1

@@ -417,9 +417,9 @@ class Gossip:
             # A thin bucket (a small swarm, or early in a bucket while holders still move into it at their
             # placement_delay) is topped up from the previous one, where their newest batches are until then.
             self._add_candidates(candidates, await self._walk(bucket - 1, deadline))
-        # Only what some holder can serve us (`Fetcher.fetchable`); `direct` matters only for NATed holders.
+        # Only what some holder can serve us (`Fetcher.fetchable`).
         natted = {h.peer for c in candidates.values() for h in c.holders if h.behind_nat}
-        direct = await self.fetcher.directly_connected() if natted else set()
+        direct = await self.fetcher.directly_connected(h for c in candidates.values() for h in c.holders)
         fetchable = self.fetcher.fetchable(list(candidates.values()), direct)
         peers = self.peers
         chosen = choose_claims(
@@ -654,8 +654,7 @@ class Gossip:
                 holders.insert(0 if holder.peer == item.author else len(holders), holder)
         if not claims:
             return []
-        # `direct` matters only for NATed holders (`relay_only`): p2pd is asked only when one is among them.
-        direct = await self.fetcher.directly_connected() if any(h.behind_nat for _, hs in claims.values() for h in hs) else set()
+        direct = await self.fetcher.directly_connected(h for _, hs in claims.values() for h in hs)
 
         async def one(claim: tuple[bytes, str, int], item: AnnouncedBody, holders: list[Holder]) -> Fetched | None:
             got = await self.fetcher.fetch(claim, self.fetcher.usable_holders(claim, holders, direct), deadline, context=key)
