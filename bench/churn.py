@@ -29,11 +29,10 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from swarm_harness import SwarmNode, live_maddrs, prepare_model, start_swarm
+from swarm_harness import SwarmNode, live_maddrs, prepare_model, start_swarm, work_dir
 
 from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
@@ -140,20 +139,20 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, help="length of each run")
     parser.add_argument("--kill-every", type=float, help="seconds between kills (default 20, quick 25)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dir", help="keep node homes here (default: a temp dir)")
+    parser.add_argument("--dir", help="keep node homes here (default: a temporary folder, removed at the end)")
     parser.add_argument("--no-baseline", action="store_true", help="churn run only (tests); no throughput ratio")
     args = parser.parse_args()
     seconds = args.seconds or (150.0 if args.quick else 360.0)
     kill_every = args.kill_every or (25.0 if args.quick else 20.0)
     prepare_model()
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hivespec-churn-"))
-    print(f"churn: {args.nodes} nodes, 2 x {seconds:.0f} s, a kill every {kill_every:.0f} s; homes in {root}", flush=True)
     baseline = {"lost": 0, "torn": 0, "rounds_per_min": float("nan"), "accepted_per_min": float("nan")}
-    if not args.no_baseline:
-        baseline = run_swarm(root / "baseline", nodes=args.nodes, seconds=seconds, kill_every=None, rng=random.Random(args.seed))
-        print("baseline:", json.dumps(baseline), flush=True)
-    churn = run_swarm(root / "churn", nodes=args.nodes, seconds=seconds, kill_every=kill_every, rng=random.Random(args.seed))
-    print("churn:   ", json.dumps(churn), flush=True)
+    with work_dir(args.dir, "hivespec-churn-") as root:
+        print(f"churn: {args.nodes} nodes, 2 x {seconds:.0f} s, a kill every {kill_every:.0f} s; homes in {root}", flush=True)
+        if not args.no_baseline:
+            baseline = run_swarm(root / "baseline", nodes=args.nodes, seconds=seconds, kill_every=None, rng=random.Random(args.seed))
+            print("baseline:", json.dumps(baseline), flush=True)
+        churn = run_swarm(root / "churn", nodes=args.nodes, seconds=seconds, kill_every=kill_every, rng=random.Random(args.seed))
+        print("churn:   ", json.dumps(churn), flush=True)
     result = {
         "nodes": args.nodes,
         "seconds": seconds,

@@ -39,12 +39,11 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import ClassVar
 
-from swarm_harness import SwarmNode, prepare_model, wait_ready
+from swarm_harness import SwarmNode, prepare_model, wait_ready, work_dir
 
 POLL_S = 0.5
 PRINT_EVERY_S = 30.0
@@ -133,7 +132,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 minutes per phase instead of 7")
     parser.add_argument("--minutes", type=float, help="minutes per phase (default 7, quick 4)")
-    parser.add_argument("--dir", help="working directory (default: a temporary one)")
+    parser.add_argument("--dir", help="keep node homes and logs here (default: a temporary folder, removed at the end)")
     parser.add_argument("--fast-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config key for the fast node in both phases (repeatable), e.g. train.foreign_fraction=0")
     args = parser.parse_args()
@@ -141,16 +140,16 @@ def main() -> int:
         if "=" not in item:
             parser.error(f"--fast-set wants KEY=VALUE, got {item!r}")
     minutes = args.minutes or (4.0 if args.quick else 7.0)
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hetero-swarm-"))
     from hivespec.node.model.precision import cpu_facts
 
-    print(f"hetero_swarm: {minutes:g} min per phase in {root}; CPU {json.dumps(cpu_facts())}", flush=True)
     prepare_model()
     phases = {}
-    for shared in (True, False):
-        phase = run_phase(root, minutes, shared=shared, fast_sets=args.fast_set)
-        seconds, steps = steady(phase["arrivals"], phase["end"])
-        phases["shared" if shared else "apart"] = (seconds, steps)
+    with work_dir(args.dir, "hetero-swarm-") as root:
+        print(f"hetero_swarm: {minutes:g} min per phase in {root}; CPU {json.dumps(cpu_facts())}", flush=True)
+        for shared in (True, False):
+            phase = run_phase(root, minutes, shared=shared, fast_sets=args.fast_set)
+            seconds, steps = steady(phase["arrivals"], phase["end"])
+            phases["shared" if shared else "apart"] = (seconds, steps)
 
     seconds, steps = phases["shared"]
     share = {name: round(sum(e["foreign_used"] > 0 for e in s) / len(s), 3) if s else 0.0 for name, s in steps.items()}

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -167,6 +171,26 @@ def live_maddrs(nodes: list[SwarmNode], exclude: SwarmNode | None = None) -> lis
         if node is not exclude and node.alive():
             found += node.maddrs()[:1]
     return found
+
+
+@contextmanager
+def work_dir(given: str | Path | None, prefix: str) -> Iterator[Path]:
+    """The bench's folder for node homes and logs: `given` as it is, or a new temporary one.
+
+    A temporary one is removed when the bench returns: each node home holds a copy of the policy
+    (0.5 GB at 135M parameters), so a few runs would otherwise fill the disk. A bench that raises
+    keeps it for its logs, and says where.
+    """
+    if given:
+        yield Path(given)
+        return
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield root
+    except BaseException:
+        print(f"kept {root} for its logs (remove it when done)", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def prepare_model() -> None:

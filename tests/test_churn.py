@@ -3,7 +3,8 @@
 - churn: nodes SIGKILLed at random moments and by their own fault points mid-save and mid-store,
   then restarted: no accepted rollout is lost and no checkpoint is torn (bench/churn.py);
 - a hung peer (SIGSTOP) stalls nobody, and carries on after SIGCONT;
-- a node whose p2pd is SIGKILLed rebuilds gossip with the same identity and keeps receiving.
+- a node whose p2pd is SIGKILLed rebuilds gossip with the same identity and keeps receiving;
+- the harness removes a bench's temporary folder (node homes: gigabytes) unless the run failed.
 """
 
 import json
@@ -18,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # the harness; the repo root itself stays off sys.path
 
-from swarm_harness import start_swarm
+from swarm_harness import start_swarm, work_dir
 
 
 @pytest.mark.slow
@@ -36,6 +37,24 @@ def test_churn_loses_no_accepted_rollout_and_tears_no_checkpoint(tmp_path):
     assert report["kills"] >= 3, report
     assert report["min_policy_version"] > 0  # every node trained
     assert result.returncode == 0
+
+
+def test_a_bench_removes_its_temporary_folder_and_keeps_a_given_one_or_a_failed_runs(tmp_path, capsys):
+    with work_dir(None, "bench-") as root:
+        (root / "policy.bin").write_bytes(b"x" * 1024)
+    assert not root.exists()
+
+    with work_dir(tmp_path, "bench-") as given:
+        (given / "node.log").write_text("kept")
+    assert given == tmp_path and (tmp_path / "node.log").exists()
+
+    with pytest.raises(RuntimeError), work_dir(None, "bench-") as failed:
+        (failed / "node.log").write_text("why it failed")
+        raise RuntimeError("a node died")
+    assert (failed / "node.log").read_text() == "why it failed"
+    assert str(failed) in capsys.readouterr().err
+    (failed / "node.log").unlink()
+    failed.rmdir()
 
 
 def _wait(predicate, timeout: float, nodes, what: str) -> None:
