@@ -247,9 +247,11 @@ class TrainConfig(_Section):
         "use foreign rollouts at most this many seconds old (by the author's signed timestamp); nodes never share "
         "round numbers, so age is measured in seconds; at most 270 (envelopes signed over 300 s ago are refused as "
         "replays)", 240.0, gt=0, le=MAX_STALENESS_S, note="envelopes signed over 300 s ago are refused as replays")
-    staleness_versions: int = _help(
-        "use foreign rollouts whose author's policy version is at most this far from ours, either way (a fast node "
-        "is many versions ahead of a slow one; the importance weights correct what remains)", 64, ge=0)
+    staleness_versions: int | None = _help(
+        "use foreign rollouts whose author's policy version is at most this far from ours, either way; null: any. A "
+        "version counts its node's own steps, so nodes drift apart by their speed and a newcomer is every step behind "
+        "the veterans: a window parts them for good. The importance weights measure the policies' distance per token",
+        None, ge=0, note="or null")
     micro_batch_size: int = _help("sequences per forward/backward", 8, ge=1)
 
     def check(self) -> None:

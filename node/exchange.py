@@ -3,7 +3,7 @@
 Nodes share no round numbers. `publish` journals our rollouts first (a crash after it loses
 nothing we made), then signs the batch and announces it in the index by recency. `collect` asks
 gossip for at most ``max_foreign_batches`` fresh batches (younger than ``train.staleness_seconds``,
-within ``train.staleness_versions`` of our policy), chosen by peer score with exploration, and
+and within ``train.staleness_versions`` of our policy where that is set), chosen by peer score with exploration, and
 returns at once: a node never waits for another. Only a small swarm of equal nodes (the demo)
 sets ``expected_peers``: then a step waits, at most ``round_timeout``, until that many authors
 had a new batch accepted. Each body goes through intake, its sender is scored, and what passes

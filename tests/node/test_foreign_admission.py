@@ -1,5 +1,7 @@
 """Foreign samples' policy-version window (intake) and the SAPO-style per-step mix (the foreign pool)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -59,9 +61,26 @@ def _pending(author, prompt, rewards, *, round=5, version=74, age=10.0):
             for i, r in enumerate(rewards)]
 
 
-def _pool(pending, *, fraction=0.5):
-    # The intake owns the staleness window (the defaults': 240 s, 64 versions either way); the pool asks it.
-    intake = Intake.from_config(NodeConfig().train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
+def test_by_default_a_newcomer_and_a_veteran_take_each_others_rollouts(tokenizer):
+    # Versions count each node's own steps: a node that joins a swarm days old starts thousands behind,
+    # and a fast node gains on a slow one every minute. No version window by default, or they part for good.
+    tasks = TaskSource()
+    veteran, newcomer = Identity.generate(), Identity.generate()
+    for author, ours, theirs in ((veteran, 0, 5000), (newcomer, 5000, 0)):
+        store = RolloutStore(":memory:")
+        intake = Intake.from_config(NodeConfig().train, fingerprint=FINGERPRINT, vocab_size=len(tokenizer), tasks=tasks,
+                                    tokenizer=tokenizer, store=store, private=None)
+        admission = intake.admit(author.peer_id, _envelope(tasks, tokenizer, author, policy_version=theirs), current_version=ours)
+        assert (admission.outcome, admission.reason) == ("accept", "ok")
+        assert intake.version_window(ours)(theirs)  # gossip's pre-filter fetches it
+        assert intake.still_fresh(NOW, theirs, current_version=ours, now=NOW + 10)  # and a step trains on it
+        store.close()
+
+
+def _pool(pending, *, fraction=0.5, versions=64):
+    # The intake owns the staleness window (240 s by default; a version window only where one is set); the pool asks it.
+    train = dataclasses.replace(NodeConfig().train, staleness_versions=versions)
+    intake = Intake.from_config(train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
                                 store=RolloutStore(":memory:"), private=None)
     pool = ForeignPool(foreign_fraction=fraction, still_fresh=intake.still_fresh)
     batches: dict[tuple, list[Rollout]] = {}  # one admitted batch per author and prompt group, as intake hands them over
