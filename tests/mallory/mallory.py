@@ -7,7 +7,7 @@ any node: `publish_rollouts` into the current bucket, but as a modified client t
 batches in one record, as many as a record may hold, where ours lists its 2 newest) and serves: rollouts signed by itself with
 NaN / inf / positive log-probs, out-of-vocabulary ids, mismatched lengths, a false reward, a
 batch signed long ago but announced as fresh, and a batch from a far-future policy version
-announced as version 0; an envelope that claims the honest node as author with a forged
+announced as version 0 (the victim sets a version window); an envelope that claims the honest node as author with a forged
 signature. In a second record, under the root keys of the previous and the next bucket (a reader
 in either bucket sees one), it announces the honest node's own envelopes as its own (replays)
 and a body whose announced size does not match what it serves. In the DHT it tries to overwrite

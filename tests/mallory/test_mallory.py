@@ -32,6 +32,9 @@ def node(home: Path, peers: list[str], name: str):
         # A step may take all of one author's announced batches (the default takes 1 per author, so
         # graylisting Mallory would take several steps): every attack reaches intake in one step.
         "swarm.max_foreign_batches": "16", "swarm.max_batches_per_peer": "16",
+        # A version window (off by default): Mallory's batch of a far-future version, announced as version 0,
+        # passes the reader's filter on the announcement and must be caught on the envelope.
+        "train.staleness_versions": "64",
     })
     return build_node(config)
 
