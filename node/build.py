@@ -298,7 +298,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         engine = TorchEngine.from_config(engine_model, config.rollout)
     sync = WeightSync(trainer_model, engine.sync_parameters())
     trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype)
-    store = RolloutStore(home / "rollouts.sqlite")
+    journal_hours = config.checkpoint.journal_hours
+    store = RolloutStore(home / "rollouts.sqlite", keep_seconds=None if journal_hours is None else journal_hours * 3600)
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
     checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
     if checkpoint is not None:

@@ -354,6 +354,9 @@ class CheckpointConfig(_Section):
     dir: str | None = _help("checkpoint directory (default: <home>/checkpoints)", None)
     at_exit: bool = _help("save a checkpoint when the run ends or is stopped (SIGINT/SIGTERM finish the round first)", True)
     resume: bool = _help("resume from the newest good checkpoint at start (--no-resume starts from the initial weights)", True)
+    journal_hours: float | None = _help(
+        "rollouts journaled (<home>/rollouts.sqlite) longer ago than this are deleted; the counts per peer stay. "
+        "Nothing reads older rows: they are past every staleness window", 24.0, gt=0, note="or null: keep them all")
 
     def check(self) -> None:
         if self.dir is not None and not self.dir.strip():

@@ -2,9 +2,9 @@
 
 Two sources in the node's home, both read-only:
 
-- the rollout journal ``rollouts.sqlite`` (node/training/store.py): every foreign rollout the
-  intake accepted (signature, schema, fingerprint, staleness and reward checks passed), by
-  author peer id; and the node's own rollouts;
+- the rollout journal ``rollouts.sqlite`` (node/training/store.py): its counts of every foreign
+  rollout the intake accepted (signature, schema, fingerprint, staleness and reward checks passed),
+  by author peer id, and of the node's own rollouts (kept when old rows are pruned);
 - the events log ``events.jsonl`` (``hivespec join --events``; every demo node keeps one): per
   round, the samples each source contributed to the training step (``importance_by_source``).
   A round re-run after a crash appears twice there; the last event of each round is the one
@@ -59,7 +59,12 @@ def journal_counts(path: Path) -> tuple[dict[str, int], int]:
     except sqlite3.Error as exc:
         raise ValueError(f"cannot open the rollout journal {path}: {exc}") from None
     try:
-        rows = conn.execute("SELECT author, own, COUNT(*) FROM rollouts GROUP BY author, own").fetchall()
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        # `totals` counts every rollout ever journaled (the journal itself keeps only recent ones);
+        # a journal written before it had one holds them all.
+        query = ("SELECT author, own, rollouts FROM totals" if "totals" in tables
+                 else "SELECT author, own, COUNT(*) FROM rollouts GROUP BY author, own")
+        rows = conn.execute(query).fetchall()
     except sqlite3.Error as exc:
         raise ValueError(f"{path} is not a readable rollout journal: {exc}") from None
     finally:

@@ -3,6 +3,13 @@
 One connection shared by every thread, guarded by a lock: SQLite serialises writers anyway, and a
 single connection keeps ":memory:" stores coherent across threads. WAL lets a second process (a
 dashboard, a debugging shell) read while the node writes.
+
+The journal is bounded in time: with `keep_seconds`, rows older than that are deleted as new ones
+arrive (about 1 KB a rollout; a `public` step takes up to 160, its own and K peers' batches).
+Everything that reads rows reads recent ones: intake's dedupe (a batch arrives twice within
+minutes, from its author and from relays; envelopes signed over 300 s ago are refused), a resume's foreign pool (older than `train.staleness_seconds` is never trained
+on), the drafter's warm-up (its newest rows). The counts per author survive pruning in `totals`,
+kept by a trigger on every insert: `counts` and the model card's credits read them.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from typing import Self
 from hivespec.node.faults import fault_point
 from hivespec.protocol.rollout import Rollout, encode_rollout, rollout_content_hash
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the totals table and its trigger
 BUSY_TIMEOUT_S = 10.0
+PRUNE_EVERY_S = 60.0  # with keep_seconds: at most one prune a minute, after an insert
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -42,6 +50,19 @@ CREATE TABLE IF NOT EXISTS envelopes (
     ts     REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (author, seq)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS totals (
+    author   TEXT NOT NULL,
+    own      INTEGER NOT NULL,
+    rollouts INTEGER NOT NULL,
+    PRIMARY KEY (author, own)
+) WITHOUT ROWID;
+"""
+# Its own statement: the body's semicolons would split _SCHEMA. Fires for rows really inserted (not a duplicate ignored).
+_TOTALS_TRIGGER = """
+CREATE TRIGGER IF NOT EXISTS rollouts_totals AFTER INSERT ON rollouts BEGIN
+    INSERT INTO totals (author, own, rollouts) VALUES (NEW.author, NEW.own, 1)
+    ON CONFLICT (author, own) DO UPDATE SET rollouts = rollouts + 1;
+END
 """
 
 _COLUMNS = "content_hash, author, round, prompt_id, policy_version, reward, own, n_tokens, payload, received_at"
@@ -111,8 +132,10 @@ class RolloutStore:
     `StoreSchemaError` instead of guessing at its layout.
     """
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, keep_seconds: float | None = None) -> None:
         self.path = str(path)
+        self.keep_seconds = keep_seconds
+        self._pruned_at = 0.0
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves so a batch is exactly one transaction.
@@ -145,6 +168,9 @@ class RolloutStore:
         try:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 conn.execute(statement)
+            conn.execute(_TOTALS_TRIGGER)
+            if version < 2:  # totals was just created: count what the journal already holds
+                conn.execute("INSERT INTO totals (author, own, rollouts) SELECT author, own, COUNT(*) FROM rollouts GROUP BY author, own")
             if "ts" not in {row[1] for row in conn.execute("PRAGMA table_info(envelopes)")}:
                 # Stores from before the bounded replay log: their rows count as seen now.
                 conn.execute("ALTER TABLE envelopes ADD COLUMN ts REAL NOT NULL DEFAULT 0")
@@ -166,18 +192,22 @@ class RolloutStore:
             return 0
         with self._lock:
             self._check_open()
-            before = self._conn.total_changes
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany(
+                # rowcount: the rows this statement inserted (total_changes would also count the trigger's).
+                added = self._conn.executemany(
                     f"INSERT OR IGNORE INTO rollouts ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values
-                )
+                ).rowcount
                 fault_point("store.before_commit")
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
-            return self._conn.total_changes - before
+            now = time.time()
+            if self.keep_seconds is not None and now - self._pruned_at >= PRUNE_EVERY_S:
+                self._pruned_at = now
+                self._prune_rollouts(now - self.keep_seconds)
+            return added
 
     def has(self, content_hash: bytes) -> bool:
         """Whether a rollout with this content hash is already journaled."""
@@ -224,6 +254,25 @@ class RolloutStore:
                 (older_than,),
             )
             return cursor.rowcount
+
+    def prune_rollouts(self, older_than: float) -> int:
+        """Delete the rollouts journaled before `older_than` (unix time); returns rows removed.
+
+        The counts in `totals` stay. The newest row always stays, so row numbers never start over
+        (a checkpoint's `journal_high_water` keeps meaning "rows after this one").
+        """
+        with self._lock:
+            self._check_open()
+            return self._prune_rollouts(older_than)
+
+    def _prune_rollouts(self, older_than: float) -> int:
+        # Rows are appended as they arrive, so the old ones are a prefix in rowid order: the scan
+        # stops at the first young row and the delete is a range (no index on received_at to keep).
+        first_young = self._conn.execute(
+            "SELECT rowid FROM rollouts WHERE received_at >= ? ORDER BY rowid LIMIT 1", (older_than,)
+        ).fetchone()
+        cutoff = first_young[0] if first_young else self._conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM rollouts").fetchone()[0]
+        return self._conn.execute("DELETE FROM rollouts WHERE rowid < ?", (cutoff,)).rowcount
 
     def envelope_count(self) -> int:
         """Rows in the replay log."""
@@ -296,10 +345,12 @@ class RolloutStore:
             return dict(self._conn.execute("SELECT author, MAX(seq) FROM envelopes GROUP BY author").fetchall())
 
     def counts(self) -> dict[str, int]:
-        """Rollout counts: {"own", "foreign", "total"}."""
+        """Rollouts ever journaled, pruned ones included: {"own", "foreign", "total"}."""
         with self._lock:
             self._check_open()
-            total, own = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(own), 0) FROM rollouts").fetchone()
+            total, own = self._conn.execute(
+                "SELECT COALESCE(SUM(rollouts), 0), COALESCE(SUM(rollouts * own), 0) FROM totals"
+            ).fetchone()
         return {"own": own, "foreign": total - own, "total": total}
 
     def close(self) -> None:

@@ -1,14 +1,16 @@
-"""RolloutStore: dedupe, WAL, persistence, replay log, schema guard and concurrent writers."""
+"""RolloutStore: dedupe, WAL, persistence, replay log, schema guard, concurrent writers, and a journal bounded in time."""
 
 from __future__ import annotations
 
 import hashlib
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from hivespec.node.credits import journal_counts
 from hivespec.node.training.store import SCHEMA_VERSION, RolloutStore, StoredRollout, StoreSchemaError
 
 
@@ -148,3 +150,37 @@ def test_an_old_replay_log_gains_timestamps(tmp_path: Path) -> None:
     with RolloutStore(path) as store:
         assert not store.remember_envelope("alice", 1)
         assert store.prune_envelopes(older_than=0.0) == 0  # migrated rows count as seen now
+
+
+def test_old_rollouts_are_pruned_and_the_counts_stay(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.sqlite"
+    now = time.time()
+    with RolloutStore(path, keep_seconds=3600) as store:
+        # received_at: 3 rows two hours old, 3 rows a minute old; the add prunes the old ones at once.
+        old = [make_rollout(i, own=i == 0, t=now - 7200 + i) for i in range(3)]
+        young = [make_rollout(i, own=i == 3, t=now - 60 + i) for i in range(3, 6)]
+        assert store.add_rollouts(old + young) == 6
+        assert [r.content_hash for r in store.recent(10)] == [r.content_hash for r in reversed(young)]
+        assert store.counts() == {"own": 2, "foreign": 4, "total": 6}  # every rollout ever journaled
+        high_water = store.journal_high_water()
+        assert store.prune_rollouts(older_than=now + 3600) == 2  # all old now: the newest row stays...
+        assert store.journal_high_water() == high_water  # ...so row numbers never start over
+        store.add_rollouts([make_rollout(9, t=now)])
+        assert [r.content_hash for r in store.foreign_after(high_water)] == [make_rollout(9).content_hash]
+        assert store.counts() == {"own": 2, "foreign": 5, "total": 7}
+    foreign, own = journal_counts(path)  # the model card's credits read the same totals
+    assert own == 2 and foreign == {"peer0": 1, "peer1": 2, "peer2": 2}
+
+
+def test_a_journal_of_schema_1_gains_its_totals(tmp_path: Path) -> None:
+    path = tmp_path / "v1.sqlite"
+    with RolloutStore(path) as store:
+        store.add_rollouts([make_rollout(i, own=i == 0) for i in range(4)])
+    conn = sqlite3.connect(path)  # as a version 1 store left it: no totals table, no trigger
+    conn.executescript("DROP TRIGGER rollouts_totals; DROP TABLE totals; PRAGMA user_version = 1;")
+    conn.close()
+    assert journal_counts(path) == ({"peer1": 1, "peer2": 1, "peer0": 1}, 1)  # read from the rows themselves
+    with RolloutStore(path) as store:
+        assert store.counts() == {"own": 1, "foreign": 3, "total": 4}
+        store.add_rollouts([make_rollout(7)])
+        assert store.counts() == {"own": 1, "foreign": 4, "total": 5}
