@@ -28,6 +28,7 @@ from hivespec.protocol.rollout import Rollout, encode_rollout, rollout_content_h
 SCHEMA_VERSION = 2  # 2: the totals table and its trigger
 BUSY_TIMEOUT_S = 10.0
 PRUNE_EVERY_S = 60.0  # with keep_seconds: at most one prune a minute, after an insert
+PRUNE_MAX_ROWS = 20_000  # per prune (~20 MB): a journal grown large before it had a bound shrinks over minutes, not in one stall
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -255,23 +256,27 @@ class RolloutStore:
             )
             return cursor.rowcount
 
-    def prune_rollouts(self, older_than: float) -> int:
-        """Delete the rollouts journaled before `older_than` (unix time); returns rows removed.
+    def prune_rollouts(self, older_than: float, *, max_rows: int = PRUNE_MAX_ROWS) -> int:
+        """Delete up to `max_rows` of the rollouts journaled before `older_than` (unix time), oldest first; returns rows removed.
 
         The counts in `totals` stay. The newest row always stays, so row numbers never start over
         (a checkpoint's `journal_high_water` keeps meaning "rows after this one").
         """
         with self._lock:
             self._check_open()
-            return self._prune_rollouts(older_than)
+            return self._prune_rollouts(older_than, max_rows)
 
-    def _prune_rollouts(self, older_than: float) -> int:
-        # Rows are appended as they arrive, so the old ones are a prefix in rowid order: the scan
-        # stops at the first young row and the delete is a range (no index on received_at to keep).
+    def _prune_rollouts(self, older_than: float, max_rows: int = PRUNE_MAX_ROWS) -> int:
+        # Rows are appended as they arrive, so the old ones are a prefix in rowid order: the scan stops at the first
+        # young row (or after max_rows) and the delete is a range, with no index on received_at to keep up.
+        last = self._conn.execute("SELECT MAX(rowid) FROM (SELECT rowid FROM rollouts ORDER BY rowid LIMIT ?)", (max_rows,)).fetchone()[0]
+        if last is None:
+            return 0
         first_young = self._conn.execute(
-            "SELECT rowid FROM rollouts WHERE received_at >= ? ORDER BY rowid LIMIT 1", (older_than,)
+            "SELECT rowid FROM rollouts WHERE rowid <= ? AND received_at >= ? ORDER BY rowid LIMIT 1", (last, older_than)
         ).fetchone()
-        cutoff = first_young[0] if first_young else self._conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM rollouts").fetchone()[0]
+        newest = self._conn.execute("SELECT MAX(rowid) FROM rollouts").fetchone()[0]
+        cutoff = min(first_young[0] if first_young else last + 1, newest)
         return self._conn.execute("DELETE FROM rollouts WHERE rowid < ?", (cutoff,)).rowcount
 
     def envelope_count(self) -> int:

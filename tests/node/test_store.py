@@ -172,6 +172,15 @@ def test_old_rollouts_are_pruned_and_the_counts_stay(tmp_path: Path) -> None:
     assert own == 2 and foreign == {"peer0": 1, "peer1": 2, "peer2": 2}
 
 
+def test_a_journal_grown_large_before_it_had_a_bound_shrinks_a_slice_at_a_time() -> None:
+    now = time.time()
+    with RolloutStore(":memory:") as store:  # no keep_seconds: nothing is pruned on insert
+        store.add_rollouts([make_rollout(i, t=now - 7200 + i) for i in range(10)] + [make_rollout(10, t=now)])
+        assert [store.prune_rollouts(older_than=now - 3600, max_rows=4) for _ in range(4)] == [4, 4, 2, 0]
+        assert [r.content_hash for r in store.recent(10)] == [make_rollout(10).content_hash]
+        assert store.counts()["total"] == 11
+
+
 def test_a_journal_of_schema_1_gains_its_totals(tmp_path: Path) -> None:
     path = tmp_path / "v1.sqlite"
     with RolloutStore(path) as store:
