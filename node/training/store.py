@@ -14,6 +14,7 @@ kept by a trigger on every insert: `counts` and the model card's credits read th
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Self
 
 from hivespec.node.faults import fault_point
 from hivespec.protocol.rollout import Rollout, encode_rollout, rollout_content_hash
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 2: the totals table and its trigger
 BUSY_TIMEOUT_S = 10.0
@@ -207,7 +210,10 @@ class RolloutStore:
             now = time.time()
             if self.keep_seconds is not None and now - self._pruned_at >= PRUNE_EVERY_S:
                 self._pruned_at = now
-                self._prune_rollouts(now - self.keep_seconds)
+                try:
+                    self._prune_rollouts(now - self.keep_seconds)
+                except sqlite3.Error as exc:  # housekeeping: the insert is committed; the next prune tries again
+                    log.warning("pruning the rollout journal %s failed (next try in %.0f s): %s", self.path, PRUNE_EVERY_S, exc)
             return added
 
     def has(self, content_hash: bytes) -> bool:

@@ -181,6 +181,21 @@ def test_a_journal_grown_large_before_it_had_a_bound_shrinks_a_slice_at_a_time()
         assert store.counts()["total"] == 11
 
 
+def test_a_failed_prune_is_logged_and_the_insert_stands(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "rollouts.sqlite"
+    now = time.time()
+    with RolloutStore(path) as store:
+        store.add_rollouts([make_rollout(i, t=now - 7200 + i) for i in range(3)])
+    conn = sqlite3.connect(path)  # what a full disk would do to the DELETE
+    conn.execute("CREATE TRIGGER no_room BEFORE DELETE ON rollouts BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    conn.commit()
+    conn.close()
+    with RolloutStore(path, keep_seconds=3600) as store:
+        assert store.add_rollouts([make_rollout(5, t=now)]) == 1
+        assert store.counts()["total"] == 4 and len(store.recent(10)) == 4
+    assert "pruning the rollout journal" in caplog.text and "disk is full" in caplog.text
+
+
 def test_a_journal_of_schema_1_gains_its_totals(tmp_path: Path) -> None:
     path = tmp_path / "v1.sqlite"
     with RolloutStore(path) as store:
