@@ -7,9 +7,10 @@ dashboard, a debugging shell) read while the node writes.
 The journal is bounded in time: with `keep_seconds`, rows older than that are deleted as new ones
 arrive (about 1 KB a rollout; a `public` step takes up to 160, its own and K peers' batches).
 Everything that reads rows reads recent ones: intake's dedupe (a batch arrives twice within
-minutes, from its author and from relays; envelopes signed over 300 s ago are refused), a resume's foreign pool (older than `train.staleness_seconds` is never trained
-on), the drafter's warm-up (its newest rows). The counts per author survive pruning in `totals`,
-kept by a trigger on every insert: `counts` and the model card's credits read them.
+minutes, from its author and from relays; envelopes signed over 300 s ago are refused), a
+resume's foreign pool (older than `train.staleness_seconds` is never trained on), the drafter's
+warm-up (its newest rows). The counts per author survive pruning in `totals`, kept by a trigger
+on every insert: `counts` and the model card's credits read them.
 """
 
 from __future__ import annotations
@@ -174,7 +175,9 @@ class RolloutStore:
                 conn.execute(statement)
             conn.execute(_TOTALS_TRIGGER)
             if version < 2:  # totals was just created: count what the journal already holds
-                conn.execute("INSERT INTO totals (author, own, rollouts) SELECT author, own, COUNT(*) FROM rollouts GROUP BY author, own")
+                conn.execute(
+                    "INSERT INTO totals (author, own, rollouts) SELECT author, own, COUNT(*) FROM rollouts GROUP BY author, own"
+                )
             if "ts" not in {row[1] for row in conn.execute("PRAGMA table_info(envelopes)")}:
                 # Stores from before the bounded replay log: their rows count as seen now.
                 conn.execute("ALTER TABLE envelopes ADD COLUMN ts REAL NOT NULL DEFAULT 0")
@@ -275,7 +278,9 @@ class RolloutStore:
     def _prune_rollouts(self, older_than: float, max_rows: int = PRUNE_MAX_ROWS) -> int:
         # Rows are appended as they arrive, so the old ones are a prefix in rowid order: the scan stops at the first
         # young row (or after max_rows) and the delete is a range, with no index on received_at to keep up.
-        last = self._conn.execute("SELECT MAX(rowid) FROM (SELECT rowid FROM rollouts ORDER BY rowid LIMIT ?)", (max_rows,)).fetchone()[0]
+        last = self._conn.execute(
+            "SELECT MAX(rowid) FROM (SELECT rowid FROM rollouts ORDER BY rowid LIMIT ?)", (max_rows,)
+        ).fetchone()[0]
         if last is None:
             return 0
         first_young = self._conn.execute(
