@@ -6,7 +6,10 @@ a hivemind type; import-linter holds that line (`pyproject.toml`). Only
 `hivespec doctor`'s network checks import hivemind outside this package, on purpose.
 
 - `gossip.py`: `Gossip` (hivemind `P2P` + `DHTNode` on a private event-loop thread, built from
-  the `swarm` section: index records in the DHT, bodies over a stream), `Fetched`, `GossipError`.
+  the `swarm` section: start, status, shutdown, and the thread-safe calls), `Fetched`, `GossipError`.
+- `rollouts.py`: `RolloutGossip` (our batches announced by recency and kept findable, peers'
+  sampled and relayed).
+- `slots.py`: `SlotGossip` (the weight topics, one key per topic and slot).
 - `records.py`: `IndexRecords` (our signed index record under a key, everyone's read back and
   checked), `Holder`.
 - `bodies.py`: `BodyStore` (the bodies we serve, bounded by age and bytes, and their stream handler).

@@ -30,6 +30,8 @@ from hivespec.node.swarm.nat import RELAYED_BODY_LIMIT, is_circuit
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder
 from hivespec.node.swarm.transfer import BadBody, download
+from hivespec.protocol.envelope import open_envelope
+from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.private import PrivateSwarm
 
 logger = logging.getLogger(__name__)
@@ -68,10 +70,12 @@ class Fetcher:
         request_timeout: float,
         stats: Counter,
         record_ttl: float = 600.0,
+        limits: Limits = DEFAULT_LIMITS,
         max_parallel: int = 8,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.private = private
+        self.limits = limits  # for `signed_by_author`: its max_envelope_bytes is the largest body we serve
         self.peers = peers
         self.request_timeout = request_timeout
         self._stats = stats
@@ -172,6 +176,13 @@ class Fetcher:
         finally:
             self._inflight.discard(claim)
         return None
+
+    def signed_by_author(self, body: bytes, author: str) -> bool:
+        """Whether we may vouch for a fetched body enough to serve it: its envelope is signed by its announced author."""
+        if self.peers is not None and self.peers.graylisted(author):
+            return False
+        verdict, envelope = open_envelope(body, limits=self.limits)
+        return verdict.ok and envelope is not None and envelope.peer_id == author
 
     async def _download(self, holder: Holder, digest: bytes, size: int, deadline: float) -> bytes:
         """One holder's body within `request_timeout` and `deadline`; a NATed holder's is asked twice if the stream is cut.

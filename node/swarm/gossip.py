@@ -1,22 +1,20 @@
 """Gossip over hivemind: owner-signed index records in the DHT, bodies over P2P streams from any holder.
 
-Two ways to find bodies, one machinery underneath:
-- **Rollouts, by recency** (`publish_rollouts`, `sample_rollouts`): nodes share no round numbers.
-  A batch is announced in the index of the current time bucket (`index.py`: a tree of keys of at
-  most `index_key_records` records each, a record listing its holder's newest own batches and the
-  ones it relays); a step reads the current bucket along one random path (the previous one too
-  where the current is thin), chooses at most `max_foreign_batches` fresh batches by peer score
-  with exploration, at most `max_batches_per_peer` per author, among those some holder can serve
-  it (behind NAT, not a large body held only by NATed peers: `Fetcher.fetchable`), and fetches them. Held bodies younger than
-  `announce_seconds` are re-announced in each new bucket, so a slow author's batch stays findable.
-- **Slots** (`publish`, `fetch_slot`, `wait_for_slot`): one key per (topic, slot) for the weight
-  topics ("delta", "snapshot", "head"), which a leader's followers read in order.
+`Gossip` is the thread-safe front: it runs hivemind (one `P2P`, so one p2pd child process, and a
+`DHTNode`) in its own asyncio loop on a daemon thread, starts, bootstraps, reports and shuts down,
+and carries each public call onto the loop, where two ways to find bodies share one machinery
+(index records, `records.py`; fetching, `fetching.py`; serving, `bodies.py`):
+- **Rollouts, by recency** (`publish_rollouts`, `sample_rollouts`; `rollouts.py`): nodes share no
+  round numbers; a batch is announced in the current time bucket's index and a step samples at
+  most `max_foreign_batches` fresh ones by peer score with exploration.
+- **Slots** (`publish`, `fetch_slot`, `wait_for_slot`; `slots.py`): one key per (topic, slot) for
+  the weight topics ("delta", "snapshot", "head"), which a leader's followers read in order.
 
 Either way a record lists the bodies its holder serves; a reader pulls a body over the
-"hivespec.rollouts.v1" stream from one of its holders (`fetching.py`) and checks size and
-sha256. A fetched body whose envelope is signed by its announced author is kept and added to the
-reader's own record (`bodies.py` serves it): any holder serves it, so a batch survives its author
-and the author's upload stays bounded as the readers spread it.
+"hivespec.rollouts.v1" stream from one of its holders and checks size and sha256. A fetched body
+whose envelope is signed by its announced author is kept and added to the reader's own record:
+any holder serves it, so a batch survives its author and the author's upload stays bounded as the
+readers spread it.
 
 Trust: `dht_guard.AnnounceValidator` runs inside hivemind on every stored and found record
 (owner signature, key and expiration bound, TTL cap, size cap), `dht_guard.harden` limits every
@@ -25,10 +23,9 @@ DHT request before hivemind decodes it and caps the records one key holds. `Peer
 whom a step samples; intake scores the content. In a private swarm bodies and records are
 AEAD-encrypted and only allowlisted authors are accepted.
 
-hivemind runs in our own asyncio loop on a daemon thread, with `DHTNode` used directly: the
-`hivemind.DHT` wrapper deadlocks on values over ~64 KiB (upstream PR #660). One `P2P` (one p2pd
-child process) serves both. Public methods are called from other threads and block with a
-timeout; gossip state is touched on the loop thread only.
+`DHTNode` is used directly: the `hivemind.DHT` wrapper deadlocks on values over ~64 KiB
+(upstream PR #660). Public methods are called from other threads and block with a timeout;
+gossip state is touched on the loop thread only.
 """
 
 from __future__ import annotations
@@ -36,12 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
-import random
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -52,23 +47,12 @@ from hivespec.node.swarm.bodies import BodyStore
 from hivespec.node.swarm.bootstrap import Joiner, PeerCache
 from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
 from hivespec.node.swarm.fetching import Fetched, Fetcher
-from hivespec.node.swarm.index import (
-    Candidate,
-    bucket_of,
-    choose_claims,
-    descend,
-    go_deeper,
-    level_weight,
-    placement_delay,
-    placement_path,
-    trust_from_score,
-)
 from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
 from hivespec.node.swarm.peers import PeerScores
-from hivespec.node.swarm.records import Holder, IndexRecords
+from hivespec.node.swarm.records import IndexRecords
+from hivespec.node.swarm.rollouts import RolloutGossip
+from hivespec.node.swarm.slots import SlotGossip
 from hivespec.node.swarm.transfer import STREAM_NAME
-from hivespec.protocol.announce import MAX_ITEMS, AnnouncedBody
-from hivespec.protocol.envelope import open_envelope
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import check_swarm_name, topic_key
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
@@ -83,11 +67,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_MIN_S, _POLL_MAX_S = 0.1, 1.0  # slot reads while waiting back off from 0.1 s to 1 s
 _GRACE_S = 5.0  # slack for the caller's wait on top of the timeout enforced inside the loop
-_EXPLORE = 0.25  # share of a candidate's weight that does not depend on its author's score
-# Our own bodies an index record lists, the newest: a reader takes at most max_batches_per_peer (1) of an
-# author's a step and prefers the fresh, so older ones only made every copy of the record larger
-# (9 items are 1.3 KB sealed, 2 are 0.6 KB, and whole records are most of what an index read moves).
-_OWN_ANNOUNCED = 2
 
 T = TypeVar("T")
 
@@ -138,18 +117,20 @@ class Gossip:
         self.validator = AnnounceValidator(
             self.swarm, max_ttl=config.record_ttl, max_body_bytes=max_body_bytes, private=private, limits=limits
         )
-        # A holder relays a body only once it checked the author's signature on it.
-        self._relay_limits = dataclasses.replace(limits, max_envelope_bytes=max_body_bytes)
-
         self._stats: Counter[str] = Counter()
         self.records = IndexRecords(identity, validator=self.validator, private=private, record_ttl=config.record_ttl, stats=self._stats)
         self.bodies = BodyStore(
             keep_seconds=config.keep_seconds, keep_bytes=config.keep_bytes, request_timeout=config.request_timeout, stats=self._stats
         )
         self.fetcher = Fetcher(
-            private=private, peers=peers, request_timeout=config.request_timeout, stats=self._stats, record_ttl=config.record_ttl
+            private=private, peers=peers, request_timeout=config.request_timeout, stats=self._stats, record_ttl=config.record_ttl,
+            # A holder relays a body only once it checked the author's signature on it, up to the largest body we serve.
+            limits=dataclasses.replace(limits, max_envelope_bytes=max_body_bytes),
         )
-        self._rng = random.Random()
+        shared = {"records": self.records, "bodies": self.bodies, "fetcher": self.fetcher, "peers": peers, "private": private,
+                  "stats": self._stats, "spawn": self._spawn}
+        self.rollouts = RolloutGossip(identity, config, swarm=self.swarm, **shared)
+        self.slots = SlotGossip(identity, request_timeout=config.request_timeout, **shared)
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -159,13 +140,7 @@ class Gossip:
         self._maddrs: list[str] = []
         self._state_lock = threading.Lock()  # guards start/shutdown transitions
         self._stopped = threading.Event()
-
-        # Loop-thread state.
-        self._placed: OrderedDict[int, str] = OrderedDict()  # bucket -> the index key our record lives under
-        self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
-        self._authors_by_slot: OrderedDict[str, set[str]] = OrderedDict()  # slot key -> authors fetched from it
-        self._tasks: set[asyncio.Task] = set()
-        self._restoring: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()  # our background tasks on the loop
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -233,7 +208,7 @@ class Gossip:
                 len(self.bootstrap), config.bootstrap_timeout,
             )
         self._spawn(self._joiner.keep_joined(config.rebootstrap_interval))
-        self._spawn(self._keep_announcing())
+        self._spawn(self.rollouts.keep_announcing())
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -372,7 +347,7 @@ class Gossip:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # ----- rollouts, by recency --------------------------------------------------------------
+    # ----- rollouts, by recency (rollouts.py) ------------------------------------------------
 
     def publish_rollouts(self, body: bytes, *, version: int, born: float | None = None) -> None:
         """Offer `body` (a sealed rollout batch from policy `version`) and announce it in the current bucket's index.
@@ -381,206 +356,21 @@ class Gossip:
         does not finish within request_timeout.
         """
         self._require_started()
-        body = self._check_size(body)
-        wire = self.private.seal_body(body, context=self._rollout_context) if self.private is not None else body
-        born = time.time() if born is None else born
-        item = AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), born, version)
-        self._call(self._apublish_rollouts(item, wire), self.request_timeout * 3 + _GRACE_S)
-
-    async def _apublish_rollouts(self, item: AnnouncedBody, wire: bytes) -> None:
-        self.bodies.keep(item.sha256, wire)
-        self.fetcher.mark_done((item.sha256, item.author, item.size))
-        self._remember_announced(item)
-        key = await self._placed_key(time.time())
-        self._hold_rollouts(key, item, first=True)
-        await asyncio.wait_for(self.records.store(key), self.request_timeout)
-        self._stats["published"] += 1
+        item, wire = self.rollouts.wire(self._check_size(body), version=version, born=time.time() if born is None else born)
+        self._call(self.rollouts.publish(item, wire), self.request_timeout * 3 + _GRACE_S)
 
     def sample_rollouts(
         self, *, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None = None
     ) -> list[Fetched]:
-        """Fetch up to `k` fresh batches we have not fetched before, chosen from the index (see the module docstring).
+        """Fetch up to `k` fresh batches we have not fetched before, chosen from the index (`RolloutGossip.sample`).
 
         At most `swarm.max_batches_per_peer` per author; only batches younger than `max_age_s`
         whose policy version `version_ok` accepts. Returns what arrived within `timeout`.
         """
         self._require_started()
-        return self._call(self._asample(k, max_age_s, timeout, version_ok), timeout + _GRACE_S)
+        return self._call(self.rollouts.sample(k, max_age_s, timeout, version_ok), timeout + _GRACE_S)
 
-    async def _asample(self, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None) -> list[Fetched]:
-        deadline = time.monotonic() + timeout
-        now = time.time()
-        bucket = bucket_of(now, self.config.index_bucket_s)
-        candidates: dict[tuple[bytes, str], Candidate] = {}
-        self._add_candidates(candidates, await self._walk(bucket, deadline))
-        if len(candidates) < 2 * k:
-            # A thin bucket (a small swarm, or early in a bucket while holders still move into it at their
-            # placement_delay) is topped up from the previous one, where their newest batches are until then.
-            self._add_candidates(candidates, await self._walk(bucket - 1, deadline))
-        # Only what some holder can serve us (`Fetcher.fetchable`).
-        natted = {h.peer for c in candidates.values() for h in c.holders if h.behind_nat}
-        direct = await self.fetcher.directly_connected(h for c in candidates.values() for h in c.holders)
-        fetchable = self.fetcher.fetchable(list(candidates.values()), direct)
-        peers = self.peers
-        chosen = choose_claims(
-            fetchable, k=k, per_author=self.config.max_batches_per_peer, now=now, max_age_s=max_age_s,
-            trust=(lambda author: trust_from_score(peers.score(author))) if peers is not None else (lambda _author: 0.5),
-            explore=_EXPLORE, rng=self._rng, version_ok=version_ok,
-        )
-        self._stats["sample_candidates"] += len(candidates)
-        self._stats["sample_chosen"] += len(chosen)
-        if not chosen:
-            return []
-        # A NATed author's batch is relayed urgently (`_relay_rollouts`), whichever holder we got it from.
-        results = await asyncio.gather(*(self._fetch_rollouts(c, deadline, urgent=c.item.author in natted) for c in chosen))
-        return [f for f in results if f is not None]
-
-    def _add_candidates(self, candidates: dict[tuple[bytes, str], Candidate], walk: list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]) -> None:
-        """Add the claims of one walk's records that we could fetch to `candidates`, with their holders and weights."""
-        for level, holder, items in walk:
-            for item in items:
-                if item.author == self.identity.peer_id or not self.fetcher.wanted((item.sha256, item.author, item.size)):
-                    continue
-                if self.peers is not None and self.peers.graylisted(item.author):
-                    self._stats["graylisted_skipped"] += 1  # a graylisted author's batch, relayed by an honest holder
-                    continue
-                # Keyed by (bytes, author): a holder that claims someone else's bytes under another author
-                # makes a candidate of its own and cannot shadow the true claim.
-                candidate = candidates.setdefault((item.sha256, item.author), Candidate(item))
-                if candidate.item != item:  # the same batch with other metadata: keep the first claim, skip the rest
-                    continue
-                candidate.holders.append(holder)
-                candidate.weight = max(candidate.weight, level_weight(level))
-
-    async def _walk(self, bucket: int, deadline: float) -> list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]:
-        """Records along one random path of `bucket`'s index tree: (level, holder, items) each."""
-        found = []
-        for level, key in descend(self.swarm, bucket, self._rng):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            records, total = await self.records.read(key, min(remaining, self.request_timeout), fresh_within=self.config.index_bucket_s)
-            self._stats["index_keys_read"] += 1
-            for holder, announce in records:
-                if self.peers is not None and self.peers.graylisted(holder.peer):
-                    self._stats["graylisted_skipped"] += 1
-                    continue
-                found.append((level, holder, announce.items))
-            if not go_deeper(total, self.config.index_key_records, self._rng):
-                break
-        return found
-
-    async def _fetch_rollouts(self, candidate: Candidate, deadline: float, *, urgent: bool) -> Fetched | None:
-        """Fetch a chosen candidate from one of its holders (all usable: `Fetcher.fetchable` kept only those), then relay it."""
-        claim = candidate.claim
-        holders = list(candidate.holders)
-        self._rng.shuffle(holders)  # any holder will do: relays spread the author's upload
-        got = await self.fetcher.fetch(claim, holders, deadline, context=self._rollout_context)
-        if got is None:
-            return None
-        holder, wire, body = got
-        if self._signed_by_author(body, candidate.item.author):
-            self.bodies.keep(candidate.item.sha256, wire)
-            self._remember_announced(candidate.item)
-            self._spawn(self._relay_rollouts(candidate.item, urgent=urgent))
-        return Fetched(candidate.item.author, body, holder=holder.peer, sha256=candidate.item.sha256,
-                       born=candidate.item.born, version=candidate.item.version)
-
-    async def _relay_rollouts(self, item: AnnouncedBody, *, urgent: bool) -> None:
-        """Serve a fetched batch too: add it to our record in the current bucket (see `IndexRecords.hold`), and store it.
-
-        In place of an older relayed batch (the record is full) it is stored at once only when `urgent`: its author
-        announces relay circuits, so NATed readers get it only from the records of those who relay it. Otherwise our
-        next publish takes it: a store per relayed batch would cost a fast holder one more store per step, for
-        batches their authors announce themselves.
-        """
-        try:
-            key = await self._placed_key(time.time())
-            full = len(self.records.held(key)) >= MAX_ITEMS
-            changed = self._hold_rollouts(key, item)
-            if (changed and (urgent or not full)) or not self.records.stored(key):  # or a placement to store
-                await self._restore(key)
-        except Exception as exc:  # noqa: BLE001 - relaying is best effort
-            logger.debug("relaying %s failed: %s", item.sha256.hex()[:12], exc)
-
-    async def _placed_key(self, now: float) -> str:
-        """The key our record lives under at `now`: in its bucket, the first on our path holding fewer than
-        index_key_records others; before our `placement_delay` into the bucket, our key of the previous one."""
-        bucket_s = self.config.index_bucket_s
-        bucket = bucket_of(now, bucket_s)
-        key = self._placed.get(bucket)
-        if key is not None:
-            return key
-        previous = self._placed.get(bucket - 1)
-        if previous is not None and now < bucket * bucket_s + placement_delay(self.identity.peer_id, bucket, bucket_s):
-            return previous
-        cap = self.config.index_key_records
-        path = placement_path(self.swarm, bucket, self.identity.peer_id)
-        for key in path:
-            # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
-            _, total = await self.records.read(key, self.request_timeout, fresh_within=self.config.index_bucket_s)
-            if total < cap:
-                break
-        self._placed[bucket] = key
-        while len(self._placed) > 4:
-            self._placed.popitem(last=False)
-        if previous is not None:  # what we announced in the previous bucket comes along
-            for item in self._fresh_announced(now):
-                self._hold_rollouts(key, item)
-        return key
-
-    async def _keep_announcing(self) -> None:
-        """Keep the rollout bodies we serve that are younger than announce_seconds in the current bucket's record.
-
-        A slow author's batch stays findable by readers, who look at the last two buckets only.
-        """
-        bucket_s = self.config.index_bucket_s
-        while True:
-            await asyncio.sleep(min(bucket_s / 4, 10.0) * (0.5 + self._rng.random()))
-            now = time.time()
-            try:
-                await self._reannounce(now)
-            except Exception as exc:  # noqa: BLE001 - the next tick tries again
-                logger.debug("re-announcing in bucket %d failed: %s", bucket_of(now, bucket_s), exc)
-
-    async def _reannounce(self, now: float) -> bool:
-        """One tick of `_keep_announcing`: store our record when it moved to a new bucket (or a body is missing from it).
-
-        A record placed in a new key is stored at once: the others count a key's records when they place theirs,
-        and one placed but not stored let them overfill the key (at 64 light nodes half the placements read a
-        count short of the records already placed there: keys of cap 4 held 5-6 on average).
-        """
-        fresh = self._fresh_announced(now)
-        if not fresh:
-            return False
-        key = await self._placed_key(now)
-        added = [self._hold_rollouts(key, item) for item in fresh]
-        if not any(added) and self.records.stored(key):
-            return False
-        await asyncio.wait_for(self.records.store(key), self.request_timeout)
-        self._stats["reannounced"] += 1
-        return True
-
-    def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
-        """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""
-        fresh = [item for item in self._announced.values() if now - item.born <= self.config.announce_seconds]
-        return sorted(fresh, key=lambda i: (i.author != self.identity.peer_id, -i.born))
-
-    def _hold_rollouts(self, key: str, item: AnnouncedBody, *, first: bool = False) -> bool:
-        """Add a rollout batch to our record under `key`: at most `_OWN_ANNOUNCED` of its items our own (see `IndexRecords.hold`)."""
-        return self.records.hold(key, item, first=first, own_limit=_OWN_ANNOUNCED)
-
-    def _remember_announced(self, item: AnnouncedBody) -> None:
-        self._announced[item.sha256] = item
-        while len(self._announced) > 256 or (self._announced and next(iter(self._announced)) not in self.bodies):
-            self._announced.popitem(last=False)
-
-    @property
-    def _rollout_context(self) -> str:
-        """A private swarm's AEAD context of rollout bodies (they move between index keys, so not a key)."""
-        return f"hivespec/{self.swarm}/rollouts"
-
-    # ----- slots: the weight topics ----------------------------------------------------------
+    # ----- slots: the weight topics (slots.py) -----------------------------------------------
 
     def publish(self, slot: int, body: bytes, *, topic: str) -> None:
         """Offer `body` (a sealed envelope) for `slot` of `topic` and announce it under that slot's key.
@@ -591,17 +381,8 @@ class Gossip:
         """
         self._require_started()
         key = topic_key(self.swarm, topic, slot)  # ValueError on an unknown topic or a negative slot
-        body = self._check_size(body)
-        wire = self.private.seal_body(body, context=key) if self.private is not None else body
-        item = AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), time.time(), -1)
-        self._call(self._apublish_slot(key, item, wire), self.request_timeout + _GRACE_S)
-
-    async def _apublish_slot(self, key: str, item: AnnouncedBody, wire: bytes) -> None:
-        self.bodies.keep(item.sha256, wire)
-        self.fetcher.mark_done((item.sha256, item.author, item.size))
-        self.records.hold(key, item, first=True)
-        await asyncio.wait_for(self.records.store(key), self.request_timeout)
-        self._stats["published"] += 1
+        item, wire = self.slots.wire(key, self._check_size(body))
+        self._call(self.slots.publish(key, item, wire), self.request_timeout + _GRACE_S)
 
     def fetch_slot(self, slot: int, *, topic: str, timeout: float) -> list[Fetched]:
         """Fetch the bodies announced for `slot` of `topic` that we have not fetched before.
@@ -611,8 +392,7 @@ class Gossip:
         within `timeout`.
         """
         self._require_started()
-        key = topic_key(self.swarm, topic, slot)
-        return self._call(self._afetch_slot(key, timeout), timeout + _GRACE_S)
+        return self._call(self.slots.fetch(topic_key(self.swarm, topic, slot), timeout), timeout + _GRACE_S)
 
     def wait_for_slot(self, slot: int, *, topic: str, peers: int, timeout: float) -> list[Fetched]:
         """Poll `fetch_slot` until bodies from `peers` distinct other authors arrived for `slot`.
@@ -627,53 +407,12 @@ class Gossip:
         while True:
             remaining = deadline - time.monotonic()
             fetched += self.fetch_slot(slot, topic=topic, timeout=max(0.1, min(remaining, self.request_timeout)))
-            if len(self._authors_by_slot.get(key, ())) >= peers:
+            if self.slots.authors(key) >= peers:
                 return fetched
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stopped.wait(min(interval, remaining)):
                 return fetched
             interval = min(2 * interval, _POLL_MAX_S)
-
-    async def _afetch_slot(self, key: str, timeout: float) -> list[Fetched]:
-        deadline = time.monotonic() + timeout
-        records, _ = await self.records.read(key, timeout)
-        claims: dict[tuple[bytes, str, int], tuple[AnnouncedBody, list[Holder]]] = {}
-        for holder, announce in records:
-            if self.peers is not None and self.peers.graylisted(holder.peer):
-                self._stats["graylisted_skipped"] += 1
-                continue
-            for item in announce.items:
-                claim = (item.sha256, item.author, item.size)
-                if item.author == self.identity.peer_id or not self.fetcher.wanted(claim):
-                    continue
-                if self.peers is not None and item.author != holder.peer and self.peers.graylisted(item.author):
-                    self._stats["graylisted_skipped"] += 1  # a graylisted author's bodies, relayed by someone else
-                    continue
-                _, holders = claims.setdefault(claim, (item, []))
-                # The author's own record first: it is the one with the least reason to lie.
-                holders.insert(0 if holder.peer == item.author else len(holders), holder)
-        if not claims:
-            return []
-        direct = await self.fetcher.directly_connected(h for _, hs in claims.values() for h in hs)
-
-        async def one(claim: tuple[bytes, str, int], item: AnnouncedBody, holders: list[Holder]) -> Fetched | None:
-            got = await self.fetcher.fetch(claim, self.fetcher.usable_holders(claim, holders, direct), deadline, context=key)
-            if got is None:
-                return None
-            holder, wire, body = got
-            if self._signed_by_author(body, item.author) and self.records.hold(key, item):
-                self.bodies.keep(item.sha256, wire)
-                self._spawn(self._restore(key))
-            return Fetched(item.author, body, holder=holder.peer, sha256=item.sha256, born=item.born, version=item.version)
-
-        results = await asyncio.gather(*(one(claim, item, holders) for claim, (item, holders) in claims.items()))
-        fetched = [f for f in results if f is not None]
-        if fetched:
-            self._authors_by_slot.setdefault(key, set()).update(f.author_peer_id for f in fetched)
-            self._authors_by_slot.move_to_end(key)
-            while len(self._authors_by_slot) > 1024:
-                self._authors_by_slot.popitem(last=False)
-        return fetched
 
     # ----- helpers ---------------------------------------------------------------------------
 
@@ -684,33 +423,6 @@ class Gossip:
                 f"body is {len(body)} bytes, over max_body_bytes={self.max_body_bytes}; split the batch over several publishes"
             )
         return body
-
-    def _signed_by_author(self, body: bytes, author: str) -> bool:
-        """Whether we may vouch for a body enough to serve it: its envelope is signed by its announced author."""
-        if self.peers is not None and self.peers.graylisted(author):
-            return False
-        verdict, envelope = open_envelope(body, limits=self._relay_limits)
-        return verdict.ok and envelope is not None and envelope.peer_id == author
-
-    async def _restore(self, key: str) -> None:
-        """Re-store our record under `key` after relayed bodies joined it (one store for a burst).
-
-        A body that joins while the store is under way was not in what it sent: one more store follows.
-        """
-        if key in self._restoring:
-            return  # the pending store picks up this body, or the one after it does
-        self._restoring.add(key)
-        try:
-            await asyncio.sleep(0.05)
-            while True:
-                await asyncio.wait_for(self.records.store(key), self.request_timeout)
-                self._stats["relay_records"] += 1
-                if not self.records.unsent(key):
-                    break
-        except Exception as exc:  # noqa: BLE001 - relaying is best effort
-            logger.debug("re-storing our record under %s failed: %s", key, exc)
-        finally:
-            self._restoring.discard(key)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

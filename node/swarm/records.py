@@ -100,6 +100,7 @@ class IndexRecords:
         self._held: OrderedDict[str, list[AnnouncedBody]] = OrderedDict()  # key -> our record's items, newest first
         self._stored: set[str] = set()  # keys of _held whose record a DHT peer has accepted at least once
         self._unsent: set[str] = set()  # keys of _held whose items changed since their last store began
+        self._restoring: set[str] = set()  # keys a `restore` is under way for
         # content digest -> (expiration, (subkey, announce) or None when invalid), least recently seen first
         self._parsed: OrderedDict[bytes, tuple[float, tuple[str, Announce] | None]] = OrderedDict()
         self._replicas: OrderedDict[str, tuple[float, dict[DHTID, PeerID]]] = OrderedDict()  # key -> (found at, nearest)
@@ -192,6 +193,26 @@ class IndexRecords:
         elif key in self._held:
             self._stored.add(key)
         return bool(stored)
+
+    async def restore(self, key: str, timeout: float) -> None:
+        """Re-store our record under `key` after relayed bodies joined it: one store for a burst, best effort.
+
+        A body that joins while the store is under way was not in what it sent (`unsent`): one more store follows.
+        """
+        if key in self._restoring:
+            return  # the pending store picks up this body, or the one after it does
+        self._restoring.add(key)
+        try:
+            await asyncio.sleep(0.05)
+            while True:
+                await asyncio.wait_for(self.store(key), timeout)
+                self._stats["relay_records"] += 1
+                if not self.unsent(key):
+                    break
+        except Exception as exc:  # noqa: BLE001 - relaying is best effort
+            logger.debug("re-storing our record under %s failed: %s", key, exc)
+        finally:
+            self._restoring.discard(key)
 
     async def _store_at_replicas(self, key: str, record: bytes, expires: float) -> bool | None:
         """Store our sealed `record` straight at `key`'s remembered replicas (found on first use).

@@ -45,7 +45,7 @@ from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_batch, encod
 VOCAB = 1000
 SWARM = "fuzz"
 KEY = rollout_index_key(SWARM, 3, 0, 0)  # the root key of time bucket 3's rollout index
-ROLLOUT_CONTEXT = f"hivespec/{SWARM}/rollouts"  # a private swarm's AEAD context of rollout bodies (Gossip._rollout_context)
+ROLLOUT_CONTEXT = f"hivespec/{SWARM}/rollouts"  # a private swarm's AEAD context of rollout bodies (RolloutGossip.context)
 P2P_ID = "12D3KooWGAeBwmWNYQwRDrDzeVdFxeWDrou7MZ99wpNfUjFJzWJV"
 _ALICE = Identity.from_private_bytes(bytes(range(32)))
 _NOW = time.time()

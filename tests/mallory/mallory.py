@@ -31,7 +31,7 @@ from hivemind.p2p import PeerID
 
 from hivespec.node.config import SwarmConfig, load_config
 from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint
-from hivespec.node.swarm import gossip as gossip_module
+from hivespec.node.swarm import rollouts as rollouts_module
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.index import bucket_of, placement_path
 from hivespec.node.swarm.transfer import STREAM_NAME
@@ -132,7 +132,7 @@ def main() -> None:
     fingerprint = model_fingerprint(model.config, tokenizer)
     tasks = TaskSource.from_config(config.tasks)
     me = Identity.generate()
-    gossip_module._OWN_ANNOUNCED = MAX_ITEMS  # a hostile client: every attack in one record, where a reader meets them all
+    rollouts_module._OWN_ANNOUNCED = MAX_ITEMS  # a hostile client: every attack in one record, where a reader meets them all
     g = Gossip(me, SwarmConfig(swarm=swarm, initial_peers=[maddr], request_timeout=5.0, bootstrap_timeout=10.0))
     g.start()
     tally: dict[str, object] = {"mallory": me.peer_id, "announced": [], "dht": {}}
@@ -141,7 +141,7 @@ def main() -> None:
         honest = [f for f in g.sample_rollouts(k=8, max_age_s=240.0, timeout=10.0) if f.author_peer_id == honest_id]
         honest_key = Identity.generate().public_key
         if honest:
-            _, env = open_envelope(honest[0].body, limits=g._relay_limits)
+            _, env = open_envelope(honest[0].body, limits=g.fetcher.limits)
             honest_key = env.author
         seq = time.time_ns() // 1000
         bodies = attacks(me, honest_key, fingerprint, model.config.vocab_size, rollouts(tasks, tokenizer, round_), round_, seq)
@@ -160,7 +160,7 @@ def main() -> None:
             bucket = bucket_of(time.time(), g.config.index_bucket_s)
             stored = []
             for b in (bucket - 1, bucket + 1):
-                key = await g._placed_key(b)
+                key = await g.rollouts.placed_key(b)
                 for item, wire in items:
                     g.bodies.keep(item.sha256, wire)
                     g.records.hold(key, item, first=True)

@@ -158,7 +158,7 @@ def test_a_full_index_key_splits_and_readers_still_find_every_author() -> None:
         bucket = bucket_of(time.time(), first.config.index_bucket_s)
         reader = nodes[0]
         authors = {n.identity.peer_id for n in nodes[1:]}
-        placed = [n._placed.get(bucket) for n in nodes]  # each node's key in the bucket it published in
+        placed = [n.rollouts.placed.get(bucket) for n in nodes]  # each node's key in the bucket it published in
         paths = [placement_path(SWARM, bucket, n.identity.peer_id) for n in nodes]
         levels = [path.index(key) if key in path else None for key, path in zip(placed, paths)]
         seen: set[str] = set()
@@ -362,7 +362,7 @@ def test_an_index_read_gives_up_on_a_key_no_one_holds_after_the_nearest_ten(monk
         assert len(asked) <= records._LOOKUP_BEAM * reader._dht.num_replicas  # hivemind's default: 12 here
 
         writer.publish_rollouts(seal(writer.identity, Kind.ROLLOUTS, 1, os.urandom(1_000)), version=1)
-        held = writer._placed[bucket_of(time.time(), writer.config.index_bucket_s)]
+        held = writer.rollouts.placed[bucket_of(time.time(), writer.config.index_bucket_s)]
         asked.clear()
         found, total = reader._call(reader.records.read(held, 10.0, fresh_within=30.0), 20)
         assert total == 1 and [holder.peer for holder, _ in found] == [writer.identity.peer_id]
@@ -415,7 +415,7 @@ def test_a_record_lists_its_holders_two_newest_own_batches_and_what_it_relays(sw
 
     def record_items(node: Gossip) -> tuple[AnnouncedBody, ...]:
         """The items of `node`'s record as the reader reads it from the DHT."""
-        key = node._call(node._placed_key(time.time()), 30)
+        key = node._call(node.rollouts.placed_key(time.time()), 30)
         records, _ = reader._call(reader.records.read(key, 10), 30)
         return next(a.items for h, a in records if h.peer == node.identity.peer_id)
 
@@ -477,12 +477,12 @@ def test_a_full_record_stores_a_natted_authors_batch_at_once_and_a_reachable_one
     async def no_tick(now: float) -> bool:
         return False
 
-    monkeypatch.setattr(relayer, "_reannounce", no_tick)  # its re-announcing tick would store the record too
+    monkeypatch.setattr(relayer.rollouts, "reannounce", no_tick)  # its re-announcing tick would store the record too
     _settle_in_bucket(relayer)
     deadline = time.monotonic() + 10
-    while relayer._restoring and time.monotonic() < deadline:
+    while relayer.records._restoring and time.monotonic() < deadline:
         time.sleep(0.1)  # the earlier tests' relays: their stores would send ours too
-    key = relayer._call(relayer._placed_key(time.time()), 30)
+    key = relayer._call(relayer.rollouts.placed_key(time.time()), 30)
     filler = [_relayed_batch(author, relayer, time.time() - 60.0) for _ in range(MAX_ITEMS)]
     for body in filler:
         relayer.records.hold(key, body)
@@ -493,12 +493,12 @@ def test_a_full_record_stores_a_natted_authors_batch_at_once_and_a_reachable_one
         return {i.sha256 for h, a in records if h.peer == relayer.identity.peer_id for i in a.items}
 
     reachable, natted = (_relayed_batch(author, relayer, time.time()) for _ in range(2))
-    relayer._call(relayer._relay_rollouts(reachable, urgent=False), 30)
+    relayer._call(relayer.rollouts.relay(reachable, urgent=False), 30)
     assert relayer.records.unsent(key) and reachable.sha256 not in listed()
-    relayer._call(relayer._relay_rollouts(natted, urgent=True), 30)
+    relayer._call(relayer.rollouts.relay(natted, urgent=True), 30)
     assert {reachable.sha256, natted.sha256} <= listed()  # the store sent both
     relayed = _relayed_batch(author, relayer, time.time())
-    relayer._call(relayer._relay_rollouts(relayed, urgent=False), 30)
+    relayer._call(relayer.rollouts.relay(relayed, urgent=False), 30)
     own = seal(relayer.identity, Kind.ROLLOUTS, 401, os.urandom(2_000))
     relayer.publish_rollouts(own, version=401)
     now_listed = listed()
@@ -518,17 +518,17 @@ def test_a_batch_relayed_while_the_record_is_being_stored_is_stored_after_it(swa
         return stored
 
     deadline = time.monotonic() + 10
-    while relayer._restoring and time.monotonic() < deadline:
+    while relayer.records._restoring and time.monotonic() < deadline:
         time.sleep(0.1)  # an earlier test's relay: its store would send ours too
     monkeypatch.setattr(relayer.records, "store", slow_store)
     first, second = (_relayed_batch(author, relayer, time.time()) for _ in range(2))
 
     async def relay_both() -> str:
-        pending = asyncio.create_task(relayer._relay_rollouts(first, urgent=True))
+        pending = asyncio.create_task(relayer.rollouts.relay(first, urgent=True))
         await asyncio.sleep(0.5)
-        await relayer._relay_rollouts(second, urgent=True)
+        await relayer.rollouts.relay(second, urgent=True)
         await pending
-        return await relayer._placed_key(time.time())
+        return await relayer.rollouts.placed_key(time.time())
 
     key = relayer._call(relay_both(), 30)
     records, _ = reader._call(reader.records.read(key, 10), 30)
@@ -559,12 +559,12 @@ def test_a_record_moves_to_a_new_bucket_at_its_own_moment(swarm: list[Gossip]) -
     bucket = bucket_of(time.time(), bucket_s) + 1000  # buckets nobody else uses
     start = bucket * bucket_s
     delay = placement_delay(node.identity.peer_id, bucket, bucket_s)
-    previous = node._call(node._placed_key(start - 1.0), 30)
+    previous = node._call(node.rollouts.placed_key(start - 1.0), 30)
     assert previous == placement_path(SWARM, bucket - 1, node.identity.peer_id)[0]
-    assert node._call(node._placed_key(start + delay - 0.01), 30) == previous
-    moved = node._call(node._placed_key(start + delay), 30)
+    assert node._call(node.rollouts.placed_key(start + delay - 0.01), 30) == previous
+    moved = node._call(node.rollouts.placed_key(start + delay), 30)
     assert moved == placement_path(SWARM, bucket, node.identity.peer_id)[0]
-    assert node._call(node._placed_key(start), 30) == moved  # placed: it stays for the bucket
+    assert node._call(node.rollouts.placed_key(start), 30) == moved  # placed: it stays for the bucket
 
 
 def test_a_record_moved_by_a_reannouncing_tick_is_stored_at_once(swarm: list[Gossip]) -> None:
@@ -575,11 +575,11 @@ def test_a_record_moved_by_a_reannouncing_tick_is_stored_at_once(swarm: list[Gos
     bucket_s = node.config.index_bucket_s
     bucket = bucket_of(time.time(), bucket_s) + 1
     moment = bucket * bucket_s + placement_delay(node.identity.peer_id, bucket, bucket_s) + 0.01
-    assert node._call(node._reannounce(moment), 30)  # moved: our fresh batch came along, nothing new was added
-    key = node._placed[bucket]
+    assert node._call(node.rollouts.reannounce(moment), 30)  # moved: our fresh batch came along, nothing new was added
+    key = node.rollouts.placed[bucket]
     records, total = reader._call(reader.records.read(key, 10.0, fresh_within=60.0), 20)
     assert total >= 1 and node.identity.peer_id in {holder.peer for holder, _ in records}
-    assert not node._call(node._reannounce(moment + 1.0), 30)  # stored and unchanged: no store
+    assert not node._call(node.rollouts.reannounce(moment + 1.0), 30)  # stored and unchanged: no store
 
 
 def test_a_body_outlives_its_author_through_a_holder() -> None:

@@ -36,7 +36,7 @@ def fill(holders: int) -> dict[str, list[str]]:
 
 
 def walk(keys: dict[str, list[str]], rng: random.Random) -> tuple[int, list[tuple[int, str]]]:
-    """(keys read, (level, holder) met) of one reader's walk, as gossip._walk reads."""
+    """(keys read, (level, holder) met) of one reader's walk, as RolloutGossip._walk reads."""
     met, read = [], 0
     for level, key in descend(SWARM, BUCKET, rng):
         records = keys.get(key, [])

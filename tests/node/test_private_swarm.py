@@ -93,7 +93,7 @@ def test_an_outsider_can_neither_inject_nor_read(tmp_path: Path) -> None:
         assert marker not in wire and hashlib.sha256(wire).digest() == digest
         # The index key publish_rollouts announced under (the first alice placed a record under): the bucket's root
         # key in a swarm this small, which anyone who knows the swarm name and the clock can compute.
-        key = next(iter(a._placed.values()))
+        key = next(iter(a.rollouts.placed.values()))
         assert key.startswith(f"hivespec/{SWARM}/rollouts/") and key.endswith("/0/0")
 
         # The outsider even gets the ciphertext's hash and size, which it could not learn itself.

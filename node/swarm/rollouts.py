@@ -1,0 +1,293 @@
+"""Rollout batches by recency: announcing ours in the index, keeping them findable, sampling and relaying others'.
+
+Nodes share no round numbers. A batch is announced in the index of the current time bucket
+(`index.py`: a tree of keys of at most `index_key_records` records each). Our record there lists
+our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.hold`).
+
+- **Placement** (`placed_key`): in each bucket our record lives under the first key of our path
+  holding fewer than `index_key_records` records, chosen at our own `placement_delay` into the
+  bucket (spread over its first third so the swarm does not race for a key's last slots); until
+  then we keep writing under our key of the previous bucket, and our fresh batches come along
+  when we move.
+- **Keeping announced** (`keep_announcing`, one tick `reannounce`): bodies we serve that are
+  younger than `announce_seconds` stay in the current bucket's record, so a slow author's batch
+  stays findable by readers, who look at the last two buckets only.
+- **Sampling** (`sample`): one random walk of the current bucket's keys (the previous bucket too
+  where the current offers fewer than 2K batches: a small swarm, or a bucket's first seconds),
+  then at most K fresh batches by peer score with exploration (`index.choose_claims`), at most
+  `max_batches_per_peer` per author, among those some holder can serve us (`Fetcher.fetchable`),
+  each fetched from any of its holders.
+- **Relaying** (`relay`): a fetched batch signed by its announced author joins our record, so any
+  holder serves it and the author's upload stays bounded as its readers spread it.
+
+Loop-thread state: only gossip's event loop calls these (`Gossip` is the thread-safe front).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from hivespec.node.swarm.bodies import BodyStore
+from hivespec.node.swarm.fetching import Fetched, Fetcher
+from hivespec.node.swarm.index import (
+    Candidate,
+    bucket_of,
+    choose_claims,
+    descend,
+    go_deeper,
+    level_weight,
+    placement_delay,
+    placement_path,
+    trust_from_score,
+)
+from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.swarm.records import Holder, IndexRecords
+from hivespec.protocol.announce import MAX_ITEMS, AnnouncedBody
+from hivespec.protocol.identity import Identity
+from hivespec.protocol.private import PrivateSwarm
+
+if TYPE_CHECKING:
+    from hivespec.node.config import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+_EXPLORE = 0.25  # share of a candidate's weight that does not depend on its author's score
+# Our own bodies an index record lists, the newest: a reader takes at most max_batches_per_peer (1) of an
+# author's a step and prefers the fresh, so older ones only made every copy of the record larger
+# (9 items are 1.3 KB sealed, 2 are 0.6 KB, and whole records are most of what an index read moves).
+_OWN_ANNOUNCED = 2
+_ANNOUNCED_KEPT = 256  # bodies we remember announcing (each leaves once the body store no longer serves it)
+_PLACEMENTS_KEPT = 4  # buckets whose key we remember
+
+Walk = list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]  # (level, holder, items) of each record met
+
+
+class RolloutGossip:
+    """Our rollout batches in the index by recency, and peers' sampled from it (see the module docstring).
+
+    Shares `records`, `bodies` and `fetcher` with the weight topics' `SlotGossip`; `spawn` starts a
+    background task on gossip's loop.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        config: SwarmConfig,
+        *,
+        swarm: str,
+        records: IndexRecords,
+        bodies: BodyStore,
+        fetcher: Fetcher,
+        peers: PeerScores | None,
+        private: PrivateSwarm | None,
+        stats: Counter,
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.swarm = swarm
+        self.records = records
+        self.bodies = bodies
+        self.fetcher = fetcher
+        self.peers = peers
+        self.private = private
+        self._stats = stats
+        self._spawn = spawn
+        self._rng = random.Random()
+        self.placed: OrderedDict[int, str] = OrderedDict()  # bucket -> the index key our record lives under
+        self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
+
+    @property
+    def context(self) -> str:
+        """A private swarm's AEAD context of rollout bodies (they move between index keys, so not a key)."""
+        return f"hivespec/{self.swarm}/rollouts"
+
+    def wire(self, body: bytes, *, version: int, born: float) -> tuple[AnnouncedBody, bytes]:
+        """The announcement and the bytes we serve for our sealed batch `body` (any thread: touches no loop state)."""
+        wire = self.private.seal_body(body, context=self.context) if self.private is not None else body
+        return AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), born, version), wire
+
+    # ----- ours ------------------------------------------------------------------------------
+
+    async def publish(self, item: AnnouncedBody, wire: bytes) -> None:
+        """Serve our batch and store our record, with it first, in the current bucket's key."""
+        self.bodies.keep(item.sha256, wire)
+        self.fetcher.mark_done((item.sha256, item.author, item.size))
+        self._remember(item)
+        key = await self.placed_key(time.time())
+        self._hold(key, item, first=True)
+        await asyncio.wait_for(self.records.store(key), self.config.request_timeout)
+        self._stats["published"] += 1
+
+    async def placed_key(self, now: float) -> str:
+        """The key our record lives under at `now`: in its bucket, the first on our path holding fewer than
+        index_key_records others; before our `placement_delay` into the bucket, our key of the previous one."""
+        config = self.config
+        bucket = bucket_of(now, config.index_bucket_s)
+        key = self.placed.get(bucket)
+        if key is not None:
+            return key
+        previous = self.placed.get(bucket - 1)
+        if previous is not None and now < bucket * config.index_bucket_s + placement_delay(self.identity.peer_id, bucket, config.index_bucket_s):
+            return previous
+        for key in placement_path(self.swarm, bucket, self.identity.peer_id):
+            # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
+            _, total = await self.records.read(key, config.request_timeout, fresh_within=config.index_bucket_s)
+            if total < config.index_key_records:
+                break
+        self.placed[bucket] = key
+        while len(self.placed) > _PLACEMENTS_KEPT:
+            self.placed.popitem(last=False)
+        if previous is not None:  # what we announced in the previous bucket comes along
+            for item in self._fresh_announced(now):
+                self._hold(key, item)
+        return key
+
+    async def keep_announcing(self) -> None:
+        """Keep the rollout bodies we serve that are younger than announce_seconds in the current bucket's record (a task)."""
+        bucket_s = self.config.index_bucket_s
+        while True:
+            await asyncio.sleep(min(bucket_s / 4, 10.0) * (0.5 + self._rng.random()))
+            now = time.time()
+            try:
+                await self.reannounce(now)
+            except Exception as exc:  # noqa: BLE001 - the next tick tries again
+                logger.debug("re-announcing in bucket %d failed: %s", bucket_of(now, bucket_s), exc)
+
+    async def reannounce(self, now: float) -> bool:
+        """One tick of `keep_announcing`: store our record when it moved to a new bucket (or a body is missing from it).
+
+        A record placed in a new key is stored at once: the others count a key's records when they place theirs,
+        and one placed but not stored let them overfill the key (at 64 light nodes half the placements read a
+        count short of the records already placed there: keys of cap 4 held 5-6 on average).
+        """
+        fresh = self._fresh_announced(now)
+        if not fresh:
+            return False
+        key = await self.placed_key(now)
+        added = [self._hold(key, item) for item in fresh]
+        if not any(added) and self.records.stored(key):
+            return False
+        await asyncio.wait_for(self.records.store(key), self.config.request_timeout)
+        self._stats["reannounced"] += 1
+        return True
+
+    # ----- theirs ----------------------------------------------------------------------------
+
+    async def sample(self, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None) -> list[Fetched]:
+        """Fetch up to `k` fresh batches we have not fetched before, chosen from the index; what arrived within `timeout`."""
+        deadline = time.monotonic() + timeout
+        now = time.time()
+        bucket = bucket_of(now, self.config.index_bucket_s)
+        candidates: dict[tuple[bytes, str], Candidate] = {}
+        self._add_candidates(candidates, await self._walk(bucket, deadline))
+        if len(candidates) < 2 * k:
+            # A thin bucket (a small swarm, or early in a bucket while holders still move into it at their
+            # placement_delay) is topped up from the previous one, where their newest batches are until then.
+            self._add_candidates(candidates, await self._walk(bucket - 1, deadline))
+        # Only what some holder can serve us (`Fetcher.fetchable`).
+        natted = {h.peer for c in candidates.values() for h in c.holders if h.behind_nat}
+        direct = await self.fetcher.directly_connected(h for c in candidates.values() for h in c.holders)
+        fetchable = self.fetcher.fetchable(list(candidates.values()), direct)
+        peers = self.peers
+        chosen = choose_claims(
+            fetchable, k=k, per_author=self.config.max_batches_per_peer, now=now, max_age_s=max_age_s,
+            trust=(lambda author: trust_from_score(peers.score(author))) if peers is not None else (lambda _author: 0.5),
+            explore=_EXPLORE, rng=self._rng, version_ok=version_ok,
+        )
+        self._stats["sample_candidates"] += len(candidates)
+        self._stats["sample_chosen"] += len(chosen)
+        if not chosen:
+            return []
+        # A NATed author's batch is relayed urgently (`relay`), whichever holder we got it from.
+        results = await asyncio.gather(*(self._fetch(c, deadline, urgent=c.item.author in natted) for c in chosen))
+        return [f for f in results if f is not None]
+
+    async def relay(self, item: AnnouncedBody, *, urgent: bool) -> None:
+        """Serve a fetched batch too: add it to our record in the current bucket (see `IndexRecords.hold`), and store it.
+
+        In place of an older relayed batch (the record is full) it is stored at once only when `urgent`: its author
+        announces relay circuits, so NATed readers get it only from the records of those who relay it. Otherwise our
+        next publish takes it: a store per relayed batch would cost a fast holder one more store per step, for
+        batches their authors announce themselves.
+        """
+        try:
+            key = await self.placed_key(time.time())
+            full = len(self.records.held(key)) >= MAX_ITEMS
+            changed = self._hold(key, item)
+            if (changed and (urgent or not full)) or not self.records.stored(key):  # or a placement to store
+                await self.records.restore(key, self.config.request_timeout)
+        except Exception as exc:  # noqa: BLE001 - relaying is best effort
+            logger.debug("relaying %s failed: %s", item.sha256.hex()[:12], exc)
+
+    def _add_candidates(self, candidates: dict[tuple[bytes, str], Candidate], walk: Walk) -> None:
+        """Add the claims of one walk's records that we could fetch to `candidates`, with their holders and weights."""
+        for level, holder, items in walk:
+            for item in items:
+                if item.author == self.identity.peer_id or not self.fetcher.wanted((item.sha256, item.author, item.size)):
+                    continue
+                if self.peers is not None and self.peers.graylisted(item.author):
+                    self._stats["graylisted_skipped"] += 1  # a graylisted author's batch, relayed by an honest holder
+                    continue
+                # Keyed by (bytes, author): a holder that claims someone else's bytes under another author
+                # makes a candidate of its own and cannot shadow the true claim.
+                candidate = candidates.setdefault((item.sha256, item.author), Candidate(item))
+                if candidate.item != item:  # the same batch with other metadata: keep the first claim, skip the rest
+                    continue
+                candidate.holders.append(holder)
+                candidate.weight = max(candidate.weight, level_weight(level))
+
+    async def _walk(self, bucket: int, deadline: float) -> Walk:
+        """Records along one random path of `bucket`'s index tree: (level, holder, items) each."""
+        found = []
+        for level, key in descend(self.swarm, bucket, self._rng):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            records, total = await self.records.read(key, min(remaining, self.config.request_timeout),
+                                                     fresh_within=self.config.index_bucket_s)
+            self._stats["index_keys_read"] += 1
+            for holder, announce in records:
+                if self.peers is not None and self.peers.graylisted(holder.peer):
+                    self._stats["graylisted_skipped"] += 1
+                    continue
+                found.append((level, holder, announce.items))
+            if not go_deeper(total, self.config.index_key_records, self._rng):
+                break
+        return found
+
+    async def _fetch(self, candidate: Candidate, deadline: float, *, urgent: bool) -> Fetched | None:
+        """Fetch a chosen candidate from one of its holders (all usable: `Fetcher.fetchable` kept only those), then relay it."""
+        holders = list(candidate.holders)
+        self._rng.shuffle(holders)  # any holder will do: relays spread the author's upload
+        got = await self.fetcher.fetch(candidate.claim, holders, deadline, context=self.context)
+        if got is None:
+            return None
+        holder, wire, body = got
+        item = candidate.item
+        if self.fetcher.signed_by_author(body, item.author):
+            self.bodies.keep(item.sha256, wire)
+            self._remember(item)
+            self._spawn(self.relay(item, urgent=urgent))
+        return Fetched(item.author, body, holder=holder.peer, sha256=item.sha256, born=item.born, version=item.version)
+
+    def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
+        """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""
+        fresh = [item for item in self._announced.values() if now - item.born <= self.config.announce_seconds]
+        return sorted(fresh, key=lambda i: (i.author != self.identity.peer_id, -i.born))
+
+    def _hold(self, key: str, item: AnnouncedBody, *, first: bool = False) -> bool:
+        """Add a rollout batch to our record under `key`: at most `_OWN_ANNOUNCED` of its items our own (see `IndexRecords.hold`)."""
+        return self.records.hold(key, item, first=first, own_limit=_OWN_ANNOUNCED)
+
+    def _remember(self, item: AnnouncedBody) -> None:
+        self._announced[item.sha256] = item
+        while len(self._announced) > _ANNOUNCED_KEPT or (self._announced and next(iter(self._announced)) not in self.bodies):
+            self._announced.popitem(last=False)
