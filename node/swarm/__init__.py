@@ -10,6 +10,7 @@ a hivemind type; import-linter holds that line (`pyproject.toml`). Only
 - `rollouts.py`: `RolloutGossip` (our batches announced by recency and kept findable, peers'
   sampled and relayed).
 - `slots.py`: `SlotGossip` (the weight topics, one key per topic and slot).
+- `machinery.py`: `Machinery` (what those two share: records, body store, fetcher, counters).
 - `records.py`: `IndexRecords` (our signed index record under a key, everyone's read back and
   checked), `Holder`.
 - `bodies.py`: `BodyStore` (the bodies we serve, bounded by age and bytes, and their stream handler).

@@ -47,6 +47,7 @@ from hivespec.node.swarm.bodies import BodyStore
 from hivespec.node.swarm.bootstrap import Joiner, PeerCache
 from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
 from hivespec.node.swarm.fetching import Fetched, Fetcher
+from hivespec.node.swarm.machinery import Machinery
 from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import IndexRecords
@@ -127,10 +128,11 @@ class Gossip:
             # A holder relays a body only once it checked the author's signature on it, up to the largest body we serve.
             limits=dataclasses.replace(limits, max_envelope_bytes=max_body_bytes),
         )
-        shared = {"records": self.records, "bodies": self.bodies, "fetcher": self.fetcher, "peers": peers, "private": private,
-                  "stats": self._stats, "spawn": self._spawn}
-        self.rollouts = RolloutGossip(identity, config, swarm=self.swarm, **shared)
-        self.slots = SlotGossip(identity, request_timeout=config.request_timeout, **shared)
+        shared = Machinery(identity=identity, records=self.records, bodies=self.bodies, fetcher=self.fetcher, peers=peers,
+                           private=private, stats=self._stats, request_timeout=config.request_timeout, spawn=self._spawn)
+        # The two ways to find bodies: each is the shared machinery's objects (not copies) plus its own state.
+        self.rollouts = RolloutGossip(**vars(shared), config=config, swarm=self.swarm)
+        self.slots = SlotGossip(**vars(shared))
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -30,12 +30,12 @@ import hashlib
 import logging
 import random
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from hivespec.node.swarm.bodies import BodyStore
-from hivespec.node.swarm.fetching import Fetched, Fetcher
+from hivespec.node.swarm.fetching import Fetched
 from hivespec.node.swarm.index import (
     Candidate,
     bucket_of,
@@ -47,11 +47,9 @@ from hivespec.node.swarm.index import (
     placement_path,
     trust_from_score,
 )
-from hivespec.node.swarm.peers import PeerScores
-from hivespec.node.swarm.records import Holder, IndexRecords
+from hivespec.node.swarm.machinery import Machinery
+from hivespec.node.swarm.records import Holder
 from hivespec.protocol.announce import MAX_ITEMS, AnnouncedBody
-from hivespec.protocol.identity import Identity
-from hivespec.protocol.private import PrivateSwarm
 
 if TYPE_CHECKING:
     from hivespec.node.config import SwarmConfig
@@ -69,37 +67,14 @@ _PLACEMENTS_KEPT = 4  # buckets whose key we remember
 Walk = list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]  # (level, holder, items) of each record met
 
 
-class RolloutGossip:
-    """Our rollout batches in the index by recency, and peers' sampled from it (see the module docstring).
+@dataclass(eq=False)
+class RolloutGossip(Machinery):
+    """Our rollout batches in the index by recency, and peers' sampled from it (see the module docstring)."""
 
-    Shares `records`, `bodies` and `fetcher` with the weight topics' `SlotGossip`; `spawn` starts a
-    background task on gossip's loop.
-    """
+    config: SwarmConfig
+    swarm: str  # the swarm's checked name
 
-    def __init__(
-        self,
-        identity: Identity,
-        config: SwarmConfig,
-        *,
-        swarm: str,
-        records: IndexRecords,
-        bodies: BodyStore,
-        fetcher: Fetcher,
-        peers: PeerScores | None,
-        private: PrivateSwarm | None,
-        stats: Counter,
-        spawn: Callable[[Coroutine[Any, Any, Any]], None],
-    ) -> None:
-        self.identity = identity
-        self.config = config
-        self.swarm = swarm
-        self.records = records
-        self.bodies = bodies
-        self.fetcher = fetcher
-        self.peers = peers
-        self.private = private
-        self._stats = stats
-        self._spawn = spawn
+    def __post_init__(self) -> None:
         self._rng = random.Random()
         self.placed: OrderedDict[int, str] = OrderedDict()  # bucket -> the index key our record lives under
         self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
@@ -123,8 +98,8 @@ class RolloutGossip:
         self._remember(item)
         key = await self.placed_key(time.time())
         self._hold(key, item, first=True)
-        await asyncio.wait_for(self.records.store(key), self.config.request_timeout)
-        self._stats["published"] += 1
+        await asyncio.wait_for(self.records.store(key), self.request_timeout)
+        self.stats["published"] += 1
 
     async def placed_key(self, now: float) -> str:
         """The key our record lives under at `now`: in its bucket, the first on our path holding fewer than
@@ -139,7 +114,7 @@ class RolloutGossip:
             return previous
         for key in placement_path(self.swarm, bucket, self.identity.peer_id):
             # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
-            _, total = await self.records.read(key, config.request_timeout, fresh_within=config.index_bucket_s)
+            _, total = await self.records.read(key, self.request_timeout, fresh_within=config.index_bucket_s)
             if total < config.index_key_records:
                 break
         self.placed[bucket] = key
@@ -175,8 +150,8 @@ class RolloutGossip:
         added = [self._hold(key, item) for item in fresh]
         if not any(added) and self.records.stored(key):
             return False
-        await asyncio.wait_for(self.records.store(key), self.config.request_timeout)
-        self._stats["reannounced"] += 1
+        await asyncio.wait_for(self.records.store(key), self.request_timeout)
+        self.stats["reannounced"] += 1
         return True
 
     # ----- theirs ----------------------------------------------------------------------------
@@ -202,8 +177,8 @@ class RolloutGossip:
             trust=(lambda author: trust_from_score(peers.score(author))) if peers is not None else (lambda _author: 0.5),
             explore=_EXPLORE, rng=self._rng, version_ok=version_ok,
         )
-        self._stats["sample_candidates"] += len(candidates)
-        self._stats["sample_chosen"] += len(chosen)
+        self.stats["sample_candidates"] += len(candidates)
+        self.stats["sample_chosen"] += len(chosen)
         if not chosen:
             return []
         # A NATed author's batch is relayed urgently (`relay`), whichever holder we got it from.
@@ -223,7 +198,7 @@ class RolloutGossip:
             full = len(self.records.held(key)) >= MAX_ITEMS
             changed = self._hold(key, item)
             if (changed and (urgent or not full)) or not self.records.stored(key):  # or a placement to store
-                await self.records.restore(key, self.config.request_timeout)
+                await self.records.restore(key, self.request_timeout)
         except Exception as exc:  # noqa: BLE001 - relaying is best effort
             logger.debug("relaying %s failed: %s", item.sha256.hex()[:12], exc)
 
@@ -234,7 +209,7 @@ class RolloutGossip:
                 if item.author == self.identity.peer_id or not self.fetcher.wanted((item.sha256, item.author, item.size)):
                     continue
                 if self.peers is not None and self.peers.graylisted(item.author):
-                    self._stats["graylisted_skipped"] += 1  # a graylisted author's batch, relayed by an honest holder
+                    self.stats["graylisted_skipped"] += 1  # a graylisted author's batch, relayed by an honest holder
                     continue
                 # Keyed by (bytes, author): a holder that claims someone else's bytes under another author
                 # makes a candidate of its own and cannot shadow the true claim.
@@ -251,12 +226,12 @@ class RolloutGossip:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            records, total = await self.records.read(key, min(remaining, self.config.request_timeout),
+            records, total = await self.records.read(key, min(remaining, self.request_timeout),
                                                      fresh_within=self.config.index_bucket_s)
-            self._stats["index_keys_read"] += 1
+            self.stats["index_keys_read"] += 1
             for holder, announce in records:
                 if self.peers is not None and self.peers.graylisted(holder.peer):
-                    self._stats["graylisted_skipped"] += 1
+                    self.stats["graylisted_skipped"] += 1
                     continue
                 found.append((level, holder, announce.items))
             if not go_deeper(total, self.config.index_key_records, self._rng):
@@ -275,7 +250,7 @@ class RolloutGossip:
         if self.fetcher.signed_by_author(body, item.author):
             self.bodies.keep(item.sha256, wire)
             self._remember(item)
-            self._spawn(self.relay(item, urgent=urgent))
+            self.spawn(self.relay(item, urgent=urgent))
         return Fetched(item.author, body, holder=holder.peer, sha256=item.sha256, born=item.born, version=item.version)
 
     def _fresh_announced(self, now: float) -> list[AnnouncedBody]:

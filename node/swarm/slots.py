@@ -13,46 +13,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections import OrderedDict
+from dataclasses import dataclass
 
-from hivespec.node.swarm.bodies import BodyStore
-from hivespec.node.swarm.fetching import Claim, Fetched, Fetcher
-from hivespec.node.swarm.peers import PeerScores
-from hivespec.node.swarm.records import Holder, IndexRecords
+from hivespec.node.swarm.fetching import Claim, Fetched
+from hivespec.node.swarm.machinery import Machinery
+from hivespec.node.swarm.records import Holder
 from hivespec.protocol.announce import Announce, AnnouncedBody
-from hivespec.protocol.identity import Identity
-from hivespec.protocol.private import PrivateSwarm
 
 _SLOTS_KEPT = 1024  # slot keys whose authors we remember
 
 
-class SlotGossip:
-    """Bodies published and fetched by (topic, slot) key. Shares `records`, `bodies` and `fetcher` with `RolloutGossip`."""
+@dataclass(eq=False)
+class SlotGossip(Machinery):
+    """Bodies published and fetched by (topic, slot) key."""
 
-    def __init__(
-        self,
-        identity: Identity,
-        *,
-        records: IndexRecords,
-        bodies: BodyStore,
-        fetcher: Fetcher,
-        peers: PeerScores | None,
-        private: PrivateSwarm | None,
-        stats: Counter,
-        request_timeout: float,
-        spawn: Callable[[Coroutine[Any, Any, Any]], None],
-    ) -> None:
-        self.identity = identity
-        self.records = records
-        self.bodies = bodies
-        self.fetcher = fetcher
-        self.peers = peers
-        self.private = private
-        self.request_timeout = request_timeout
-        self._stats = stats
-        self._spawn = spawn
+    def __post_init__(self) -> None:
         self._authors: OrderedDict[str, set[str]] = OrderedDict()  # slot key -> authors fetched from it
 
     def wire(self, key: str, body: bytes) -> tuple[AnnouncedBody, bytes]:
@@ -69,7 +45,7 @@ class SlotGossip:
         self.fetcher.mark_done((item.sha256, item.author, item.size))
         self.records.hold(key, item, first=True)
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
-        self._stats["published"] += 1
+        self.stats["published"] += 1
 
     async def fetch(self, key: str, timeout: float) -> list[Fetched]:
         """The bodies announced under `key` that we have not fetched before, as many as arrived within `timeout`."""
@@ -87,7 +63,7 @@ class SlotGossip:
             holder, wire, body = got
             if self.fetcher.signed_by_author(body, item.author) and self.records.hold(key, item):
                 self.bodies.keep(item.sha256, wire)
-                self._spawn(self.records.restore(key, self.request_timeout))
+                self.spawn(self.records.restore(key, self.request_timeout))
             return Fetched(item.author, body, holder=holder.peer, sha256=item.sha256, born=item.born, version=item.version)
 
         results = await asyncio.gather(*(one(claim, item, holders) for claim, (item, holders) in claims.items()))
@@ -104,14 +80,14 @@ class SlotGossip:
         claims: dict[Claim, tuple[AnnouncedBody, list[Holder]]] = {}
         for holder, announce in records:
             if self.peers is not None and self.peers.graylisted(holder.peer):
-                self._stats["graylisted_skipped"] += 1
+                self.stats["graylisted_skipped"] += 1
                 continue
             for item in announce.items:
                 claim = (item.sha256, item.author, item.size)
                 if item.author == self.identity.peer_id or not self.fetcher.wanted(claim):
                     continue
                 if self.peers is not None and item.author != holder.peer and self.peers.graylisted(item.author):
-                    self._stats["graylisted_skipped"] += 1  # a graylisted author's bodies, relayed by someone else
+                    self.stats["graylisted_skipped"] += 1  # a graylisted author's bodies, relayed by someone else
                     continue
                 _, holders = claims.setdefault(claim, (item, []))
                 # The author's own record first: it is the one with the least reason to lie.
