@@ -358,7 +358,9 @@ class Gossip:
         does not finish within request_timeout.
         """
         self._require_started()
-        item, wire = self.rollouts.wire(self._check_size(body), version=version, born=time.time() if born is None else born)
+        rollouts = self.rollouts
+        item, wire = rollouts.own_body(self._check_size(body), context=rollouts.context, born=time.time() if born is None else born,
+                                       version=version)
         self._call(self.rollouts.publish(item, wire), self.request_timeout * 3 + _GRACE_S)
 
     def sample_rollouts(
@@ -383,7 +385,7 @@ class Gossip:
         """
         self._require_started()
         key = topic_key(self.swarm, topic, slot)  # ValueError on an unknown topic or a negative slot
-        item, wire = self.slots.wire(key, self._check_size(body))
+        item, wire = self.slots.own_body(self._check_size(body), context=key, born=time.time(), version=-1)
         self._call(self.slots.publish(key, item, wire), self.request_timeout + _GRACE_S)
 
     def fetch_slot(self, slot: int, *, topic: str, timeout: float) -> list[Fetched]:

@@ -10,6 +10,7 @@ Loop-thread state: only gossip's event loop uses it (`Gossip` is the thread-safe
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from hivespec.node.swarm.bodies import BodyStore
 from hivespec.node.swarm.fetching import Fetcher
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import IndexRecords
+from hivespec.protocol.announce import AnnouncedBody
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.private import PrivateSwarm
 
@@ -34,3 +36,16 @@ class Machinery:
     stats: Counter  # gossip's counters (`Gossip.stats`)
     request_timeout: float  # seconds one DHT request or body download may take
     spawn: Callable[[Coroutine[Any, Any, Any]], None]  # starts a background task on gossip's loop
+
+    def own_body(self, body: bytes, *, context: str, born: float, version: int) -> tuple[AnnouncedBody, bytes]:
+        """Our announcement of `body` and the bytes we serve for it (AEAD-sealed under `context` in a private swarm).
+
+        Any thread: it touches no loop state.
+        """
+        wire = self.private.seal_body(body, context=context) if self.private is not None else body
+        return AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), born, version), wire
+
+    def serve_own(self, item: AnnouncedBody, wire: bytes) -> None:
+        """Serve our own body from now on, and never fetch it back from a peer that relays it."""
+        self.bodies.keep(item.sha256, wire)
+        self.fetcher.mark_done((item.sha256, item.author, item.size))

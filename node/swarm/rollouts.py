@@ -26,7 +26,6 @@ Loop-thread state: only gossip's event loop calls these (`Gossip` is the thread-
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import time
@@ -84,18 +83,12 @@ class RolloutGossip(Machinery):
         """A private swarm's AEAD context of rollout bodies (they move between index keys, so not a key)."""
         return f"hivespec/{self.swarm}/rollouts"
 
-    def wire(self, body: bytes, *, version: int, born: float) -> tuple[AnnouncedBody, bytes]:
-        """The announcement and the bytes we serve for our sealed batch `body` (any thread: touches no loop state)."""
-        wire = self.private.seal_body(body, context=self.context) if self.private is not None else body
-        return AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), born, version), wire
-
     # ----- ours ------------------------------------------------------------------------------
 
     async def publish(self, item: AnnouncedBody, wire: bytes) -> None:
         """Serve our batch and store our record, with it first, in the current bucket's key."""
-        self.bodies.keep(item.sha256, wire)
-        self.fetcher.mark_done((item.sha256, item.author, item.size))
-        self._remember(item)
+        self.serve_own(item, wire)
+        self._remember(item)  # after serve_own: _remember drops the announced bodies the store does not serve
         key = await self.placed_key(time.time())
         self._hold(key, item, first=True)
         await asyncio.wait_for(self.records.store(key), self.request_timeout)

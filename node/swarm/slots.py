@@ -11,7 +11,6 @@ Loop-thread state: only gossip's event loop calls these (`Gossip` is the thread-
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,18 +30,12 @@ class SlotGossip(Machinery):
     def __post_init__(self) -> None:
         self._authors: OrderedDict[str, set[str]] = OrderedDict()  # slot key -> authors fetched from it
 
-    def wire(self, key: str, body: bytes) -> tuple[AnnouncedBody, bytes]:
-        """The announcement and the bytes we serve for `body` under `key` (any thread: touches no loop state)."""
-        wire = self.private.seal_body(body, context=key) if self.private is not None else body
-        return AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), time.time(), -1), wire
-
     def authors(self, key: str) -> int:
         """How many distinct other authors' bodies we have fetched from `key` so far."""
         return len(self._authors.get(key, ()))
 
     async def publish(self, key: str, item: AnnouncedBody, wire: bytes) -> None:
-        self.bodies.keep(item.sha256, wire)
-        self.fetcher.mark_done((item.sha256, item.author, item.size))
+        self.serve_own(item, wire)
         self.records.hold(key, item, first=True)
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
         self.stats["published"] += 1
