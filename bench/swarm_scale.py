@@ -39,6 +39,9 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
                              reads, placement counts, replica lookups), store, ping; the rest of the wire bytes
                              beyond the bodies is framing (TLS, yamux, TCP/IP) and libp2p's own upkeep
   max_records_per_key        max over nodes of the most records one index key held when read
+  served_per_node_s          the load a node carries for the others, per second: `finds_served` (DHT finds it
+                             answered: reads, lookups' crawls) and `records_served` (keys it answered with their
+                             records: a replica's reads); mean, max and max_over_mean (a hot key's replica)
   rss_mb_per_node            a worker's RSS plus its p2pd children's, over its nodes (max over samples and workers)
   idle_bytes_per_node_step   the wire bytes of the joined swarm idling for --idle-s before any step (libp2p and DHT
                              upkeep), per node and second, times the seconds one node-step takes: part of bytes_per_node_step
@@ -94,7 +97,7 @@ COUNTERS = ("bytes_in", "bytes_out", "bodies_served", "bodies_fetched", "bodies_
             "dht_key_full_refused", "unfetchable_skipped", "circuit_retries")
 RPCS = ("call_find", "call_store", "call_ping")
 SERVED = {"rpc_find": "find_bytes", "rpc_store": "store_bytes", "rpc_ping": "ping_bytes"}  # handler -> its counter
-RPC_COUNTS = (*RPCS, "find_records", *SERVED.values())
+RPC_COUNTS = (*RPCS, "find_records", *SERVED.values(), "finds_served", "records_served")
 NS_PREFIX = "hsn"  # net_topology.PREFIX: namespaces named hsn<owner pid>-<role>, so its remove_stale() clears a killed run's
 
 
@@ -130,6 +133,9 @@ def _count_rpcs() -> None:
             # Request plus reply payload (protobuf) of each DHT RPC this node answers: the index's bytes before framing.
             response = await _original(self, request, context)
             _rpc_counts[(id(self), _counter)] += request.ByteSize() + response.ByteSize()
+            if _counter == "find_bytes":  # the load one node carries for the others: finds answered, and keys answered with records
+                _rpc_counts[(id(self), "finds_served")] += 1
+                _rpc_counts[(id(self), "records_served")] += sum(1 for r in response.results if r.type)  # NOT_FOUND is 0
             return response
 
         setattr(DHTProtocol, name, functools.wraps(original)(served))
@@ -749,6 +755,9 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         # Payload in + out (twice what the answering node saw, like bytes_per_node_step): the DHT's share before framing.
         "dht_payload_bytes_per_node_step": {handler.removeprefix("rpc_"): round(2 * delta[counter] / node_steps)
                                             for handler, counter in SERVED.items()},
+        # The load a node carries for the others: DHT finds it answered, and keys it answered with records (a
+        # replica's reads), per second; the busiest node against the mean shows a hot key's replica.
+        "served_per_node_s": _served(nodes, until - measure_from),
         "candidates_per_step": round(delta["sample_candidates"] / node_steps, 1),
         "max_records_per_key": max((node["max_records_per_key"] for node in nodes), default=0),
         "records_read_per_node_step": round(delta["records_read"] / node_steps, 1),
@@ -776,11 +785,24 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
     }
 
 
+def _served(nodes: list[dict], window_s: float) -> dict:
+    """Finds answered and keys answered with records, per node and second: mean, max and max over mean."""
+    out = {}
+    for name in ("finds_served", "records_served"):
+        rates = [node["delta"][name] / window_s for node in nodes]
+        mean = statistics.mean(rates) if rates else 0.0
+        out[name] = {"mean": round(mean, 2), "max": round(max(rates, default=0.0), 2),
+                     "max_over_mean": round(max(rates) / mean, 1) if mean else None}
+    return out
+
+
 def _row(r: dict) -> str:
     return (f"N={r['nodes']:>3} {r['network']:<8} delivery {r['delivery']} k_fill {r['k_fill']} p50 {r['p50_s']} s p95 {r['p95_s']} s | "
             f"{r['bytes_per_node_step'] / 1e3:.0f} kB/node-step ({r['bytes_counted_as']}; bodies {r['body_bytes_per_node_step'] / 1e3:.0f} kB) | "
             f"dht {r['dht_requests_per_node_step']} req ({r['hivemind_rpcs_per_node_step']} RPCs)/node-step, "
             f"{r['index_keys_read_per_node_step']} keys read | max {r['max_records_per_key']} records/key | "
+            f"keys served/node-s {r['served_per_node_s']['records_served']['mean']} (busiest "
+            f"{r['served_per_node_s']['records_served']['max_over_mean']}x) | "
             f"idle {(r.get('idle_bytes_per_node_step') or 0) / 1e3:.0f} kB/node-step | "
             f"{r['cpu_s_per_node_step']} cpu-s/node-step | {r['rss_mb_per_node']} MB/node | clean {r['clean_shutdowns']}")
 
