@@ -7,13 +7,16 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
                           for announce_seconds, plus relayed ones)
   records per key         r = min(H, cap * overfill): the tree fills top-down, a key takes `cap` records plus the few
                           writers racing for its last slot (overfill, measured)
-  keys per walk           E = sum of DESCEND^l over l = 0..L, L the first level not full (H <= r (2^(L+1) - 1)), plus
-                          DESCEND^(L+1) where level L is exactly full (the walk reads the empty key below it):
-                          below a full key a walk goes on with probability DESCEND = 1/2, so E < 2 whatever N
+  keys per walk           a walk starts at a key drawn uniformly among the 2^L - 1 keys of levels 0..L-1 (L the first
+                          level not full, H <= r (2^(L+1) - 1); the root where L <= 1), and below a full key goes on
+                          with probability DESCEND = 1/2, down to level L (L + 1 where level L is exactly full: the walk
+                          reads the empty key below it): E = sum over start levels s (weight 2^s) of sum of DESCEND^j
+                          over j = 0..L - s, under 2 whatever N (`walks_from_root`: every walk from the root, as before)
   walks per step          1 + prev_share: the previous bucket is read where the current one offers fewer than 2K
                           batches: most steps of a small swarm, a bucket's first seconds (before holders move in) of
                           a large one; fitted at each measured N, the largest N's share beyond it
-  DHT gets                walks * E (index reads) + (L + 1) * step_s / bucket_s (placing our record once a bucket)
+  DHT gets                walks * E (index reads) + placement reads * step_s / bucket_s (placing our record once a
+                          bucket: 2 reads from the level it expects, index.first_open; L + 1 from the root before)
   DHT stores              1 (publish) + relay_stores + step_s / bucket_s (the keep-announcing re-store, once a bucket)
   replica lookups         step_s / bucket_s: the first store under a key (once a bucket) finds its replicas, later
                           stores write straight to them (records.py)
@@ -36,8 +39,9 @@ defaults come from the run in docs/scale.md). record_bytes is measured on the re
 is importable (a sealed record with a holder's 2 newest own batches). Variants: `lookup_every_store` is the design measured
 on 2026-11-24 (hivemind's store, which looks the replicas up every time, and placement reads that crawl
 the beam); `crawl_full_walks` the design before that (every read crawls the beam with hivemind's caching
-on, walks go to the bottom of the tree, both buckets read every step); `coalesced_stores` a lever not
-built (a node stores its record at most once per 10 s).
+on, walks go to the bottom of the tree, both buckets read every step); `walks_from_root` the design until
+2026-11-26 (every walk and placement read from the root, whose replicas then answer the whole swarm:
+`hot_key`); `coalesced_stores` a lever not built (a node stores its record at most once per 10 s).
 
     python bench/scale_model.py                       # N = 8 .. 10^5
     python bench/scale_model.py --measured run.json   # also the bench's points, model beside measurement
@@ -81,6 +85,7 @@ class Design:
     direct_stores: bool = True  # as built: stores go straight to a key's replicas, looked up once a bucket
     lookup_copies: bool = False  # the design before: a replica lookup crawled the key's own id, whose replicas answer with it
     crawl_placement: bool = False  # the design before: placement reads crawl the beam for the newest copy
+    walks_from_root: bool = False  # the design before: walks start at the root, placements read their path from it
     record_bytes: float = 580  # a sealed index record with 2 items (see record_size())
     rpc_bytes: float = 1116  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
     entry_bytes: float = 7121  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
@@ -170,10 +175,11 @@ def per_node_step(n: int, d: Design) -> dict:
     if d.crawl_reads:
         keys_per_walk, walks = float(levels), 2.0
     else:
-        keys_per_walk = sum(d.descend**level for level in range(levels + full))
+        top = walk_top(levels, d)
+        keys_per_walk = sum(2**s * sum(d.descend**j for j in range(levels + full - s)) for s in range(top + 1)) / (2 ** (top + 1) - 1)
         walks = 1.0 + prev_share_at(n, d)
     index_reads = walks * keys_per_walk
-    placement_reads = levels * once_a_bucket
+    placement_reads = (levels if d.walks_from_root or d.crawl_reads else min(levels, 2)) * once_a_bucket
     gets = index_reads + placement_reads
     stores = stores_per_step(n, d) + d.relay_stores + once_a_bucket
     lookups = once_a_bucket if d.direct_stores else stores  # stores that first look the key's replicas up
@@ -209,13 +215,22 @@ def per_node_step(n: int, d: Design) -> dict:
     }
 
 
+def walk_top(levels: int, d: Design) -> int:
+    """The deepest level a walk may start at: the deepest full one (levels - 2), or the root."""
+    return 0 if d.walks_from_root or d.crawl_reads else max(0, levels - 2)
+
+
 def hot_key(n: int, d: Design, step_s: float = 60.0) -> dict:
-    """Load on one bucket's root key: every walk reads it (the previous bucket's root on prev_share of the steps)."""
-    reads = n / step_s * (2.0 if d.crawl_reads else 1.0 + prev_share_at(n, d))
+    """Load on one bucket's busiest key: the root where every walk starts there; otherwise a key of the deepest
+    full level, read by the walks that start there or descend to it (the previous bucket's on prev_share of the steps)."""
+    walks = n / step_s * (2.0 if d.crawl_reads else 1.0 + prev_share_at(n, d))
+    top = walk_top(tree_levels(n, d)[0], d)
+    share = sum((d.descend / 2) ** j for j in range(top + 1)) / (2 ** (top + 1) - 1)  # of the walks: start there, or above and descend
+    reads = walks * share
     answering = d.replicas if d.crawl_reads else min(d.replies, d.replicas)
-    per_holder = reads * answering / d.replicas  # replies each of the root's replicas sends per second
-    return {"root_reads_per_s": round(reads), "replies_per_s_per_replica": round(per_holder),
-            "upload_mb_s_per_replica": round(per_holder * d.cap * d.overfill * d.entry_bytes / 1e6, 2)}
+    per_holder = reads * answering / d.replicas  # replies each of the key's replicas sends per second
+    return {"busiest_key_reads_per_s": round(reads, 2), "replies_per_s_per_replica": round(per_holder, 2),
+            "upload_mb_s_per_replica": round(per_holder * d.cap * d.overfill * d.entry_bytes / 1e6, 3)}
 
 
 def fit(measured: list[dict], d: Design) -> Design:
@@ -301,6 +316,7 @@ def main() -> int:
     variants = {
         "as_built": built,
         "coalesced_stores": dataclasses.replace(built, store_every_s=10.0),
+        "walks_from_root": dataclasses.replace(built, walks_from_root=True),
         "lookup_every_store": dataclasses.replace(built, direct_stores=False, crawl_placement=True, lookup_beam=built.beam,
                                                   lookup_copies=True),
         "crawl_full_walks": dataclasses.replace(built, crawl_reads=True, caching=True, direct_stores=False, crawl_placement=True,
@@ -311,10 +327,11 @@ def main() -> int:
         rows = [per_node_step(n, design) for n in SIZES_N]
         tables[name] = rows
         _table(rows, f"{name}: per node-step (flat = bytes / bytes at N={SIZES_N[0]})")
-    hot = {name: {n: hot_key(n, variants[name], args.step_s) for n in (1_000, 100_000)} for name in ("as_built", "crawl_full_walks")}
-    print(f"one bucket's root key at {args.step_s:g}-s steps: " + json.dumps(hot))
+    hot = {name: {n: hot_key(n, variants[name], args.step_s) for n in (64, 1_000, 100_000)}
+           for name in ("as_built", "walks_from_root", "crawl_full_walks")}
+    print(f"one bucket's busiest key at {args.step_s:g}-s steps: " + json.dumps(hot))
     result = {
-        "design": dataclasses.asdict(built), "comparison": comparison, "hot_root": hot,
+        "design": dataclasses.asdict(built), "comparison": comparison, "hot_key": hot,
         **{f"{name}_flat_64": round(rows[SIZES_N.index(64)]["bytes"] / rows[0]["bytes"], 2) for name, rows in tables.items()},
         **{f"{name}_flat_100k": round(rows[-1]["bytes"] / rows[0]["bytes"], 2) for name, rows in tables.items()},
         "tables": tables,

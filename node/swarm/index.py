@@ -18,19 +18,31 @@ first l bits of sha256(its peer id).
   it, spread over the bucket's first third, so the swarm's placements do not all read a key's
   count in the same second (they did: 37 records in one key at cap 16 with 64 nodes). Until
   then its new batches join its previous record; when it moves, the fresh ones come along.
-- **Reading** (`descend`): from level 0 down one random path; below a full key the reader goes on
-  with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
-  whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). A record at
-  level l is met with probability (DESCEND / 2)^l (one key of the level's 2^l, reached with
-  probability DESCEND^l), so sampling weighs it by `level_weight(l)` = (2 / DESCEND)^l:
-  inverse-probability weights, every publisher equally likely over time, early and late placers alike.
+- **Finding our key** (`first_open`): keys fill root first, so along a path the full keys come
+  before the open ones. A holder looks for that boundary from the level it expects (just below the
+  deepest level it has seen full, `filled_by`), reading up or down from there: about 2 keys a
+  bucket whatever the swarm's size, where reading from the root took one per level, and only the
+  first few holders of a bucket read the root.
+- **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (the
+  deepest level the reader has seen full), down one random path; below a full key the reader goes
+  on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
+  whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). Starting
+  at the root, every walk of the swarm read the root, and its nearest replica answered them all:
+  N / step reads a second, 1700/s at 10^5 nodes (docs/scale.md). Drawn over the 2^(top + 1) - 1
+  keys above the boundary, each key is read by a share of walks that shrinks as the tree grows: a
+  replica's reads stay bounded. A record at level l sits below full keys only (placement puts it at
+  the first open key), so a walk meets it with probability sum over s <= min(l, top) of
+  (DESCEND / 2)^(l - s) / (2^(top + 1) - 1), and sampling weighs it by the inverse,
+  `level_weight(l, top)`: every publisher equally likely over time, early and late placers alike,
+  whichever `top` each reader uses.
 - **Choosing** (`choose_claims`): at most K batches a step among the fresh claims (not ours, not
   fetched, young enough, a policy version we accept), at most `per_author` from one author, drawn
   without replacement with weight level_weight(l) x trust x freshness, where trust mixes the author's peer
   score with a floor of `explore` (a newcomer with no score is still drawn, so every honest peer
   gets heard over time, and a few loud identities cannot crowd out the rest).
 
-Pure functions over plain data: `gossip.py` does the DHT reads and writes, `fetching.py` the downloads.
+Pure functions over plain data (`first_open` over the reads it is given): `rollouts.py` does the DHT reads and
+writes, `fetching.py` the downloads.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hivespec.protocol.announce import AnnouncedBody
@@ -82,9 +94,11 @@ def placement_delay(peer_id: str, bucket: int, bucket_s: float) -> float:
 DESCEND = 0.5  # probability that a walk goes on below a full key
 
 
-def level_weight(level: int) -> float:
-    """The inverse of the probability that a walk meets a given record at `level` (see the module docstring)."""
-    return (2.0 / DESCEND) ** level
+def level_weight(level: int, top: int = 0) -> float:
+    """The inverse of the probability that a walk starting at a uniform key of levels 0..`top` meets a given record at `level`."""
+    step = DESCEND / 2  # go on below a full key, and take the record's child of the two
+    met = sum(step ** (level - start) for start in range(min(level, top) + 1)) / (2 ** (top + 1) - 1)
+    return 1.0 / met
 
 
 def go_deeper(records: int, cap: int, rng: random.Random) -> bool:
@@ -92,12 +106,42 @@ def go_deeper(records: int, cap: int, rng: random.Random) -> bool:
     return records >= cap and rng.random() < DESCEND
 
 
-def descend(swarm: str, bucket: int, rng: random.Random) -> Iterable[tuple[int, str]]:
-    """(level, key) of one random root-to-leaf path of `bucket`'s tree; the reader reads keys until `go_deeper` says no."""
-    prefix = 0
-    for level in range(MAX_INDEX_LEVEL + 1):
+def descend(swarm: str, bucket: int, rng: random.Random, top: int = 0) -> Iterable[tuple[int, str]]:
+    """(level, key) of one random path of `bucket`'s tree from a start key drawn uniformly among levels 0..`top`'s
+    2^(top + 1) - 1 keys; the reader reads keys until `go_deeper` says no."""
+    start = 1 + rng.randrange(2 ** (top + 1) - 1)  # keys numbered as a heap: key n is at level log2(n), prefix n - 2^level
+    first = start.bit_length() - 1
+    prefix = start - (1 << first)
+    for level in range(first, MAX_INDEX_LEVEL + 1):
         yield level, rollout_index_key(swarm, bucket, level, prefix)
         prefix = 2 * prefix + rng.getrandbits(1)
+
+
+def filled_by(depth: int, elapsed_s: float, bucket_s: float) -> int:
+    """The deepest level likely full `elapsed_s` into a bucket whose previous one was full down to `depth` (-1: none).
+
+    Holders move into a bucket over its first `PLACEMENT_SPREAD`; levels 0..d hold 2^(d + 1) - 1 keys, so when a
+    share f of the previous bucket's holders has moved, the levels down to log2(f (2^(depth + 1) - 1) + 1) - 1 are full.
+    """
+    moved = min(1.0, max(0.0, elapsed_s / (PLACEMENT_SPREAD * bucket_s)))
+    return math.floor(math.log2(moved * (2 ** (depth + 1) - 1) + 1)) - 1
+
+
+async def first_open(is_open: Callable[[int], Awaitable[bool]], guess: int) -> int:
+    """The level of the first open key (fewer than cap records) on a placement path, read from level `guess` up or down.
+
+    Keys fill root first, so along a path full keys come before open ones; where none is open, the deepest level.
+    """
+    level = min(max(guess, 0), MAX_INDEX_LEVEL)
+    if await is_open(level):
+        while level > 0 and await is_open(level - 1):
+            level -= 1
+        return level
+    while level < MAX_INDEX_LEVEL:
+        level += 1
+        if await is_open(level):
+            return level
+    return level
 
 
 @dataclass

@@ -5,15 +5,17 @@ Nodes share no round numbers. A batch is announced in the index of the current t
 our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.hold`).
 
 - **Placement** (`placed_key`): in each bucket our record lives under the first key of our path
-  holding fewer than `index_key_records` records, chosen at our own `placement_delay` into the
-  bucket (spread over its first third so the swarm does not race for a key's last slots); until
-  then we keep writing under our key of the previous bucket, and our fresh batches come along
-  when we move.
+  holding fewer than `index_key_records` records (found from the level we expect it at,
+  `index.first_open`), chosen at our own `placement_delay` into the bucket (spread over its first
+  third so the swarm does not race for a key's last slots); until then we keep writing under our
+  key of the previous bucket, and our fresh batches come along when we move.
 - **Keeping announced** (`keep_announcing`, one tick `reannounce`): bodies we serve that are
   younger than `announce_seconds` stay in the current bucket's record, so a slow author's batch
   stays findable by readers, who look at the last two buckets only.
-- **Sampling** (`sample`): one random walk of the current bucket's keys (the previous bucket too
-  where the current offers fewer than 2K batches: a small swarm, or a bucket's first seconds),
+- **Sampling** (`sample`): one random walk of the current bucket's keys, started at a key of the
+  levels we take to be full there (`_top`), so that no key, the root included, is read by every
+  walk of the swarm (the previous bucket too where the current offers fewer than 2K batches: a
+  small swarm, or a bucket's first seconds),
   then at most K fresh batches by peer score with exploration (`index.choose_claims`), at most
   `max_batches_per_peer` per author, among those some holder can serve us (`Fetcher.fetchable`),
   each fetched from any of its holders.
@@ -40,6 +42,8 @@ from hivespec.node.swarm.index import (
     bucket_of,
     choose_claims,
     descend,
+    filled_by,
+    first_open,
     go_deeper,
     level_weight,
     placement_delay,
@@ -49,6 +53,7 @@ from hivespec.node.swarm.index import (
 from hivespec.node.swarm.machinery import Machinery
 from hivespec.node.swarm.records import Holder
 from hivespec.protocol.announce import MAX_ITEMS, AnnouncedBody
+from hivespec.protocol.keys import MAX_INDEX_LEVEL
 
 if TYPE_CHECKING:
     from hivespec.node.config import SwarmConfig
@@ -63,7 +68,7 @@ _OWN_ANNOUNCED = 2
 _ANNOUNCED_KEPT = 256  # bodies we remember announcing (each leaves once the body store no longer serves it)
 _PLACEMENTS_KEPT = 4  # buckets whose key we remember
 
-Walk = list[tuple[int, Holder, tuple[AnnouncedBody, ...]]]  # (level, holder, items) of each record met
+Walk = list[tuple[float, Holder, tuple[AnnouncedBody, ...]]]  # (level_weight, holder, items) of each record met
 
 
 @dataclass(eq=False)
@@ -76,6 +81,7 @@ class RolloutGossip(Machinery):
     def __post_init__(self) -> None:
         self._rng = random.Random()
         self.placed: OrderedDict[int, str] = OrderedDict()  # bucket -> the index key our record lives under
+        self._full: dict[int, int] = {}  # bucket -> the deepest level where we read a full key
         self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
 
     @property
@@ -105,11 +111,15 @@ class RolloutGossip(Machinery):
         previous = self.placed.get(bucket - 1)
         if previous is not None and now < bucket * config.index_bucket_s + placement_delay(self.identity.peer_id, bucket, config.index_bucket_s):
             return previous
-        for key in placement_path(self.swarm, bucket, self.identity.peer_id):
+        path = placement_path(self.swarm, bucket, self.identity.peer_id)
+
+        async def is_open(level: int) -> bool:
             # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
-            _, total = await self.records.read(key, self.request_timeout, fresh_within=config.index_bucket_s)
-            if total < config.index_key_records:
-                break
+            _, total = await self.records.read(path[level], self.request_timeout, fresh_within=config.index_bucket_s)
+            self._saw(bucket, level, total)
+            return total < config.index_key_records
+
+        key = path[await first_open(is_open, self._top(bucket, now) + 1)]
         self.placed[bucket] = key
         while len(self.placed) > _PLACEMENTS_KEPT:
             self.placed.popitem(last=False)
@@ -197,7 +207,7 @@ class RolloutGossip(Machinery):
 
     def _add_candidates(self, candidates: dict[tuple[bytes, str], Candidate], walk: Walk) -> None:
         """Add the claims of one walk's records that we could fetch to `candidates`, with their holders and weights."""
-        for level, holder, items in walk:
+        for weight, holder, items in walk:
             for item in items:
                 if item.author == self.identity.peer_id or not self.fetcher.wanted((item.sha256, item.author, item.size)):
                     continue
@@ -210,23 +220,26 @@ class RolloutGossip(Machinery):
                 if candidate.item != item:  # the same batch with other metadata: keep the first claim, skip the rest
                     continue
                 candidate.holders.append(holder)
-                candidate.weight = max(candidate.weight, level_weight(level))
+                candidate.weight = max(candidate.weight, weight)
 
     async def _walk(self, bucket: int, deadline: float) -> Walk:
-        """Records along one random path of `bucket`'s index tree: (level, holder, items) each."""
+        """Records along one random path of `bucket`'s index tree: (level_weight, holder, items) each."""
         found = []
-        for level, key in descend(self.swarm, bucket, self._rng):
+        top = min(max(0, self._top(bucket, time.time())), MAX_INDEX_LEVEL)
+        for level, key in descend(self.swarm, bucket, self._rng, top):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             records, total = await self.records.read(key, min(remaining, self.request_timeout),
                                                      fresh_within=self.config.index_bucket_s)
             self.stats["index_keys_read"] += 1
+            self._saw(bucket, level, total)
+            weight = level_weight(level, top)
             for holder, announce in records:
                 if self.peers is not None and self.peers.graylisted(holder.peer):
                     self.stats["graylisted_skipped"] += 1
                     continue
-                found.append((level, holder, announce.items))
+                found.append((weight, holder, announce.items))
             if not go_deeper(total, self.config.index_key_records, self._rng):
                 break
         return found
@@ -245,6 +258,19 @@ class RolloutGossip(Machinery):
             self._remember(item)
             self.spawn(self.relay(item, urgent=urgent))
         return Fetched(item.author, body, holder=holder.peer, sha256=item.sha256, born=item.born, version=item.version)
+
+    def _saw(self, bucket: int, level: int, total: int) -> None:
+        """Note a key of `bucket` read at `level` holding `total` records: the levels down to a full one are full."""
+        if total >= self.config.index_key_records and level > self._full.get(bucket, -1):
+            self._full[bucket] = level
+            for old in [b for b in self._full if b < bucket - _PLACEMENTS_KEPT]:
+                del self._full[old]
+
+    def _top(self, bucket: int, now: float) -> int:
+        """The deepest level of `bucket` we take to be full at `now` (-1: none): read full there, or filled by now
+        as deep as the previous bucket was (`index.filled_by`: holders move in over a bucket's first third)."""
+        bucket_s = self.config.index_bucket_s
+        return max(self._full.get(bucket, -1), filled_by(self._full.get(bucket - 1, -1), now - bucket * bucket_s, bucket_s))
 
     def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
         """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""

@@ -3,14 +3,18 @@ a bounded number of keys whatever the swarm's size, and its weights make every h
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
+from collections import Counter
 
 from hivespec.node.swarm.index import (
     PLACEMENT_SPREAD,
     Candidate,
     choose_claims,
     descend,
+    filled_by,
+    first_open,
     go_deeper,
     level_weight,
     placement_delay,
@@ -35,12 +39,14 @@ def fill(holders: int) -> dict[str, list[str]]:
     return keys
 
 
-def walk(keys: dict[str, list[str]], rng: random.Random) -> tuple[int, list[tuple[int, str]]]:
-    """(keys read, (level, holder) met) of one reader's walk, as RolloutGossip._walk reads."""
+def walk(keys: dict[str, list[str]], rng: random.Random, top: int = 0, reads: Counter | None = None) -> tuple[int, list[tuple[int, str]]]:
+    """(keys read, (level, holder) met) of one reader's walk, as RolloutGossip._walk reads; `reads` counts each key read."""
     met, read = [], 0
-    for level, key in descend(SWARM, BUCKET, rng):
+    for level, key in descend(SWARM, BUCKET, rng, top):
         records = keys.get(key, [])
         read += 1
+        if reads is not None:
+            reads[key] += 1
         met += [(level, peer) for peer in records]
         if not go_deeper(len(records), CAP, rng):
             break
@@ -77,18 +83,74 @@ def test_a_walk_reads_about_two_keys_whatever_the_swarm_size() -> None:
         assert statistics.mean(reads) <= 2.05, (holders, statistics.mean(reads))
 
 
-def test_weighted_sightings_are_unbiased_for_every_holder() -> None:
-    """E[times met x level_weight] = walks for each holder, early placers at the root and late ones deep alike."""
+def full_depth(keys: dict[str, list[str]]) -> int:
+    """The deepest level holding a full key (what a reader that has read it takes as its walks' `top`)."""
+    return max(int(key.split("/")[-2]) for key, records in keys.items() if len(records) >= CAP)
+
+
+def test_weighted_sightings_are_unbiased_for_every_holder_whatever_the_start_levels() -> None:
+    """E[times met x level_weight] = walks for each holder, early placers at the root and late ones deep alike,
+    for walks from the root (top 0) and from any key above the deepest full level."""
     keys = fill(200)
-    rng = random.Random(1)
-    walks = 40_000
-    weighted: dict[str, float] = {}
-    for _ in range(walks):
-        for level, peer in walk(keys, rng)[1]:
-            weighted[peer] = weighted.get(peer, 0.0) + level_weight(level)
-    estimates = [weighted.get(f"hs{i:016x}", 0.0) / walks for i in range(200)]
-    assert abs(statistics.mean(estimates) - 1.0) < 0.05
-    assert min(estimates) > 0.6 and max(estimates) < 1.5, (min(estimates), max(estimates))
+    for top in (0, full_depth(keys)):
+        rng = random.Random(1)
+        walks = 40_000
+        weighted: dict[str, float] = {}
+        for _ in range(walks):
+            for level, peer in walk(keys, rng, top)[1]:
+                weighted[peer] = weighted.get(peer, 0.0) + level_weight(level, top)
+        estimates = [weighted.get(f"hs{i:016x}", 0.0) / walks for i in range(200)]
+        assert abs(statistics.mean(estimates) - 1.0) < 0.05, top
+        assert min(estimates) > 0.6 and max(estimates) < 1.5, (top, min(estimates), max(estimates))
+
+
+def test_no_key_is_read_by_every_walk_once_walks_start_above_the_full_depth() -> None:
+    """From the root, every walk reads the root key (its replica answers the whole swarm); started uniformly among
+    the keys above the deepest full level, the busiest key's share of the walks falls as the swarm grows."""
+    rng = random.Random(3)
+    busiest = {}
+    for holders in (100, 2000):
+        keys = fill(holders)
+        top = full_depth(keys)
+        reads: Counter = Counter()
+        walks = 4000
+        spent = [walk(keys, rng, top, reads)[0] for _ in range(walks)]
+        assert statistics.mean(spent) <= 2.05, (holders, statistics.mean(spent))
+        busiest[holders] = max(reads.values()) / walks
+        root = Counter()
+        for _ in range(200):
+            walk(keys, rng, 0, root)
+        assert root.most_common(1)[0][1] == 200  # from the root: the root, every time
+    assert busiest[100] < 0.5 and busiest[2000] < 0.05, busiest  # levels 0..1 full at 100: 3 start keys
+
+
+def test_a_placement_finds_the_first_open_key_from_its_guess_in_a_few_reads() -> None:
+    """`first_open` from any guess lands where reading from the root would, in |guess - level| + 2 reads at most."""
+    keys = fill(500)
+    depth = full_depth(keys)
+    for i in range(500, 540):
+        peer = f"hs{i:016x}"
+        path = placement_path(SWARM, BUCKET, peer)
+        expected = next(level for level, key in enumerate(path) if len(keys.get(key, [])) < CAP)
+        for guess in (0, depth, depth + 1, depth + 3):
+            read: list[int] = []
+
+            async def is_open(level: int, path: list[str] = path, read: list[int] = read) -> bool:
+                read.append(level)
+                return len(keys.get(path[level], [])) < CAP
+
+            assert asyncio.run(first_open(is_open, guess)) == expected
+            assert len(read) <= abs(guess - expected) + 2, (guess, expected, read)
+            assert 0 not in read or expected <= 1 or guess == 0  # the root only when the tree is that shallow
+
+
+def test_the_levels_taken_as_full_grow_with_the_share_of_holders_moved_in() -> None:
+    assert filled_by(-1, 100.0, 30.0) == -1  # nothing seen: walks start at the root, placements read from it
+    assert filled_by(4, 0.0, 30.0) == -1 and filled_by(4, 1e9, 30.0) == 4
+    spread = PLACEMENT_SPREAD * 30.0
+    levels = [filled_by(4, spread * k / 20, 30.0) for k in range(21)]
+    assert levels == sorted(levels) and levels[-1] == 4
+    assert filled_by(4, spread / 2, 30.0) == 3  # half of 31 keys' holders have moved: 15 keys, levels 0..3
 
 
 def test_choose_claims_keeps_the_per_author_quota_and_skips_what_is_too_old() -> None:
