@@ -7,8 +7,8 @@ gossip.py, records.py) and hivemind's DHT (node.py, traverse.py, protocol.py):
                           for announce_seconds, plus relayed ones)
   records per key         r = min(H, cap * overfill): the tree fills top-down, a key takes `cap` records plus the few
                           writers racing for its last slot (overfill, measured)
-  keys per walk           a walk starts at a key drawn uniformly among the 2^L - 1 keys of levels 0..L-1 (L the first
-                          level not full, H <= r (2^(L+1) - 1); the root where L <= 1), and below a full key goes on
+  keys per walk           a walk starts at a key drawn uniformly among the 2^(L-1) - 1 keys of levels 0..L-2 (L the first
+                          level not full, H <= r (2^(L+1) - 1); the root where L <= 2), and below a full key goes on
                           with probability DESCEND = 1/2, down to level L (L + 1 where level L is exactly full: the walk
                           reads the empty key below it): E = sum over start levels s (weight 2^s) of sum of DESCEND^j
                           over j = 0..L - s, under 2 whatever N (`walks_from_root`: every walk from the root, as before)
@@ -216,8 +216,8 @@ def per_node_step(n: int, d: Design) -> dict:
 
 
 def walk_top(levels: int, d: Design) -> int:
-    """The deepest level a walk may start at: the deepest full one (levels - 2), or the root."""
-    return 0 if d.walks_from_root or d.crawl_reads else max(0, levels - 2)
+    """The deepest level a walk may start at: one above the deepest full one (levels - 2), or the root."""
+    return 0 if d.walks_from_root or d.crawl_reads else max(0, levels - 3)
 
 
 def hot_key(n: int, d: Design, step_s: float = 60.0) -> dict:

@@ -20,11 +20,11 @@ first l bits of sha256(its peer id).
   then its new batches join its previous record; when it moves, the fresh ones come along.
 - **Finding our key** (`first_open`): keys fill root first, so along a path the full keys come
   before the open ones. A holder looks for that boundary from the level it expects (just below the
-  deepest level it has seen full, `filled_by`), reading up or down from there: about 2 keys a
+  deepest level it has seen a full key at, `filled_by`), reading up or down from there: about 2 keys a
   bucket whatever the swarm's size, where reading from the root took one per level, and only the
   first few holders of a bucket read the root.
-- **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (the
-  deepest level the reader has seen full), down one random path; below a full key the reader goes
+- **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (one
+  above the deepest level where the reader has seen a full key), down one random path; below a full key the reader goes
   on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
   whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). Starting
   at the root, every walk of the swarm read the root, and its nearest replica answered them all:

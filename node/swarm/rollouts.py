@@ -119,7 +119,7 @@ class RolloutGossip(Machinery):
             self._saw(bucket, level, total)
             return total < config.index_key_records
 
-        key = path[await first_open(is_open, self._top(bucket, now) + 1)]
+        key = path[await first_open(is_open, self._top(bucket, now) + 1)]  # from the deepest level seen full: then one down
         self.placed[bucket] = key
         while len(self.placed) > _PLACEMENTS_KEPT:
             self.placed.popitem(last=False)
@@ -267,10 +267,14 @@ class RolloutGossip(Machinery):
                 del self._full[old]
 
     def _top(self, bucket: int, now: float) -> int:
-        """The deepest level of `bucket` we take to be full at `now` (-1: none): read full there, or filled by now
-        as deep as the previous bucket was (`index.filled_by`: holders move in over a bucket's first third)."""
+        """The deepest level of `bucket` whose keys we take to be full at `now` (-1: none): one above the deepest level
+        where a read of ours found a full key there, or where the previous bucket's was, scaled to the holders moved in
+        by now (`index.filled_by`). One above, because a level fills unevenly: beside a full key, some of its level are
+        open, some still empty, and a walk started at an empty key pays a crawl for nothing (at 64 light nodes, starts
+        at the deepest full level took 1.5 more find RPCs per node-step)."""
         bucket_s = self.config.index_bucket_s
-        return max(self._full.get(bucket, -1), filled_by(self._full.get(bucket - 1, -1), now - bucket * bucket_s, bucket_s))
+        seen = max(self._full.get(bucket, -1), filled_by(self._full.get(bucket - 1, -1), now - bucket * bucket_s, bucket_s))
+        return seen - 1
 
     def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
         """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""
