@@ -42,6 +42,8 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
   served_per_node_s          the load a node carries for the others, per second: `finds_served` (DHT finds it
                              answered: reads, lookups' crawls) and `records_served` (keys it answered with their
                              records: a replica's reads); mean, max and max_over_mean (a hot key's replica)
+  index_key_reads            of a bucket's index reads (the whole swarm's walks and placements), the busiest key's
+                             share and the root key's (means over the window's buckets), and the busiest key's reads
   rss_mb_per_node            a worker's RSS plus its p2pd children's, over its nodes (max over samples and workers)
   idle_bytes_per_node_step   the wire bytes of the joined swarm idling for --idle-s before any step (libp2p and DHT
                              upkeep), per node and second, times the seconds one node-step takes: part of bytes_per_node_step
@@ -104,6 +106,7 @@ NS_PREFIX = "hsn"  # net_topology.PREFIX: namespaces named hsn<owner pid>-<role>
 # ----- worker: several light nodes in one process ------------------------------------------------
 
 _rpc_counts: Counter = Counter()
+_key_reads: Counter = Counter()  # (bucket, level, prefix) -> this worker's index reads of that key (walks and placements)
 
 
 def _count_rpcs() -> None:
@@ -139,6 +142,21 @@ def _count_rpcs() -> None:
             return response
 
         setattr(DHTProtocol, name, functools.wraps(original)(served))
+
+
+def _count_key_reads() -> None:
+    """Count this worker's reads of each rollout index key (IndexRecords.read, patched before any node starts)."""
+    from hivespec.node.swarm.records import IndexRecords
+
+    original = IndexRecords.read
+
+    async def read(self, key, *args, _original=original, **kwargs):
+        parts = key.rsplit("/", 4)
+        if len(parts) == 5 and parts[1] == "rollouts":
+            _key_reads[(int(parts[2]), int(parts[3]), int(parts[4]))] += 1
+        return await _original(self, key, *args, **kwargs)
+
+    IndexRecords.read = functools.wraps(original)(read)
 
 
 def _rss_kb(pid: int) -> int:
@@ -290,6 +308,7 @@ def worker(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _count_rpcs()
+    _count_key_reads()
     from hivespec.node.config import load_config
 
     # The public preset's swarm section (its re-bootstrap period included: that is upkeep every node pays), with
@@ -341,7 +360,7 @@ def worker(argv: list[str]) -> None:
     cpu_end = (_cpu_s(os.getpid()), sum(_cpu_s(pid) for pid in p2pd))
     cpu = {"python_s": round(cpu_end[0] - cpu_start[0], 2), "p2pd_s": round(cpu_end[1] - cpu_start[1], 2),
            "wall_s": round(time.monotonic() - cpu_start[2], 2)} if cpu_start else None
-    _emit({"op": "done", "rss": rss, "cpu": cpu, "nodes": [{
+    _emit({"op": "done", "rss": rss, "cpu": cpu, "key_reads": [[*key, n] for key, n in _key_reads.items()], "nodes": [{
         "index": node.index, "peer": node.identity.peer_id, "period": node.period,
         "steps": node.steps, "errors": dict(node.errors),
         "delta": {k: end_counters[node.index][k] - start_counters.get(node.index, {}).get(k, 0) for k in (*COUNTERS, *RPC_COUNTS)},
@@ -758,6 +777,7 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         # The load a node carries for the others: DHT finds it answered, and keys it answered with records (a
         # replica's reads), per second; the busiest node against the mean shows a hot key's replica.
         "served_per_node_s": _served(nodes, until - measure_from),
+        "index_key_reads": _key_read_shares(done, buckets),
         "candidates_per_step": round(delta["sample_candidates"] / node_steps, 1),
         "max_records_per_key": max((node["max_records_per_key"] for node in nodes), default=0),
         "records_read_per_node_step": round(delta["records_read"] / node_steps, 1),
@@ -796,13 +816,34 @@ def _served(nodes: list[dict], window_s: float) -> dict:
     return out
 
 
+def _key_read_shares(done: list[dict], buckets: set[int]) -> dict:
+    """Of a bucket's index reads (walks and placements, the whole swarm's), the busiest key's share and the root's:
+    the mean over the window's buckets, and the busiest key's reads in the bucket at most."""
+    reads: Counter = Counter()
+    for message in done:
+        for bucket, level, prefix, n in message.get("key_reads", []):
+            if bucket in buckets:
+                reads[(bucket, level, prefix)] += n
+    busiest, root, most = [], [], 0
+    for bucket in sorted(buckets):
+        counts = {key: n for key, n in reads.items() if key[0] == bucket}
+        total = sum(counts.values())
+        if total:
+            busiest.append(max(counts.values()) / total)
+            root.append(counts.get((bucket, 0, 0), 0) / total)
+            most = max(most, max(counts.values()))
+    return {"busiest_key_share": round(statistics.mean(busiest), 3) if busiest else None,
+            "root_share": round(statistics.mean(root), 3) if root else None, "busiest_key_reads": most}
+
+
 def _row(r: dict) -> str:
     return (f"N={r['nodes']:>3} {r['network']:<8} delivery {r['delivery']} k_fill {r['k_fill']} p50 {r['p50_s']} s p95 {r['p95_s']} s | "
             f"{r['bytes_per_node_step'] / 1e3:.0f} kB/node-step ({r['bytes_counted_as']}; bodies {r['body_bytes_per_node_step'] / 1e3:.0f} kB) | "
             f"dht {r['dht_requests_per_node_step']} req ({r['hivemind_rpcs_per_node_step']} RPCs)/node-step, "
             f"{r['index_keys_read_per_node_step']} keys read | max {r['max_records_per_key']} records/key | "
             f"keys served/node-s {r['served_per_node_s']['records_served']['mean']} (busiest "
-            f"{r['served_per_node_s']['records_served']['max_over_mean']}x) | "
+            f"{r['served_per_node_s']['records_served']['max_over_mean']}x) | busiest key {r['index_key_reads']['busiest_key_share']} "
+            f"of a bucket's reads (root {r['index_key_reads']['root_share']}) | "
             f"idle {(r.get('idle_bytes_per_node_step') or 0) / 1e3:.0f} kB/node-step | "
             f"{r['cpu_s_per_node_step']} cpu-s/node-step | {r['rss_mb_per_node']} MB/node | clean {r['clean_shutdowns']}")
 
