@@ -209,7 +209,7 @@ def per_node_step(n: int, d: Design) -> dict:
     idle = d.idle_bytes_per_node_s * step_s
     return {
         "nodes": n, "levels": levels, "keys_per_walk": round(keys_per_walk, 2), "records_per_key": round(per_key),
-        "dht_gets": round(gets, 2), "dht_requests": round(gets + stores, 2), "hivemind_rpcs": round(find_rpcs + store_rpcs, 1),
+        "dht_gets": round(gets, 2), "placement_reads": round(placement_reads, 2), "dht_requests": round(gets + stores, 2), "hivemind_rpcs": round(find_rpcs + store_rpcs, 1),
         "record_copies": round(copies, 1), "k_fill": round(fill, 3), "body_bytes": round(body),
         "index_bytes": round(index + idle), "bytes": round(body + index + idle), "step_s": round(step_s, 2),
     }
@@ -306,7 +306,7 @@ def main() -> int:
         print("measured (bench) vs model:")
         for r in measured:
             m = per_node_step(r["nodes"], built)
-            pairs = {"keys_read": (r["index_keys_read_per_node_step"], m["dht_gets"] - m["levels"] * min(1.0, m["step_s"] / built.bucket_s)),
+            pairs = {"keys_read": (r["index_keys_read_per_node_step"], m["dht_gets"] - m["placement_reads"]),
                      "dht_requests": (r["dht_requests_per_node_step"], m["dht_requests"]),
                      "rpcs": (r["hivemind_rpcs_per_node_step"], m["hivemind_rpcs"]),
                      "record_copies": (r["dht_record_copies_per_node_step"], m["record_copies"]),
