@@ -19,10 +19,10 @@ first l bits of sha256(its peer id).
   count in the same second (they did: 37 records in one key at cap 16 with 64 nodes). Until
   then its new batches join its previous record; when it moves, the fresh ones come along.
 - **Finding our key** (`first_open`): keys fill root first, so along a path the full keys come
-  before the open ones. A holder looks for that boundary from the level it expects (just below the
-  deepest level it has seen a full key at, `filled_by`), reading up or down from there: about 2 keys a
-  bucket whatever the swarm's size, where reading from the root took one per level, and only the
-  first few holders of a bucket read the root.
+  before the open ones. A holder looks for that boundary from the level it expects (the deepest
+  where it has read a full key, or the previous bucket's scaled to the holders moved in by now,
+  `filled_by`), reading down or up from there: about 2 keys a bucket whatever the swarm's size,
+  where reading from the root took one per level, and only a bucket's first holders read the root.
 - **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (one
   above the deepest level where the reader has seen a full key), down one random path; below a full key the reader goes
   on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
