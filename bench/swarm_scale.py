@@ -650,7 +650,9 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
         idle_before, idle_clock = network.wire_bytes(), time.monotonic()
         time.sleep(idle_s)  # joined, not stepping: what the swarm costs a node with nothing to share
         idle_after = network.wire_bytes()
-        idle_rate = None if idle_before is None or idle_after is None else 2 * (idle_after - idle_before) / (time.monotonic() - idle_clock) / n
+        # No idle window (--idle-s 0), no rate: a few ms of whatever the joining left in flight is not upkeep.
+        idle_rate = (None if idle_before is None or idle_after is None or idle_s <= 0
+                     else 2 * (idle_after - idle_before) / (time.monotonic() - idle_clock) / n)
         t0 = time.time() + 1.0
         measure_from, until = t0 + warmup_s, t0 + warmup_s + window_s
         for worker in workers:
