@@ -48,7 +48,8 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
   idle_bytes_per_node_step   the wire bytes of the joined swarm idling for --idle-s before any step (libp2p and DHT
                              upkeep), per node and second, times the seconds one node-step takes: part of bytes_per_node_step
   flat                       bytes_per_node_step at the largest N / at N = 8; flat_bodies the same of the bodies alone
-                             (its floor while N = 8's k_fill is below 1), flat_per_fetched_batch of bytes per batch fetched
+                             (its floor while N = 8's k_fill is below 1), flat_per_fetched_batch of bytes per batch fetched,
+                             flat_at_equal_batch_mix with the largest N's bodies scaled to N = 8's mean fetched batch
   clean_shutdowns            no worker log holds a traceback, "Task was destroyed", "was never retrieved",
                              "gossip shutdown was not clean" or "did not stop within"; shutdown_stages_cut_short counts
                              shutdown stages that ran into the node's deadline (p2pd slow to exit while every peer
@@ -838,6 +839,15 @@ def _key_read_shares(done: list[dict], buckets: set[int]) -> dict:
             "root_share": round(statistics.mean(root), 3) if root else None, "busiest_key_reads": most}
 
 
+def _flat_at_equal_mix(smallest: dict, largest: dict) -> float | None:
+    """flat with `largest`'s bodies scaled to `smallest`'s mean fetched batch (None without a batch fetched at either)."""
+    if smallest["nodes"] == largest["nodes"] or not smallest["mean_fetched_batch_bytes"] or not largest["mean_fetched_batch_bytes"]:
+        return None
+    bodies = largest["body_bytes_per_node_step"] * smallest["mean_fetched_batch_bytes"] / largest["mean_fetched_batch_bytes"]
+    index = largest["bytes_per_node_step"] - largest["body_bytes_per_node_step"]
+    return round((bodies + index) / smallest["bytes_per_node_step"], 3)
+
+
 def _row(r: dict) -> str:
     return (f"N={r['nodes']:>3} {r['network']:<8} delivery {r['delivery']} k_fill {r['k_fill']} p50 {r['p50_s']} s p95 {r['p95_s']} s | "
             f"{r['bytes_per_node_step'] / 1e3:.0f} kB/node-step ({r['bytes_counted_as']}; bodies {r['body_bytes_per_node_step'] / 1e3:.0f} kB) | "
@@ -940,6 +950,9 @@ def main() -> int:
         "flat_per_fetched_batch": round(largest["bytes_per_fetched_batch"] / smallest["bytes_per_fetched_batch"], 3),
         # What flat would be if the index cost nothing: the bodies alone (k_fill below 1 at N = 8, and the batch mix).
         "flat_bodies": round(largest["body_bytes_per_node_step"] / smallest["body_bytes_per_node_step"], 3),
+        # Which batches a node happened to fetch moves the mean fetched batch by a few percent from run to run: flat
+        # with the largest N's bodies scaled to the smallest N's mean fetched batch takes that out.
+        "flat_at_equal_batch_mix": _flat_at_equal_mix(smallest, largest),
         "clean_shutdowns": all(r["clean_shutdowns"] for r in runs) and shaped_error is None and nat_error is None,
         "shaped_error": shaped_error,
         "nat_error": nat_error,
