@@ -13,7 +13,7 @@ our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.h
   younger than `announce_seconds` stay in the current bucket's record, so a slow author's batch
   stays findable by readers, who look at the last two buckets only.
 - **Sampling** (`sample`): one random walk of the current bucket's keys, started at a key of the
-  levels we take to be full there (`_top`), so that no key, the root included, is read by every
+  levels above the deepest we take to be full there (`_full_depth`), so that no key, the root included, is read by every
   walk of the swarm (the previous bucket too where the current offers fewer than 2K batches: a
   small swarm, or a bucket's first seconds),
   then at most K fresh batches by peer score with exploration (`index.choose_claims`), at most
@@ -119,7 +119,7 @@ class RolloutGossip(Machinery):
             self._saw(bucket, level, total)
             return total < config.index_key_records
 
-        key = path[await first_open(is_open, self._top(bucket, now) + 1)]  # from the deepest level seen full: then one down
+        key = path[await first_open(is_open, self._full_depth(bucket, now))]  # full there, we read on one level down
         self.placed[bucket] = key
         while len(self.placed) > _PLACEMENTS_KEPT:
             self.placed.popitem(last=False)
@@ -225,7 +225,10 @@ class RolloutGossip(Machinery):
     async def _walk(self, bucket: int, deadline: float) -> Walk:
         """Records along one random path of `bucket`'s index tree: (level_weight, holder, items) each."""
         found = []
-        top = min(max(0, self._top(bucket, time.time())), MAX_INDEX_LEVEL)
+        # One above the deepest level taken to be full: a level fills unevenly, and beside a full key some of its level
+        # are open, some still empty; a walk started at an empty key pays a crawl for nothing (at 64 light nodes, starts
+        # at the deepest full level took 1.5 more find RPCs per node-step).
+        top = min(max(0, self._full_depth(bucket, time.time()) - 1), MAX_INDEX_LEVEL)
         for level, key in descend(self.swarm, bucket, self._rng, top):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -266,15 +269,11 @@ class RolloutGossip(Machinery):
             for old in [b for b in self._full if b < bucket - _PLACEMENTS_KEPT]:
                 del self._full[old]
 
-    def _top(self, bucket: int, now: float) -> int:
-        """The deepest level of `bucket` whose keys we take to be full at `now` (-1: none): one above the deepest level
-        where a read of ours found a full key there, or where the previous bucket's was, scaled to the holders moved in
-        by now (`index.filled_by`). One above, because a level fills unevenly: beside a full key, some of its level are
-        open, some still empty, and a walk started at an empty key pays a crawl for nothing (at 64 light nodes, starts
-        at the deepest full level took 1.5 more find RPCs per node-step)."""
+    def _full_depth(self, bucket: int, now: float) -> int:
+        """The deepest level of `bucket` we take to be full at `now` (-1: none): where a read of ours found a full key
+        there, or where the previous bucket's was, scaled to the holders moved in by now (`index.filled_by`)."""
         bucket_s = self.config.index_bucket_s
-        seen = max(self._full.get(bucket, -1), filled_by(self._full.get(bucket - 1, -1), now - bucket * bucket_s, bucket_s))
-        return seen - 1
+        return max(self._full.get(bucket, -1), filled_by(self._full.get(bucket - 1, -1), now - bucket * bucket_s, bucket_s))
 
     def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
         """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""
