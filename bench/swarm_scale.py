@@ -68,6 +68,7 @@ Targets at N = 64 (issue 22): delivery >= 0.99, p95_s <= 5, flat <= 1.3, clean_s
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -723,6 +724,36 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
     return summary
 
 
+def _fill_ceiling(nodes: list[dict], measure_from: float, until: float) -> float | None:
+    """What k_fill could have been with every batch of the swarm in sight: its supply bound.
+
+    Each node is replayed step by step against every batch the others published (stored before the step began and
+    younger than MAX_AGE_S), taking K a step, one an author, each batch once, oldest first (the order that leaves the
+    most for later steps). Below 1, the swarm made fewer fresh batches than its fast nodes asked for; k_fill below
+    the ceiling is what the index and the sampling left on the table.
+    """
+    published = sorted((s["t"] + s["publish_s"], s["t"], node["index"], seq)
+                       for node in nodes for seq, s in enumerate(node["steps"], 1))
+    landings = [landed for landed, *_ in published]
+    possible = windowed = 0
+    for node in nodes:
+        taken: set[tuple[int, int]] = set()
+        for step in node["steps"]:
+            t = step["t"]
+            oldest: dict[int, tuple[float, int]] = {}  # author -> (born, seq) of the oldest batch of theirs we could take
+            for landed, born, author, seq in published[bisect.bisect_left(landings, t - MAX_AGE_S):]:
+                if landed >= t:
+                    break
+                if author != node["index"] and t - born <= MAX_AGE_S and (author, seq) not in taken and author not in oldest:
+                    oldest[author] = (born, seq)
+            chosen = sorted(oldest.items(), key=lambda pair: pair[1])[:K]
+            taken.update((author, seq) for author, (_, seq) in chosen)
+            if measure_from <= t < until:
+                windowed += 1
+                possible += len(chosen)
+    return round(possible / windowed / K, 3) if windowed else None
+
+
 def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peers: dict[str, int], measure_from: float, until: float,
               wire_before: int | None, wire_after: int | None, drops: int | None, unclean: list[str], startup_s: float) -> dict:
     nodes = [node for message in done for node in message["nodes"]]
@@ -760,6 +791,7 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         "node_steps": len(steps), "steps_per_node_min_max": [min(published.values(), default=0), max(published.values(), default=0)],
         "delivery": round(fetched / chosen, 4) if chosen else None,
         "k_fill": round(fetched / node_steps / K, 3), "k_fill_by_speed": fill,
+        "k_fill_ceiling": _fill_ceiling(nodes, measure_from, until),
         "p50_s": _percentile(sample_s, 0.5), "p95_s": _percentile(sample_s, 0.95), "max_s": max(sample_s, default=None),
         "publish_p95_s": _percentile([s["publish_s"] for s in steps], 0.95),
         "bytes_per_node_step": round(wire / node_steps) if wire is not None else round(body_bytes / node_steps),
@@ -849,7 +881,7 @@ def _flat_at_equal_mix(smallest: dict, largest: dict) -> float | None:
 
 
 def _row(r: dict) -> str:
-    return (f"N={r['nodes']:>3} {r['network']:<8} delivery {r['delivery']} k_fill {r['k_fill']} p50 {r['p50_s']} s p95 {r['p95_s']} s | "
+    return (f"N={r['nodes']:>3} {r['network']:<8} delivery {r['delivery']} k_fill {r['k_fill']} (ceiling {r.get('k_fill_ceiling')}) p50 {r['p50_s']} s p95 {r['p95_s']} s | "
             f"{r['bytes_per_node_step'] / 1e3:.0f} kB/node-step ({r['bytes_counted_as']}; bodies {r['body_bytes_per_node_step'] / 1e3:.0f} kB) | "
             f"dht {r['dht_requests_per_node_step']} req ({r['hivemind_rpcs_per_node_step']} RPCs)/node-step, "
             f"{r['index_keys_read_per_node_step']} keys read | max {r['max_records_per_key']} records/key | "
