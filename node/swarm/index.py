@@ -20,11 +20,11 @@ first l bits of sha256(its peer id).
   then its new batches join its previous record; when it moves, the fresh ones come along.
 - **Finding our key** (`first_open`): keys fill root first, so along a path the full keys come
   before the open ones. A holder looks for that boundary from the level it expects (the deepest
-  where it has read a full key, or the previous bucket's scaled to the holders moved in by now,
+  where it has read two full keys, or the previous bucket's scaled to the holders moved in by now,
   `filled_by`), reading down or up from there: about 2 keys a bucket whatever the swarm's size,
   where reading from the root took one per level, and only a bucket's first holders read the root.
 - **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (one
-  above the deepest level where the reader has seen a full key), down one random path; below a full key the reader goes
+  above the deepest level where the reader has read two full keys, `FullLevels`), down one random path; below a full key the reader goes
   on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
   whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). Starting
   at the root, every walk of the swarm read the root, and its nearest replica answered them all:
@@ -125,6 +125,34 @@ def filled_by(depth: int, elapsed_s: float, bucket_s: float) -> int:
     """
     moved = min(1.0, max(0.0, elapsed_s / (PLACEMENT_SPREAD * bucket_s)))
     return math.floor(math.log2(moved * (2 ** (depth + 1) - 1) + 1)) - 1
+
+
+class FullLevels:
+    """The keys of each bucket a reader has read full, and the deepest level it takes to be full from them.
+
+    A level counts as full once two of its keys were read full (level 0: its one key). A reader's placement path
+    follows its peer id, which its records give away; one key read full a level was enough, so a sybil that filled
+    the keys of that path down to level 20 (80 records a bucket) made the reader start its walks among a million keys,
+    nearly all empty: each read a 10-peer crawl, and no batch found. A walk's keys are drawn at random, so
+    passing a level off as full takes filling the keys of that level, as many records as the swarm writes there.
+    """
+
+    def __init__(self, buckets_kept: int) -> None:
+        self._kept = buckets_kept
+        self._full: dict[int, dict[int, set[str]]] = {}  # bucket -> level -> keys read full
+
+    def saw(self, bucket: int, level: int, key: str, full: bool) -> None:
+        """Note a read of `key`, at `level` of `bucket`'s tree, that found it full or not."""
+        if not full:
+            return
+        self._full.setdefault(bucket, {}).setdefault(level, set()).add(key)
+        for old in [b for b in self._full if b < bucket - self._kept]:
+            del self._full[old]
+
+    def depth(self, bucket: int) -> int:
+        """The deepest level of `bucket` with enough keys read full (-1: none); the levels above it fill first."""
+        levels = self._full.get(bucket, {})
+        return max((level for level, keys in levels.items() if len(keys) >= min(2, 2**level)), default=-1)
 
 
 async def first_open(is_open: Callable[[int], Awaitable[bool]], guess: int) -> int:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from hivespec.node.swarm.fetching import Fetched
 from hivespec.node.swarm.index import (
     Candidate,
+    FullLevels,
     bucket_of,
     choose_claims,
     descend,
@@ -81,7 +82,7 @@ class RolloutGossip(Machinery):
     def __post_init__(self) -> None:
         self._rng = random.Random()
         self.placed: OrderedDict[int, str] = OrderedDict()  # bucket -> the index key our record lives under
-        self._full: dict[int, int] = {}  # bucket -> the deepest level where we read a full key
+        self._full = FullLevels(buckets_kept=_PLACEMENTS_KEPT)  # the index keys we read full
         self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
 
     @property
@@ -116,7 +117,7 @@ class RolloutGossip(Machinery):
         async def is_open(level: int) -> bool:
             # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
             _, total = await self.records.read(path[level], self.request_timeout, fresh_within=config.index_bucket_s)
-            self._saw(bucket, level, total)
+            self._saw(bucket, level, path[level], total)
             return total < config.index_key_records
 
         key = path[await first_open(is_open, self._full_depth(bucket, now))]  # full there, we read on one level down
@@ -236,7 +237,7 @@ class RolloutGossip(Machinery):
             records, total = await self.records.read(key, min(remaining, self.request_timeout),
                                                      fresh_within=self.config.index_bucket_s)
             self.stats["index_keys_read"] += 1
-            self._saw(bucket, level, total)
+            self._saw(bucket, level, key, total)
             weight = level_weight(level, top)
             for holder, announce in records:
                 if self.peers is not None and self.peers.graylisted(holder.peer):
@@ -262,18 +263,15 @@ class RolloutGossip(Machinery):
             self.spawn(self.relay(item, urgent=urgent))
         return Fetched(item.author, body, holder=holder.peer, sha256=item.sha256, born=item.born, version=item.version)
 
-    def _saw(self, bucket: int, level: int, total: int) -> None:
-        """Note a key of `bucket` read at `level` holding `total` records: the levels down to a full one are full."""
-        if total >= self.config.index_key_records and level > self._full.get(bucket, -1):
-            self._full[bucket] = level
-            for old in [b for b in self._full if b < bucket - _PLACEMENTS_KEPT]:
-                del self._full[old]
+    def _saw(self, bucket: int, level: int, key: str, total: int) -> None:
+        """Note `key`, at `level` of `bucket`'s tree, read holding `total` records."""
+        self._full.saw(bucket, level, key, total >= self.config.index_key_records)
 
     def _full_depth(self, bucket: int, now: float) -> int:
-        """The deepest level of `bucket` we take to be full at `now` (-1: none): where a read of ours found a full key
-        there, or where the previous bucket's was, scaled to the holders moved in by now (`index.filled_by`)."""
+        """The deepest level of `bucket` we take to be full at `now` (-1: none): where our reads found it full
+        (`FullLevels`), or where the previous bucket's was, scaled to the holders moved in by now (`index.filled_by`)."""
         bucket_s = self.config.index_bucket_s
-        return max(self._full.get(bucket, -1), filled_by(self._full.get(bucket - 1, -1), now - bucket * bucket_s, bucket_s))
+        return max(self._full.depth(bucket), filled_by(self._full.depth(bucket - 1), now - bucket * bucket_s, bucket_s))
 
     def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
         """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""

@@ -11,6 +11,7 @@ from collections import Counter
 from hivespec.node.swarm.index import (
     PLACEMENT_SPREAD,
     Candidate,
+    FullLevels,
     choose_claims,
     descend,
     filled_by,
@@ -21,6 +22,7 @@ from hivespec.node.swarm.index import (
     placement_path,
 )
 from hivespec.protocol.announce import AnnouncedBody
+from hivespec.protocol.keys import MAX_INDEX_LEVEL
 
 SWARM = "index-test"
 BUCKET = 123
@@ -152,6 +154,52 @@ def test_the_levels_taken_as_full_grow_with_the_share_of_holders_moved_in() -> N
     levels = [filled_by(4, spread * k / 20, 30.0) for k in range(21)]
     assert levels == sorted(levels) and levels[-1] == 4
     assert filled_by(4, spread / 2, 30.0) == 3  # half of 31 keys' holders have moved: 15 keys, levels 0..3
+
+
+def test_a_sybil_filling_one_readers_placement_path_does_not_send_its_walks_below_the_tree() -> None:
+    """A sybil fills every key of the victim's placement path (its peer id gives it away) to the cap, down to the
+    last level. The victim's placements read that path, and its walks start above the deepest level it takes to be
+    full (as RolloutGossip does): it must not take the sybil's chain for the tree, and its walks keep meeting holders."""
+    keys = fill(500)
+    honest_deepest = full_depth(keys)  # the deepest level with a full key, the sybil's aside
+    victim = "hs-victim"
+    path = placement_path(SWARM, BUCKET, victim)
+    for level, key in enumerate(path):
+        keys.setdefault(key, []).extend(f"sybil{level}-{i}" for i in range(CAP - len(keys.get(key, []))))
+    levels, rng = FullLevels(buckets_kept=4), random.Random(5)
+    placed, met = [], []
+    for _ in range(40):  # a bucket of steps: a placement, then walks
+        async def is_open(level: int) -> bool:
+            full = len(keys.get(path[level], [])) >= CAP
+            levels.saw(BUCKET, level, path[level], full)
+            return not full
+
+        placed.append(asyncio.run(first_open(is_open, levels.depth(BUCKET))))
+        top = max(0, levels.depth(BUCKET) - 1)
+        honest = 0
+        for level, key in descend(SWARM, BUCKET, rng, top):
+            records = keys.get(key, [])
+            levels.saw(BUCKET, level, key, len(records) >= CAP)
+            honest += sum(1 for r in records if not r.startswith("sybil"))
+            if not go_deeper(len(records), CAP, rng):
+                break
+        met.append(honest)
+    assert set(placed) == {MAX_INDEX_LEVEL}  # every placement read the sybil's full keys down to the bottom
+    assert 0 < levels.depth(BUCKET) <= honest_deepest, (levels.depth(BUCKET), honest_deepest)
+    assert statistics.mean(met) >= CAP, statistics.mean(met)  # about a key's worth of holders a walk, not an empty crawl
+
+
+def test_full_levels_count_a_level_once_two_of_its_keys_were_read_full() -> None:
+    levels = FullLevels(buckets_kept=2)
+    levels.saw(7, 0, "root", True)
+    levels.saw(7, 3, "a", True)
+    levels.saw(7, 3, "a", True)  # the same key again
+    levels.saw(7, 4, "b", False)
+    assert levels.depth(7) == 0 and levels.depth(6) == -1
+    levels.saw(7, 3, "c", True)
+    assert levels.depth(7) == 3
+    levels.saw(10, 0, "root", True)  # buckets older than two before the newest are forgotten
+    assert levels.depth(7) == -1 and levels.depth(10) == 0
 
 
 def test_choose_claims_keeps_the_per_author_quota_and_skips_what_is_too_old() -> None:
