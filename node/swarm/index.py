@@ -106,14 +106,14 @@ def go_deeper(records: int, cap: int, rng: random.Random) -> bool:
     return records >= cap and rng.random() < DESCEND
 
 
-def descend(swarm: str, bucket: int, rng: random.Random, top: int = 0) -> Iterable[tuple[int, str]]:
-    """(level, key) of one random path of `bucket`'s tree from a start key drawn uniformly among levels 0..`top`'s
+def descend(swarm: str, bucket: int, rng: random.Random, top: int = 0) -> Iterable[tuple[int, int, str]]:
+    """(level, prefix, key) of one random path of `bucket`'s tree from a start key drawn uniformly among levels 0..`top`'s
     2^(top + 1) - 1 keys; the reader reads keys until `go_deeper` says no."""
     start = 1 + rng.randrange(2 ** (top + 1) - 1)  # keys numbered as a heap: key n is at level log2(n), prefix n - 2^level
     first = start.bit_length() - 1
     prefix = start - (1 << first)
     for level in range(first, MAX_INDEX_LEVEL + 1):
-        yield level, rollout_index_key(swarm, bucket, level, prefix)
+        yield level, prefix, rollout_index_key(swarm, bucket, level, prefix)
         prefix = 2 * prefix + rng.getrandbits(1)
 
 
@@ -128,31 +128,38 @@ def filled_by(depth: int, elapsed_s: float, bucket_s: float) -> int:
 
 
 class FullLevels:
-    """The keys of each bucket a reader has read full, and the deepest level it takes to be full from them.
+    """The keys a reader has read full, by bucket, and the deepest level it takes to be full from them.
 
-    A level counts as full once two of its keys were read full (level 0: its one key). A reader's placement path
-    follows its peer id, which its records give away; one key read full a level was enough, so a sybil that filled
-    the keys of that path down to level 20 (80 records a bucket) made the reader start its walks among a million keys,
-    nearly all empty: each read a 10-peer crawl, and no batch found. A walk's keys are drawn at random, so
-    passing a level off as full takes filling the keys of that level, as many records as the swarm writes there.
+    A level counts as full once keys at two of its prefixes were read full (level 0: its one key). A reader's
+    placement path follows its peer id, which its records give away; one key read full a level was enough, so a
+    sybil that filled that path's keys down to level 24 (4 records a level, 100 a bucket) made the reader start its
+    walks among millions of keys, nearly all empty: each read a 10-peer crawl, and no batch found. A walk's keys are
+    drawn at random, so passing a level off as full takes filling the keys of that level, as many records as the
+    swarm writes there. The path keeps its prefixes from bucket to bucket, so only the prefixes of several buckets
+    are pooled (`depth(..., buckets=n)`), and a placement reads one random key beside its path (`probe_depth`):
+    walks alone, a few a bucket starting near the root, learnt a tree of 5000 holders 3 levels too shallow in 4 minutes.
     """
 
     def __init__(self, buckets_kept: int) -> None:
         self._kept = buckets_kept
-        self._full: dict[int, dict[int, set[str]]] = {}  # bucket -> level -> keys read full
+        self._full: dict[int, dict[int, set[int]]] = {}  # bucket -> level -> prefixes of the keys read full
 
-    def saw(self, bucket: int, level: int, key: str, full: bool) -> None:
-        """Note a read of `key`, at `level` of `bucket`'s tree, that found it full or not."""
+    def saw(self, bucket: int, level: int, prefix: int, full: bool) -> None:
+        """Note a read of the key at (`level`, `prefix`) of `bucket`'s tree that found it full or not."""
         if not full:
             return
-        self._full.setdefault(bucket, {}).setdefault(level, set()).add(key)
-        for old in [b for b in self._full if b < bucket - self._kept]:
+        self._full.setdefault(bucket, {}).setdefault(level, set()).add(prefix)
+        for old in [b for b in self._full if b <= bucket - self._kept]:
             del self._full[old]
 
-    def depth(self, bucket: int) -> int:
-        """The deepest level of `bucket` with enough keys read full (-1: none); the levels above it fill first."""
-        levels = self._full.get(bucket, {})
-        return max((level for level, keys in levels.items() if len(keys) >= min(2, 2**level)), default=-1)
+    def depth(self, bucket: int, *, buckets: int = 1) -> int:
+        """The deepest level with keys at two prefixes read full (-1: none) in `bucket` and the `buckets` - 1 before it;
+        the levels above it fill first."""
+        prefixes: dict[int, set[int]] = {}
+        for b in range(bucket - buckets + 1, bucket + 1):
+            for level, seen in self._full.get(b, {}).items():
+                prefixes.setdefault(level, set()).update(seen)
+        return max((level for level, seen in prefixes.items() if len(seen) >= min(2, 2**level)), default=-1)
 
 
 async def first_open(is_open: Callable[[int], Awaitable[bool]], guess: int) -> int:
@@ -170,6 +177,21 @@ async def first_open(is_open: Callable[[int], Awaitable[bool]], guess: int) -> i
         if await is_open(level):
             return level
     return level
+
+
+async def probe_depth(is_full: Callable[[int, int], Awaitable[bool]], path_depth: int, known: int, own: Callable[[int], int],
+                      rng: random.Random) -> None:
+    """After a placement found our path full down to `path_depth`: read a random key of that level off our path, and
+    one of the level above where that one is open, unless `known` (`FullLevels.depth`) is already that deep.
+
+    `is_full(level, prefix)` reads a key (and notes it in FullLevels); `own(level)` is our path's prefix there. Our
+    path alone is evidence a sybil can fake; a key of the same level beside it, drawn at random, is not.
+    """
+    for level in (path_depth, path_depth - 1):
+        if level < 1 or known >= level:
+            return
+        if await is_full(level, own(level) ^ (1 + rng.randrange(2**level - 1))):  # any prefix of the level but ours
+            return
 
 
 @dataclass

@@ -49,12 +49,14 @@ from hivespec.node.swarm.index import (
     level_weight,
     placement_delay,
     placement_path,
+    prefix_of,
+    probe_depth,
     trust_from_score,
 )
 from hivespec.node.swarm.machinery import Machinery
 from hivespec.node.swarm.records import Holder
 from hivespec.protocol.announce import MAX_ITEMS, AnnouncedBody
-from hivespec.protocol.keys import MAX_INDEX_LEVEL
+from hivespec.protocol.keys import MAX_INDEX_LEVEL, rollout_index_key
 
 if TYPE_CHECKING:
     from hivespec.node.config import SwarmConfig
@@ -114,13 +116,23 @@ class RolloutGossip(Machinery):
             return previous
         path = placement_path(self.swarm, bucket, self.identity.peer_id)
 
-        async def is_open(level: int) -> bool:
-            # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
-            _, total = await self.records.read(path[level], self.request_timeout, fresh_within=config.index_bucket_s)
-            self._saw(bucket, level, path[level], total)
-            return total < config.index_key_records
+        def ours(level: int) -> int:
+            return prefix_of(self.identity.peer_id, level)
 
-        key = path[await first_open(is_open, self._full_depth(bucket, now))]  # full there, we read on one level down
+        async def is_full(level: int, prefix: int) -> bool:
+            # A count, not the newest copy: the first replica with a record of this bucket answers (2-3 RPCs, not 20).
+            _, total = await self.records.read(rollout_index_key(self.swarm, bucket, level, prefix), self.request_timeout,
+                                               fresh_within=config.index_bucket_s)
+            self._saw(bucket, level, prefix, total)
+            return total >= config.index_key_records
+
+        async def is_open(level: int) -> bool:
+            return not await is_full(level, ours(level))
+
+        level = await first_open(is_open, self._full_depth(bucket, now))  # full there, we read on one level down
+        # What our path showed full counts once a key beside it agrees: a sybil can fill our path, not the level.
+        await probe_depth(is_full, level - 1, self._full.depth(bucket, buckets=_PLACEMENTS_KEPT), ours, self._rng)
+        key = path[level]
         self.placed[bucket] = key
         while len(self.placed) > _PLACEMENTS_KEPT:
             self.placed.popitem(last=False)
@@ -230,14 +242,14 @@ class RolloutGossip(Machinery):
         # are open, some still empty; a walk started at an empty key pays a crawl for nothing (at 64 light nodes, starts
         # at the deepest full level took 1.5 more find RPCs per node-step).
         top = min(max(0, self._full_depth(bucket, time.time()) - 1), MAX_INDEX_LEVEL)
-        for level, key in descend(self.swarm, bucket, self._rng, top):
+        for level, prefix, key in descend(self.swarm, bucket, self._rng, top):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             records, total = await self.records.read(key, min(remaining, self.request_timeout),
                                                      fresh_within=self.config.index_bucket_s)
             self.stats["index_keys_read"] += 1
-            self._saw(bucket, level, key, total)
+            self._saw(bucket, level, prefix, total)
             weight = level_weight(level, top)
             for holder, announce in records:
                 if self.peers is not None and self.peers.graylisted(holder.peer):
@@ -263,15 +275,17 @@ class RolloutGossip(Machinery):
             self.spawn(self.relay(item, urgent=urgent))
         return Fetched(item.author, body, holder=holder.peer, sha256=item.sha256, born=item.born, version=item.version)
 
-    def _saw(self, bucket: int, level: int, key: str, total: int) -> None:
-        """Note `key`, at `level` of `bucket`'s tree, read holding `total` records."""
-        self._full.saw(bucket, level, key, total >= self.config.index_key_records)
+    def _saw(self, bucket: int, level: int, prefix: int, total: int) -> None:
+        """Note the key at (`level`, `prefix`) of `bucket`'s tree read holding `total` records."""
+        self._full.saw(bucket, level, prefix, total >= self.config.index_key_records)
 
     def _full_depth(self, bucket: int, now: float) -> int:
-        """The deepest level of `bucket` we take to be full at `now` (-1: none): where our reads found it full
-        (`FullLevels`), or where the previous bucket's was, scaled to the holders moved in by now (`index.filled_by`)."""
+        """The deepest level of `bucket` we take to be full at `now` (-1: none): where our reads of it found it full,
+        or where those of the buckets before found theirs (`FullLevels`), scaled to the holders moved in by now
+        (`index.filled_by`)."""
         bucket_s = self.config.index_bucket_s
-        return max(self._full.depth(bucket), filled_by(self._full.depth(bucket - 1), now - bucket * bucket_s, bucket_s))
+        before = self._full.depth(bucket - 1, buckets=_PLACEMENTS_KEPT - 1)
+        return max(self._full.depth(bucket), filled_by(before, now - bucket * bucket_s, bucket_s))
 
     def _fresh_announced(self, now: float) -> list[AnnouncedBody]:
         """The bodies we serve that are younger than announce_seconds, our own first, newest first (a full record keeps those)."""

@@ -20,21 +20,23 @@ from hivespec.node.swarm.index import (
     level_weight,
     placement_delay,
     placement_path,
+    prefix_of,
+    probe_depth,
 )
 from hivespec.protocol.announce import AnnouncedBody
-from hivespec.protocol.keys import MAX_INDEX_LEVEL
+from hivespec.protocol.keys import MAX_INDEX_LEVEL, rollout_index_key
 
 SWARM = "index-test"
 BUCKET = 123
 CAP = 16
 
 
-def fill(holders: int) -> dict[str, list[str]]:
+def fill(holders: int, bucket: int = BUCKET) -> dict[str, list[str]]:
     """Each holder's record on the first key of its placement path holding fewer than CAP (what gossip's placement does)."""
     keys: dict[str, list[str]] = {}
     for i in range(holders):
         peer = f"hs{i:016x}"
-        for key in placement_path(SWARM, BUCKET, peer):
+        for key in placement_path(SWARM, bucket, peer):
             if len(keys.setdefault(key, [])) < CAP:
                 keys[key].append(peer)
                 break
@@ -44,7 +46,7 @@ def fill(holders: int) -> dict[str, list[str]]:
 def walk(keys: dict[str, list[str]], rng: random.Random, top: int = 0, reads: Counter | None = None) -> tuple[int, list[tuple[int, str]]]:
     """(keys read, (level, holder) met) of one reader's walk, as RolloutGossip._walk reads; `reads` counts each key read."""
     met, read = [], 0
-    for level, key in descend(SWARM, BUCKET, rng, top):
+    for level, _prefix, key in descend(SWARM, BUCKET, rng, top):
         records = keys.get(key, [])
         read += 1
         if reads is not None:
@@ -156,50 +158,88 @@ def test_the_levels_taken_as_full_grow_with_the_share_of_holders_moved_in() -> N
     assert filled_by(4, spread / 2, 30.0) == 3  # half of 31 keys' holders have moved: 15 keys, levels 0..3
 
 
+async def place(levels: FullLevels, keys: dict[str, list[str]], bucket: int, peer: str, rng: random.Random) -> int:
+    """One placement as RolloutGossip.placed_key reads it: the first open key of our path from the level we expect,
+    then a probe beside the path; every key read is noted in `levels`. Returns the level placed at."""
+
+    async def is_full(level: int, prefix: int) -> bool:
+        full = len(keys.get(rollout_index_key(SWARM, bucket, level, prefix), [])) >= CAP
+        levels.saw(bucket, level, prefix, full)
+        return full
+
+    async def is_open(level: int) -> bool:
+        return not await is_full(level, prefix_of(peer, level))
+
+    level = await first_open(is_open, expected_depth(levels, bucket))
+    await probe_depth(is_full, level - 1, levels.depth(bucket, buckets=4), lambda at: prefix_of(peer, at), rng)
+    return level
+
+
+def expected_depth(levels: FullLevels, bucket: int) -> int:
+    """RolloutGossip._full_depth late in a bucket: what this bucket's reads showed, or the buckets' before."""
+    return max(levels.depth(bucket), levels.depth(bucket - 1, buckets=3))
+
+
+def reader_buckets(peer: str, steps: int, rng: random.Random, sybil: bool) -> tuple[FullLevels, list[int], list[int]]:
+    """Four buckets of one reader's steps, as RolloutGossip takes them: a placement a bucket (`place`), and a walk a
+    step from one level above the deepest it takes to be full. With `sybil`, every key of the reader's placement path is filled to
+    the cap in every bucket. Returns its FullLevels, the levels it placed at, and the holders (the sybil's aside)
+    each walk met."""
+    levels, placed, met = FullLevels(buckets_kept=4), [], []
+    for bucket in range(BUCKET, BUCKET + 4):
+        keys = fill(500, bucket)
+        if sybil:
+            for level, key in enumerate(placement_path(SWARM, bucket, peer)):
+                keys.setdefault(key, []).extend(f"sybil{level}-{i}" for i in range(CAP - len(keys.get(key, []))))
+        placed.append(asyncio.run(place(levels, keys, bucket, peer, rng)))  # once a bucket
+        for _ in range(steps):
+            honest = 0
+            for level, prefix, key in descend(SWARM, bucket, rng, max(0, expected_depth(levels, bucket) - 1)):
+                records = keys.get(key, [])
+                levels.saw(bucket, level, prefix, len(records) >= CAP)
+                honest += sum(1 for r in records if not r.startswith("sybil"))
+                if not go_deeper(len(records), CAP, rng):
+                    break
+            met.append(honest)
+    return levels, placed, met
+
+
 def test_a_sybil_filling_one_readers_placement_path_does_not_send_its_walks_below_the_tree() -> None:
     """A sybil fills every key of the victim's placement path (its peer id gives it away) to the cap, down to the
-    last level. The victim's placements read that path, and its walks start above the deepest level it takes to be
-    full (as RolloutGossip does): it must not take the sybil's chain for the tree, and its walks keep meeting holders."""
-    keys = fill(500)
-    honest_deepest = full_depth(keys)  # the deepest level with a full key, the sybil's aside
-    victim = "hs-victim"
-    path = placement_path(SWARM, BUCKET, victim)
-    for level, key in enumerate(path):
-        keys.setdefault(key, []).extend(f"sybil{level}-{i}" for i in range(CAP - len(keys.get(key, []))))
-    levels, rng = FullLevels(buckets_kept=4), random.Random(5)
-    placed, met = [], []
-    for _ in range(40):  # a bucket of steps: a placement, then walks
-        async def is_open(level: int) -> bool:
-            full = len(keys.get(path[level], [])) >= CAP
-            levels.saw(BUCKET, level, path[level], full)
-            return not full
-
-        placed.append(asyncio.run(first_open(is_open, levels.depth(BUCKET))))
-        top = max(0, levels.depth(BUCKET) - 1)
-        honest = 0
-        for level, key in descend(SWARM, BUCKET, rng, top):
-            records = keys.get(key, [])
-            levels.saw(BUCKET, level, key, len(records) >= CAP)
-            honest += sum(1 for r in records if not r.startswith("sybil"))
-            if not go_deeper(len(records), CAP, rng):
-                break
-        met.append(honest)
+    last level, bucket after bucket: the victim must not take the sybil's chain for the tree, and its walks keep
+    meeting holders."""
+    honest_deepest = full_depth(fill(500))  # the deepest level with a full key, the sybil's aside
+    levels, placed, met = reader_buckets("hs-victim", 10, random.Random(5), sybil=True)
     assert set(placed) == {MAX_INDEX_LEVEL}  # every placement read the sybil's full keys down to the bottom
-    assert 0 < levels.depth(BUCKET) <= honest_deepest, (levels.depth(BUCKET), honest_deepest)
+    last = BUCKET + 3
+    assert 0 < levels.depth(last, buckets=4) <= honest_deepest, (levels.depth(last, buckets=4), honest_deepest)
     assert statistics.mean(met) >= CAP, statistics.mean(met)  # about a key's worth of holders a walk, not an empty crawl
 
 
-def test_full_levels_count_a_level_once_two_of_its_keys_were_read_full() -> None:
-    levels = FullLevels(buckets_kept=2)
-    levels.saw(7, 0, "root", True)
-    levels.saw(7, 3, "a", True)
-    levels.saw(7, 3, "a", True)  # the same key again
-    levels.saw(7, 4, "b", False)
+def test_a_slow_reader_learns_the_trees_depth_in_its_first_bucket() -> None:
+    """Two steps a bucket (a node of 15-s steps): its placement and the probe beside its path show it the levels whose
+    keys are all full from the first bucket, so its walks start among the levels above them, not at the root."""
+    keys = fill(500)
+    every_key_full = min(int(key.split("/")[-2]) for key, records in keys.items() if len(records) < CAP) - 1
+    for seed in range(4):
+        levels, placed, _ = reader_buckets(f"hs-slow{seed}", 2, random.Random(seed), sybil=False)
+        assert levels.depth(BUCKET) >= every_key_full, (seed, levels.depth(BUCKET), every_key_full)
+        assert levels.depth(BUCKET + 3, buckets=4) <= full_depth(keys) and max(placed) <= full_depth(keys) + 1
+
+
+def test_full_levels_count_a_level_once_keys_at_two_of_its_prefixes_were_read_full() -> None:
+    levels = FullLevels(buckets_kept=3)
+    levels.saw(7, 0, 0, True)
+    levels.saw(7, 3, 5, True)
+    levels.saw(7, 3, 5, True)  # the same key again
+    levels.saw(7, 4, 1, False)
     assert levels.depth(7) == 0 and levels.depth(6) == -1
-    levels.saw(7, 3, "c", True)
-    assert levels.depth(7) == 3
-    levels.saw(10, 0, "root", True)  # buckets older than two before the newest are forgotten
-    assert levels.depth(7) == -1 and levels.depth(10) == 0
+    levels.saw(8, 3, 5, True)  # the same prefix in the next bucket: a placement path's key, bucket after bucket
+    assert levels.depth(8, buckets=2) == 0
+    levels.saw(8, 3, 6, True)  # a second prefix: the level is full, below the root, which bucket 8 has not read yet
+    assert levels.depth(8) == 3 and levels.depth(8, buckets=2) == 3
+    levels.saw(10, 0, 0, True)  # buckets as old as buckets_kept before the newest are forgotten
+    assert levels.depth(7) == -1 and levels.depth(10, buckets=3) == 3
 
 
 def test_choose_claims_keeps_the_per_author_quota_and_skips_what_is_too_old() -> None:
