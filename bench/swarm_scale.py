@@ -55,7 +55,9 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
                              shutdown stages that ran into the node's deadline (p2pd slow to exit while every peer
                              hangs up at once), each then bounded and p2pd killed
   k_fill                     batches fetched per step / K: below 1 where fewer than K fresh unfetched batches existed
-                             (a fast node in a small swarm of slow ones)
+                             (a fast node in a small swarm of slow ones); k_fill_ceiling what it could have been with
+                             every batch the others published in sight (each node replayed step by step: K a step, one
+                             an author, each batch once, oldest first): the swarm's supply, the floor of flat_bodies
 
     python bench/swarm_scale.py            # N = 8 16 32 64 loopback + N = 16 shaped
     python bench/swarm_scale.py --quick    # N = 8 16 loopback

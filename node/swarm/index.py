@@ -23,6 +23,8 @@ first l bits of sha256(its peer id).
   where it has read two full keys, or the previous bucket's scaled to the holders moved in by now,
   `filled_by`), reading down or up from there: about 2 keys a bucket whatever the swarm's size,
   where reading from the root took one per level, and only a bucket's first holders read the root.
+  Where the path showed deeper levels full than the holder knew, it reads one random key of that
+  level beside its path (`probe_depth`): a level counts as full only from keys at two prefixes.
 - **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (one
   above the deepest level where the reader has read two full keys, `FullLevels`), down one random path; below a full key the reader goes
   on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
