@@ -20,13 +20,13 @@ first l bits of sha256(its peer id).
   then its new batches join its previous record; when it moves, the fresh ones come along.
 - **Finding our key** (`first_open`): keys fill root first, so along a path the full keys come
   before the open ones. A holder looks for that boundary from the level it expects (the deepest
-  where it has read two full keys, or the previous bucket's scaled to the holders moved in by now,
+  where it has read full keys at two prefixes, or the previous bucket's scaled to the holders moved in by now,
   `filled_by`), reading down or up from there: about 2 keys a bucket whatever the swarm's size,
   where reading from the root took one per level, and only a bucket's first holders read the root.
   Where the path showed deeper levels full than the holder knew, it reads one random key of that
   level beside its path (`probe_depth`): a level counts as full only from keys at two prefixes.
 - **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (one
-  above the deepest level where the reader has read two full keys, `FullLevels`), down one random path; below a full key the reader goes
+  above the deepest level where the reader has read full keys at two prefixes, `FullLevels`), down one random path; below a full key the reader goes
   on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
   whatever the swarm's size (a walk to the bottom would read log2(publishers / cap) + 1). Starting
   at the root, every walk of the swarm read the root, and its nearest replica answered them all:
@@ -139,7 +139,8 @@ class FullLevels:
     drawn at random, so passing a level off as full takes filling the keys of that level, as many records as the
     swarm writes there. The path keeps its prefixes from bucket to bucket, so only the prefixes of several buckets
     are pooled (`depth(..., buckets=n)`), and a placement reads one random key beside its path (`probe_depth`):
-    walks alone, a few a bucket starting near the root, learnt a tree of 5000 holders 3 levels too shallow in 4 minutes.
+    walks alone, a few a bucket starting near the root, still took a tree of 5000 holders 3 levels too shallow after
+    8 buckets at 2 steps a bucket.
     """
 
     def __init__(self, buckets_kept: int) -> None:
