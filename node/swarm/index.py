@@ -24,7 +24,9 @@ first l bits of sha256(its peer id).
   `filled_by`), reading down or up from there: about 2 keys a bucket whatever the swarm's size,
   where reading from the root took one per level, and only a bucket's first holders read the root.
   Where the path showed deeper levels full than the holder knew, it reads one random key of that
-  level beside its path (`probe_depth`): a level counts as full only from keys at two prefixes.
+  level beside its path (`probe_depth`): a level counts as full only from keys at two prefixes. It
+  reads no deeper than `PLACEMENT_MARGIN` below the depth it knows, so a sybil that fills its path
+  cannot bury its record where walks never reach.
 - **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (one
   above the deepest level where the reader has read full keys at two prefixes, `FullLevels`), down one random path; below a full key the reader goes
   on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
@@ -80,6 +82,11 @@ def placement_path(swarm: str, bucket: int, peer_id: str) -> list[str]:
 
 
 PLACEMENT_SPREAD = 1 / 3  # of a bucket: the span over which holders move their records into it
+# Levels below the depth a holder knows (`FullLevels`) that its placement reads down to at most. Keys fill root first,
+# so a path's first open key is seldom more than two levels below the deepest level read full at two prefixes; where
+# it is (a lone full key with a full child, a swarm that just grew), the record makes a key one over the cap. Without
+# the bound, a sybil that fills a holder's path puts the holder's record at its bottom, where walks almost never reach.
+PLACEMENT_MARGIN = 2
 
 
 def placement_delay(peer_id: str, bucket: int, bucket_s: float) -> float:
@@ -165,17 +172,19 @@ class FullLevels:
         return max((level for level, seen in prefixes.items() if len(seen) >= min(2, 2**level)), default=-1)
 
 
-async def first_open(is_open: Callable[[int], Awaitable[bool]], guess: int) -> int:
+async def first_open(is_open: Callable[[int], Awaitable[bool]], guess: int, deepest: int = MAX_INDEX_LEVEL) -> int:
     """The level of the first open key (fewer than cap records) on a placement path, read from level `guess` up or down.
 
-    Keys fill root first, so along a path full keys come before open ones; where none is open, the deepest level.
+    Keys fill root first, so along a path full keys come before open ones; where none is open down to `deepest`,
+    `deepest` (its key takes one record more than the cap).
     """
-    level = min(max(guess, 0), MAX_INDEX_LEVEL)
+    deepest = min(deepest, MAX_INDEX_LEVEL)
+    level = min(max(guess, 0), deepest)
     if await is_open(level):
         while level > 0 and await is_open(level - 1):
             level -= 1
         return level
-    while level < MAX_INDEX_LEVEL:
+    while level < deepest:
         level += 1
         if await is_open(level):
             return level

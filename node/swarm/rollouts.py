@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from hivespec.node.swarm.fetching import Fetched
 from hivespec.node.swarm.index import (
+    PLACEMENT_MARGIN,
     Candidate,
     FullLevels,
     bucket_of,
@@ -129,9 +130,13 @@ class RolloutGossip(Machinery):
         async def is_open(level: int) -> bool:
             return not await is_full(level, ours(level))
 
-        level = await first_open(is_open, self._full_depth(bucket, now))  # full there, we read on one level down
+        known = self._full.depth(bucket, buckets=_PLACEMENTS_KEPT)
+        # No deeper than PLACEMENT_MARGIN below the depth we know: a sybil that fills our path would otherwise put our
+        # record at its bottom, where walks almost never reach. (A newcomer, which knows no depth yet, reads on down.)
+        deepest = known + PLACEMENT_MARGIN if known >= 0 else MAX_INDEX_LEVEL
+        level = await first_open(is_open, self._full_depth(bucket, now), deepest)  # full there, we read on one level down
         # What our path showed full counts once a key beside it agrees: a sybil can fill our path, not the level.
-        await probe_depth(is_full, level - 1, self._full.depth(bucket, buckets=_PLACEMENTS_KEPT), ours, self._rng)
+        await probe_depth(is_full, level - 1, known, ours, self._rng)
         key = path[level]
         self.placed[bucket] = key
         while len(self.placed) > _PLACEMENTS_KEPT:

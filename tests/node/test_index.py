@@ -9,6 +9,7 @@ import statistics
 from collections import Counter
 
 from hivespec.node.swarm.index import (
+    PLACEMENT_MARGIN,
     PLACEMENT_SPREAD,
     Candidate,
     FullLevels,
@@ -159,8 +160,9 @@ def test_the_levels_taken_as_full_grow_with_the_share_of_holders_moved_in() -> N
 
 
 async def place(levels: FullLevels, keys: dict[str, list[str]], bucket: int, peer: str, rng: random.Random) -> int:
-    """One placement as RolloutGossip.placed_key reads it: the first open key of our path from the level we expect,
-    then a probe beside the path; every key read is noted in `levels`. Returns the level placed at."""
+    """One placement as RolloutGossip.placed_key reads it: the first open key of our path from the level we expect, no
+    deeper than PLACEMENT_MARGIN below the depth we know, then a probe beside the path; every key read is noted in
+    `levels`. Returns the level placed at."""
 
     async def is_full(level: int, prefix: int) -> bool:
         full = len(keys.get(rollout_index_key(SWARM, bucket, level, prefix), [])) >= CAP
@@ -170,8 +172,10 @@ async def place(levels: FullLevels, keys: dict[str, list[str]], bucket: int, pee
     async def is_open(level: int) -> bool:
         return not await is_full(level, prefix_of(peer, level))
 
-    level = await first_open(is_open, expected_depth(levels, bucket))
-    await probe_depth(is_full, level - 1, levels.depth(bucket, buckets=4), lambda at: prefix_of(peer, at), rng)
+    known = levels.depth(bucket, buckets=4)
+    deepest = known + PLACEMENT_MARGIN if known >= 0 else MAX_INDEX_LEVEL
+    level = await first_open(is_open, expected_depth(levels, bucket), deepest)
+    await probe_depth(is_full, level - 1, known, lambda at: prefix_of(peer, at), rng)
     return level
 
 
@@ -210,7 +214,9 @@ def test_a_sybil_filling_one_readers_placement_path_does_not_send_its_walks_belo
     meeting holders."""
     honest_deepest = full_depth(fill(500))  # the deepest level with a full key, the sybil's aside
     levels, placed, met = reader_buckets("hs-victim", 10, random.Random(5), sybil=True)
-    assert set(placed) == {MAX_INDEX_LEVEL}  # every placement read the sybil's full keys down to the bottom
+    # Knowing no depth yet, its first placement read the sybil's full keys down to the bottom; from then on no deeper
+    # than PLACEMENT_MARGIN below what it knows, where walks still reach its record.
+    assert placed[0] == MAX_INDEX_LEVEL and max(placed[1:]) <= honest_deepest + PLACEMENT_MARGIN, placed
     last = BUCKET + 3
     assert 0 < levels.depth(last, buckets=4) <= honest_deepest, (levels.depth(last, buckets=4), honest_deepest)
     assert statistics.mean(met) >= CAP, statistics.mean(met)  # about a key's worth of holders a walk, not an empty crawl
@@ -225,6 +231,35 @@ def test_a_slow_reader_learns_the_trees_depth_in_its_first_bucket() -> None:
         levels, placed, _ = reader_buckets(f"hs-slow{seed}", 2, random.Random(seed), sybil=False)
         assert levels.depth(BUCKET) >= every_key_full, (seed, levels.depth(BUCKET), every_key_full)
         assert levels.depth(BUCKET + 3, buckets=4) <= full_depth(keys) and max(placed) <= full_depth(keys) + 1
+
+
+def test_bounding_the_placement_below_the_known_depth_moves_no_honest_record() -> None:
+    """With every holder placing as RolloutGossip does, from the depth it learnt in the bucket before, PLACEMENT_MARGIN
+    binds almost never: the same keys as reading on down to the first open one."""
+    unbounded, bounded, rng = fill(2000, BUCKET + 1), {}, random.Random(7)
+    for i in range(2000):
+        peer = f"hs{i:016x}"
+        levels = FullLevels(buckets_kept=4)
+        asyncio.run(place(levels, fill_cached(BUCKET), BUCKET, peer, rng))  # what a holder learns in a bucket
+        for _ in range(2):
+            for level, prefix, key in descend(SWARM, BUCKET, rng, max(0, expected_depth(levels, BUCKET) - 1)):
+                levels.saw(BUCKET, level, prefix, len(fill_cached(BUCKET).get(key, [])) >= CAP)
+                if not go_deeper(len(fill_cached(BUCKET).get(key, [])), CAP, rng):
+                    break
+        level = asyncio.run(place(levels, bounded, BUCKET + 1, peer, rng))
+        bounded.setdefault(placement_path(SWARM, BUCKET + 1, peer)[level], []).append(peer)
+    moved = sum(len(set(records) ^ set(bounded.get(key, []))) for key, records in unbounded.items()) / 2
+    assert moved <= 2000 * 0.01, moved
+    assert max(len(records) for records in bounded.values()) <= CAP + 1
+
+
+_FILLED: dict[int, dict[str, list[str]]] = {}
+
+
+def fill_cached(bucket: int) -> dict[str, list[str]]:
+    if bucket not in _FILLED:
+        _FILLED[bucket] = fill(2000, bucket)
+    return _FILLED[bucket]
 
 
 def test_full_levels_count_a_level_once_keys_at_two_of_its_prefixes_were_read_full() -> None:
