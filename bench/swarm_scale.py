@@ -883,7 +883,7 @@ def _flat_at_equal_mix(smallest: dict, largest: dict) -> float | None:
 
 
 def _row(r: dict) -> str:
-    return (f"N={r['nodes']:>3} {r['network']:<8} delivery {r['delivery']} k_fill {r['k_fill']} (ceiling {r.get('k_fill_ceiling')}) p50 {r['p50_s']} s p95 {r['p95_s']} s | "
+    return (f"N={r['nodes']:>3} {r['network']:<8} delivery {r['delivery']} k_fill {r['k_fill']} (ceiling {r['k_fill_ceiling']}) p50 {r['p50_s']} s p95 {r['p95_s']} s | "
             f"{r['bytes_per_node_step'] / 1e3:.0f} kB/node-step ({r['bytes_counted_as']}; bodies {r['body_bytes_per_node_step'] / 1e3:.0f} kB) | "
             f"dht {r['dht_requests_per_node_step']} req ({r['hivemind_rpcs_per_node_step']} RPCs)/node-step, "
             f"{r['index_keys_read_per_node_step']} keys read | max {r['max_records_per_key']} records/key | "

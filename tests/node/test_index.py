@@ -196,16 +196,21 @@ def reader_buckets(peer: str, steps: int, rng: random.Random, sybil: bool) -> tu
             for level, key in enumerate(placement_path(SWARM, bucket, peer)):
                 keys.setdefault(key, []).extend(f"sybil{level}-{i}" for i in range(CAP - len(keys.get(key, []))))
         placed.append(asyncio.run(place(levels, keys, bucket, peer, rng)))  # once a bucket
-        for _ in range(steps):
-            honest = 0
-            for level, prefix, key in descend(SWARM, bucket, rng, max(0, expected_depth(levels, bucket) - 1)):
-                records = keys.get(key, [])
-                levels.saw(bucket, level, prefix, len(records) >= CAP)
-                honest += sum(1 for r in records if not r.startswith("sybil"))
-                if not go_deeper(len(records), CAP, rng):
-                    break
-            met.append(honest)
+        met += [learning_walk(levels, keys, bucket, rng) for _ in range(steps)]
     return levels, placed, met
+
+
+def learning_walk(levels: FullLevels, keys: dict[str, list[str]], bucket: int, rng: random.Random) -> int:
+    """One walk as RolloutGossip._walk takes it, from one level above the deepest it takes to be full, every key read
+    noted in `levels`; returns the holders it met, a sybil's aside."""
+    honest = 0
+    for level, prefix, key in descend(SWARM, bucket, rng, max(0, expected_depth(levels, bucket) - 1)):
+        records = keys.get(key, [])
+        levels.saw(bucket, level, prefix, len(records) >= CAP)
+        honest += sum(1 for r in records if not r.startswith("sybil"))
+        if not go_deeper(len(records), CAP, rng):
+            break
+    return honest
 
 
 def test_a_sybil_filling_one_readers_placement_path_does_not_send_its_walks_below_the_tree() -> None:
@@ -236,30 +241,18 @@ def test_a_slow_reader_learns_the_trees_depth_in_its_first_bucket() -> None:
 def test_bounding_the_placement_below_the_known_depth_moves_no_honest_record() -> None:
     """With every holder placing as RolloutGossip does, from the depth it learnt in the bucket before, PLACEMENT_MARGIN
     binds almost never: the same keys as reading on down to the first open one."""
-    unbounded, bounded, rng = fill(2000, BUCKET + 1), {}, random.Random(7)
+    before, unbounded, bounded, rng = fill(2000), fill(2000, BUCKET + 1), {}, random.Random(7)
     for i in range(2000):
         peer = f"hs{i:016x}"
         levels = FullLevels(buckets_kept=4)
-        asyncio.run(place(levels, fill_cached(BUCKET), BUCKET, peer, rng))  # what a holder learns in a bucket
+        asyncio.run(place(levels, before, BUCKET, peer, rng))  # what a holder learns in a bucket: a placement, 2 walks
         for _ in range(2):
-            for level, prefix, key in descend(SWARM, BUCKET, rng, max(0, expected_depth(levels, BUCKET) - 1)):
-                levels.saw(BUCKET, level, prefix, len(fill_cached(BUCKET).get(key, [])) >= CAP)
-                if not go_deeper(len(fill_cached(BUCKET).get(key, [])), CAP, rng):
-                    break
+            learning_walk(levels, before, BUCKET, rng)
         level = asyncio.run(place(levels, bounded, BUCKET + 1, peer, rng))
         bounded.setdefault(placement_path(SWARM, BUCKET + 1, peer)[level], []).append(peer)
     moved = sum(len(set(records) ^ set(bounded.get(key, []))) for key, records in unbounded.items()) / 2
     assert moved <= 2000 * 0.01, moved
     assert max(len(records) for records in bounded.values()) <= CAP + 1
-
-
-_FILLED: dict[int, dict[str, list[str]]] = {}
-
-
-def fill_cached(bucket: int) -> dict[str, list[str]]:
-    if bucket not in _FILLED:
-        _FILLED[bucket] = fill(2000, bucket)
-    return _FILLED[bucket]
 
 
 def test_full_levels_count_a_level_once_keys_at_two_of_its_prefixes_were_read_full() -> None:
