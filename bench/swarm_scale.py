@@ -53,7 +53,7 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
   clean_shutdowns            no worker log holds a traceback, "Task was destroyed", "was never retrieved",
                              "gossip shutdown was not clean" or "did not stop within"; shutdown_stages_cut_short counts
                              shutdown stages that ran into the node's deadline (p2pd slow to exit while every peer
-                             hangs up at once), each then bounded and p2pd killed
+                             hangs up at once) and tasks still unwinding there, each then bounded and p2pd killed
   k_fill                     batches fetched per step / K: below 1 where fewer than K fresh unfetched batches existed
                              (a fast node in a small swarm of slow ones); k_fill_ceiling what it could have been with
                              every batch the others published in sight (each node replayed step by step: K a step, one
@@ -702,7 +702,7 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
     unclean, cut_short = [], 0
     for worker in workers:
         text = worker.log.read_text(errors="replace")
-        cut_short += text.count("gossip shutdown: ")  # a stage that ran past the deadline (p2pd slow to exit): bounded, counted
+        cut_short += text.count("gossip shutdown: ")  # a stage or a task's unwinding that ran past the deadline: bounded, counted
         unclean += [f"{worker.log.name}: {line.strip()[:200]}" for line in text.splitlines() if any(p in line for p in UNCLEAN)]
         if worker.process.returncode != 0:
             unclean.append(f"{worker.log.name}: exit code {worker.process.returncode}")

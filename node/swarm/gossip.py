@@ -72,6 +72,12 @@ _GRACE_S = 5.0  # slack for the caller's wait on top of the timeout enforced ins
 T = TypeVar("T")
 
 
+def _task_name(task: asyncio.Task) -> str:
+    """A task's name and its coroutine's, for a log line about a task that would not stop."""
+    coro = task.get_coro()
+    return f"{task.get_name()} ({getattr(coro, '__qualname__', coro)})"
+
+
 class GossipError(RuntimeError):
     """hivemind could not be started or used; the message says what to check."""
 
@@ -289,12 +295,13 @@ class Gossip:
                 child.kill()
             except ProcessLookupError:
                 pass
-        # Tasks started while we shut down (a peer's request arriving late) end here, not as "destroyed but pending".
+        # Tasks started while we shut down (a peer's request arriving late), and any still unwinding, end here, not as
+        # "destroyed but pending"; one that ignores a second cancel is left to the garbage collector.
         leftover = asyncio.all_tasks(loop)
         for task in leftover:
             task.cancel()
         if leftover:
-            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+            loop.run_until_complete(asyncio.wait(leftover, timeout=_GRACE_S))
         loop.close()
         if self.peers is not None:
             self.peers.save()
@@ -326,12 +333,18 @@ class Gossip:
                 with contextlib.suppress(ProcessLookupError):
                     child.kill()
                 await stage("waiting for p2pd to die", child.wait())
-        # hivemind leaves background tasks (traversals, cache refresh) pending; end them and ours here.
+        # hivemind leaves background tasks (traversals, cache refresh) pending; end them and ours here. A task may
+        # unwind for long once cancelled (an await in its cleanup): it gets what is left of the deadline, is named,
+        # and is cancelled again by `shutdown` with the loop's other leftovers.
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 1.0))
+            if pending:
+                logger.warning("gossip shutdown: %d task(s) still unwinding at the deadline: %s", len(pending),
+                               ", ".join(sorted(_task_name(t) for t in pending)))
 
     def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         """A peer hanging up mid-stream is an expected event: counted and logged at debug, never a traceback."""

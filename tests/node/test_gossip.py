@@ -621,6 +621,29 @@ def test_shutdown_is_clean_and_idempotent() -> None:
         first.publish_rollouts(b"y", version=0)
 
 
+def test_shutdown_is_bounded_when_a_task_will_not_stop(caplog: pytest.LogCaptureFixture) -> None:
+    # A task that unwinds for longer than the shutdown's deadline once cancelled (hivemind's and ours are cancelled
+    # at the end of it): the node must still stop within request_timeout, kill p2pd and its thread, and name the task.
+    node = start_node(request_timeout=2.0)
+    pid = p2pd_pid(node)
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(3600)  # swallows the cancel until cancelled again
+
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), node._loop).result(5)  # the loop runs
+    node._loop.call_soon_threadsafe(lambda: node._loop.create_task(stubborn(), name="stubborn"))
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="hivespec.node.swarm.gossip"):
+        node.shutdown()
+    assert time.monotonic() - started < 2.0 + 3.0
+    assert not psutil.pid_exists(pid)
+    assert not [t for t in gossip_threads() if t.ident == node._thread.ident]
+    assert "stubborn" in caplog.text and "not clean" not in caplog.text
+
+
 def test_bad_arguments_fail_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="swarm name"):
         Gossip(Identity.generate(), SwarmConfig(swarm="Not A Swarm!"))
