@@ -72,6 +72,19 @@ _GRACE_S = 5.0  # slack for the caller's wait on top of the timeout enforced ins
 T = TypeVar("T")
 
 
+async def _cancel_all(tasks: set[asyncio.Task], timeout: float) -> set[asyncio.Task]:
+    """Cancel `tasks` and wait for them up to `timeout` s; those still unwinding. Exceptions are retrieved, never logged."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return set()
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: a peer's late request failing as we stop is not news
+    return pending
+
+
 def _task_name(task: asyncio.Task) -> str:
     """A task's name and its coroutine's, for a log line about a task that would not stop."""
     coro = task.get_coro()
@@ -297,11 +310,7 @@ class Gossip:
                 pass
         # Tasks started while we shut down (a peer's request arriving late), and any still unwinding, end here, not as
         # "destroyed but pending"; one that ignores a second cancel is left to the garbage collector.
-        leftover = asyncio.all_tasks(loop)
-        for task in leftover:
-            task.cancel()
-        if leftover:
-            loop.run_until_complete(asyncio.wait(leftover, timeout=_GRACE_S))
+        loop.run_until_complete(_cancel_all(asyncio.all_tasks(loop), _GRACE_S))
         loop.close()
         if self.peers is not None:
             self.peers.save()
@@ -336,15 +345,10 @@ class Gossip:
         # hivemind leaves background tasks (traversals, cache refresh) pending; end them and ours here. A task may
         # unwind for long once cancelled (an await in its cleanup): it gets what is left of the deadline, is named,
         # and is cancelled again by `shutdown` with the loop's other leftovers.
-        current = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not current]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 1.0))
-            if pending:
-                logger.warning("gossip shutdown: %d task(s) still unwinding at the deadline: %s", len(pending),
-                               ", ".join(sorted(_task_name(t) for t in pending)))
+        pending = await _cancel_all(asyncio.all_tasks() - {asyncio.current_task()}, max(deadline - time.monotonic(), 1.0))
+        if pending:
+            logger.warning("gossip shutdown: %d task(s) still unwinding at the deadline: %s", len(pending),
+                           ", ".join(sorted(_task_name(t) for t in pending)))
 
     def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         """A peer hanging up mid-stream is an expected event: counted and logged at debug, never a traceback."""

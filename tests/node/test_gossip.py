@@ -4,6 +4,7 @@ solo mode, shutdown."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import os
 import threading
@@ -633,15 +634,24 @@ def test_shutdown_is_bounded_when_a_task_will_not_stop(caplog: pytest.LogCapture
         finally:
             await asyncio.sleep(3600)  # swallows the cancel until cancelled again
 
+    async def failing() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            raise RuntimeError("failed while cancelled")
+
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0), node._loop).result(5)  # the loop runs
-    node._loop.call_soon_threadsafe(lambda: node._loop.create_task(stubborn(), name="stubborn"))
+    for task, name in ((stubborn, "stubborn"), (failing, "failing")):
+        node._loop.call_soon_threadsafe(lambda task=task, name=name: node._loop.create_task(task(), name=name))
     started = time.monotonic()
-    with caplog.at_level("WARNING", logger="hivespec.node.swarm.gossip"):
+    with caplog.at_level("WARNING"):
         node.shutdown()
+        gc.collect()  # a task whose exception nobody retrieved would be reported now
     assert time.monotonic() - started < 2.0 + 3.0
     assert not psutil.pid_exists(pid)
     assert not [t for t in gossip_threads() if t.ident == node._thread.ident]
-    assert "stubborn" in caplog.text and "not clean" not in caplog.text
+    assert "stubborn" in caplog.text and "failing" not in caplog.text
+    assert "not clean" not in caplog.text and "never retrieved" not in caplog.text and "destroyed" not in caplog.text
 
 
 def test_bad_arguments_fail_before_anything_starts() -> None:
