@@ -43,6 +43,11 @@ on, walks go to the bottom of the tree, both buckets read every step); `walks_fr
 2026-11-26 (every walk and placement read from the root, whose replicas then answer the whole swarm:
 `hot_key`); `coalesced_stores` a lever not built (a node stores its record at most once per 10 s).
 
+The fitted pair (rpc_bytes, entry_bytes) is not what the wire shows (docs/scale.md, "How far to trust
+the rows past 64"), and the hops term is checked against `FullTables`: early-stopping reads simulated
+over routing tables as full as hivemind's k-bucket rules allow (printed as read_rpcs, model beside
+simulation, at 64 to 10^5 nodes; about a second).
+
     python bench/scale_model.py                       # N = 8 .. 10^5
     python bench/scale_model.py --measured run.json   # also the bench's points, model beside measurement
 
@@ -52,10 +57,12 @@ Ends with one line `RESULT {json}`.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import itertools
 import json
 import math
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,7 +217,7 @@ def per_node_step(n: int, d: Design) -> dict:
     return {
         "nodes": n, "levels": levels, "keys_per_walk": round(keys_per_walk, 2), "records_per_key": round(per_key),
         "dht_gets": round(gets, 2), "placement_reads": round(placement_reads, 2), "dht_requests": round(gets + stores, 2), "hivemind_rpcs": round(find_rpcs + store_rpcs, 1),
-        "record_copies": round(copies, 1), "k_fill": round(fill, 3), "body_bytes": round(body),
+        "record_copies": round(copies, 1), "read_rpcs": round(read_rpcs, 2), "k_fill": round(fill, 3), "body_bytes": round(body),
         "index_bytes": round(index + idle), "bytes": round(body + index + idle), "step_s": round(step_s, 2),
     }
 
@@ -261,6 +268,74 @@ def fit(measured: list[dict], d: Design) -> Design:
         if e < err:
             best, err = replies, e
     return dataclasses.replace(d, replies=best)
+
+
+class FullTables:
+    """A swarm of n DHT nodes whose routing tables are as full as hivemind's rules allow: a check of the model's hops.
+
+    hivemind splits a full k-bucket that holds the node's own id, or whose depth is not a multiple of
+    depth_modulo (5); any other full bucket keeps k of its peers. A node here knows every peer such a
+    table can hold (k drawn at random where a bucket is full), a table a long-running node fills
+    towards. 64-bit ids (enough for 10^5 nodes); tables are built for the nodes a lookup visits.
+    """
+
+    def __init__(self, n: int, k: int = 20, depth_modulo: int = 5, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        self.ids = sorted({rng.getrandbits(64) for _ in range(n)})
+        self.k, self.depth_modulo = k, depth_modulo
+        self._tables: dict[int, list[int]] = {}
+
+    def _span(self, prefix: int, depth: int) -> tuple[int, int]:
+        return bisect.bisect_left(self.ids, prefix << (64 - depth)), bisect.bisect_left(self.ids, (prefix + 1) << (64 - depth))
+
+    def table(self, node: int) -> list[int]:
+        if node not in self._tables:
+            known, stack = [], [(0, 0)]
+            while stack:
+                prefix, depth = stack.pop()
+                lo, hi = self._span(prefix, depth)
+                ours = node >> (64 - depth) == prefix
+                if hi - lo - ours <= self.k:
+                    known += [v for v in self.ids[lo:hi] if v != node]
+                elif ours or depth % self.depth_modulo:
+                    stack += [(2 * prefix, depth + 1), (2 * prefix + 1, depth + 1)]
+                else:
+                    known += random.Random(node ^ prefix ^ depth).sample(self.ids[lo:hi], self.k)
+            self._tables[node] = known
+        return self._tables[node]
+
+    def nearest(self, node: int, target: int, k: int) -> list[int]:
+        return sorted(self.table(node), key=lambda v: v ^ target)[:k]
+
+    def replicas(self, target: int, r: int) -> set[int]:
+        """The r nodes nearest the target: all in the smallest prefix range around it that holds r."""
+        for depth in range(64, -1, -1):
+            lo, hi = self._span(target >> (64 - depth), depth)
+            if hi - lo >= r:
+                return set(sorted(self.ids[lo:hi], key=lambda v: v ^ target)[:r])
+        return set(self.ids)
+
+    def read_rpcs(self, reader: int, target: int, d: Design) -> int:
+        """An early-stopping read, one request in flight from the reader's nearest peers: RPCs until a replica answers."""
+        replicas = self.replicas(target, d.replicas)
+        if reader in replicas:
+            return 0
+        candidates, seen, asked = set(self.nearest(reader, target, d.lookup_beam)), {reader}, 0
+        while candidates:
+            peer = min(candidates, key=lambda v: v ^ target)
+            candidates.discard(peer)
+            seen.add(peer)
+            asked += 1
+            if peer in replicas:
+                break
+            candidates |= set(self.nearest(peer, target, self.k)) - seen
+        return asked
+
+
+def simulated_read_rpcs(n: int, d: Design, reads: int = 200) -> float:
+    """Mean RPCs of an index read that finds the key's records, in a swarm of n nodes with full routing tables."""
+    swarm, rng = FullTables(n, d.beam), random.Random(1)
+    return sum(swarm.read_rpcs(rng.choice(swarm.ids), rng.getrandbits(64), d) for _ in range(reads)) / reads
 
 
 def load_measured(path: str) -> dict:
@@ -330,8 +405,12 @@ def main() -> int:
     hot = {name: {n: hot_key(n, variants[name], args.step_s) for n in (64, 1_000, 100_000)}
            for name in ("as_built", "walks_from_root", "crawl_full_walks")}
     print(f"one bucket's busiest key at {args.step_s:g}-s steps: " + json.dumps(hot))
+    # The model's hops (log2(N / beam) a read) against reads simulated over routing tables as full as hivemind allows.
+    hops = {n: {"model": per_node_step(n, built)["read_rpcs"], "full_tables": round(simulated_read_rpcs(n, built), 2)}
+            for n in (64, 1_000, 10_000, 100_000)}
+    print("RPCs of an index read that finds its key (the model's formula; simulated with full routing tables): " + json.dumps(hops))
     result = {
-        "design": dataclasses.asdict(built), "comparison": comparison, "hot_key": hot,
+        "design": dataclasses.asdict(built), "comparison": comparison, "hot_key": hot, "read_rpcs": hops,
         **{f"{name}_flat_64": round(rows[SIZES_N.index(64)]["bytes"] / rows[0]["bytes"], 2) for name, rows in tables.items()},
         **{f"{name}_flat_100k": round(rows[-1]["bytes"] / rows[0]["bytes"], 2) for name, rows in tables.items()},
         "tables": tables,
