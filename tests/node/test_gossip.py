@@ -647,7 +647,7 @@ def test_shutdown_is_bounded_when_a_task_will_not_stop(caplog: pytest.LogCapture
     with caplog.at_level("WARNING"):
         node.shutdown()
         gc.collect()  # a task whose exception nobody retrieved would be reported now
-    assert time.monotonic() - started < 2.0 + 3.0
+    assert time.monotonic() - started < 2.0 + 5.0  # before the bound: the caller's own wait (7 s) ran out first
     assert not psutil.pid_exists(pid)
     assert not [t for t in gossip_threads() if t.ident == node._thread.ident]
     assert "stubborn" in caplog.text and "failing" not in caplog.text
