@@ -26,7 +26,7 @@ first l bits of sha256(its peer id).
   Where the path showed deeper levels full than the holder knew, it reads one random key of that
   level beside its path (`probe_depth`): a level counts as full only from keys at two prefixes. It
   reads no deeper than `PLACEMENT_MARGIN` below the depth it knows, so a sybil that fills its path
-  cannot bury its record where walks never reach.
+  cannot bury its record where walks never reach (`place_on_path`, the whole placement).
 - **Reading** (`descend`): from a start key drawn uniformly among the keys of levels 0..`top` (one
   above the deepest level where the reader has read full keys at two prefixes, `FullLevels`), down one random path; below a full key the reader goes
   on with probability `DESCEND` (1/2), so a walk reads at most 1/(1 - DESCEND) = 2 keys on average,
@@ -204,6 +204,26 @@ async def probe_depth(is_full: Callable[[int, int], Awaitable[bool]], path_depth
             return
         if await is_full(level, own(level) ^ (1 + rng.randrange(2**level - 1))):  # any prefix of the level but ours
             return
+
+
+async def place_on_path(is_full: Callable[[int, int], Awaitable[bool]], own: Callable[[int], int], guess: int, known: int,
+                        rng: random.Random) -> int:
+    """The level of our record's key in a bucket: the first open key of our path read from level `guess` (`first_open`),
+    no deeper than `PLACEMENT_MARGIN` below `known` (`FullLevels.depth`; -1, a newcomer's, reads on down), then
+    `probe_depth` beside our path.
+
+    `is_full(level, prefix)` reads a key (and notes it in FullLevels); `own(level)` is our path's prefix there. The
+    bound is what keeps a sybil that fills our path from putting our record at its bottom, where walks almost never reach.
+    """
+
+    async def is_open(level: int) -> bool:
+        return not await is_full(level, own(level))
+
+    deepest = known + PLACEMENT_MARGIN if known >= 0 else MAX_INDEX_LEVEL
+    level = await first_open(is_open, guess, deepest)  # full there, we read on one level down
+    # What our path showed full counts once a key beside it agrees: a sybil can fill our path, not the level.
+    await probe_depth(is_full, level - 1, known, own, rng)
+    return level
 
 
 @dataclass

@@ -6,7 +6,7 @@ our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.h
 
 - **Placement** (`placed_key`): in each bucket our record lives under the first key of our path
   holding fewer than `index_key_records` records (found from the level we expect it at,
-  `index.first_open`), chosen at our own `placement_delay` into the bucket (spread over its first
+  `index.place_on_path`), chosen at our own `placement_delay` into the bucket (spread over its first
   third so the swarm does not race for a key's last slots); until then we keep writing under our
   key of the previous bucket, and our fresh batches come along when we move.
 - **Keeping announced** (`keep_announcing`, one tick `reannounce`): bodies we serve that are
@@ -38,20 +38,18 @@ from typing import TYPE_CHECKING
 
 from hivespec.node.swarm.fetching import Fetched
 from hivespec.node.swarm.index import (
-    PLACEMENT_MARGIN,
     Candidate,
     FullLevels,
     bucket_of,
     choose_claims,
     descend,
     filled_by,
-    first_open,
     go_deeper,
     level_weight,
+    place_on_path,
     placement_delay,
     placement_path,
     prefix_of,
-    probe_depth,
     trust_from_score,
 )
 from hivespec.node.swarm.machinery import Machinery
@@ -127,16 +125,8 @@ class RolloutGossip(Machinery):
             self._saw(bucket, level, prefix, total)
             return total >= config.index_key_records
 
-        async def is_open(level: int) -> bool:
-            return not await is_full(level, ours(level))
-
-        known = self._full.depth(bucket, buckets=_PLACEMENTS_KEPT)
-        # No deeper than PLACEMENT_MARGIN below the depth we know: a sybil that fills our path would otherwise put our
-        # record at its bottom, where walks almost never reach. (A newcomer, which knows no depth yet, reads on down.)
-        deepest = known + PLACEMENT_MARGIN if known >= 0 else MAX_INDEX_LEVEL
-        level = await first_open(is_open, self._full_depth(bucket, now), deepest)  # full there, we read on one level down
-        # What our path showed full counts once a key beside it agrees: a sybil can fill our path, not the level.
-        await probe_depth(is_full, level - 1, known, ours, self._rng)
+        level = await place_on_path(is_full, ours, self._full_depth(bucket, now), self._full.depth(bucket, buckets=_PLACEMENTS_KEPT),
+                                    self._rng)
         key = path[level]
         self.placed[bucket] = key
         while len(self.placed) > _PLACEMENTS_KEPT:

@@ -19,10 +19,10 @@ from hivespec.node.swarm.index import (
     first_open,
     go_deeper,
     level_weight,
+    place_on_path,
     placement_delay,
     placement_path,
     prefix_of,
-    probe_depth,
 )
 from hivespec.protocol.announce import AnnouncedBody
 from hivespec.protocol.keys import MAX_INDEX_LEVEL, rollout_index_key
@@ -160,23 +160,16 @@ def test_the_levels_taken_as_full_grow_with_the_share_of_holders_moved_in() -> N
 
 
 async def place(levels: FullLevels, keys: dict[str, list[str]], bucket: int, peer: str, rng: random.Random) -> int:
-    """One placement as RolloutGossip.placed_key reads it: the first open key of our path from the level we expect, no
-    deeper than PLACEMENT_MARGIN below the depth we know, then a probe beside the path; every key read is noted in
-    `levels`. Returns the level placed at."""
+    """One placement as RolloutGossip.placed_key makes it (`place_on_path` from the level we expect and the depth we
+    know), every key read noted in `levels`. Returns the level placed at."""
 
     async def is_full(level: int, prefix: int) -> bool:
         full = len(keys.get(rollout_index_key(SWARM, bucket, level, prefix), [])) >= CAP
         levels.saw(bucket, level, prefix, full)
         return full
 
-    async def is_open(level: int) -> bool:
-        return not await is_full(level, prefix_of(peer, level))
-
-    known = levels.depth(bucket, buckets=4)
-    deepest = known + PLACEMENT_MARGIN if known >= 0 else MAX_INDEX_LEVEL
-    level = await first_open(is_open, expected_depth(levels, bucket), deepest)
-    await probe_depth(is_full, level - 1, known, lambda at: prefix_of(peer, at), rng)
-    return level
+    return await place_on_path(is_full, lambda at: prefix_of(peer, at), expected_depth(levels, bucket),
+                               levels.depth(bucket, buckets=4), rng)
 
 
 def expected_depth(levels: FullLevels, bucket: int) -> int:
