@@ -54,6 +54,10 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
                              "gossip shutdown was not clean" or "did not stop within"; shutdown_stages_cut_short counts
                              shutdown stages that ran into the node's deadline (p2pd slow to exit while every peer
                              hangs up at once) and tasks still unwinding there, each then bounded and p2pd killed
+  tcp_per_node_step          the private loopback's kernel TCP counters (/proc/net/snmp) over node-steps: `connects`
+                             (new connections: each a TLS and an identify handshake) and `segments` sent (each
+                             carries 66 bytes of Ethernet, IP and TCP headers on lo: most of the wire beyond bodies
+                             and DHT payload)
   k_fill                     batches fetched per step / K: below 1 where fewer than K fresh unfetched batches existed
                              (a fast node in a small swarm of slow ones); k_fill_ceiling what it could have been with
                              every batch the others published in sight (each node replayed step by step: K a step, one
@@ -63,7 +67,8 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
     python bench/swarm_scale.py --quick    # N = 8 16 loopback
     python bench/swarm_scale.py --nodes 8 --shaped 0 --nat 9   # N = 8 loopback, then 1 public + 9 homes behind NAT
 
-Prints a row per run as it completes and progress every ~20 s, then one line `RESULT {json}`.
+Every node's steps (when, what it fetched, from whom, how old) go to LOGS/<run>-steps.json for questions the
+summary does not answer. Prints a row per run as it completes and progress every ~20 s, then one line `RESULT {json}`.
 Targets at N = 64 (issue 22): delivery >= 0.99, p95_s <= 5, flat <= 1.3, clean_shutdowns.
 """
 
@@ -403,6 +408,14 @@ def _tx_bytes(ns: str, dev: str) -> int:
     return int(json.loads(_ip("-n", ns, "-j", "-s", "link", "show", dev))[0]["stats64"]["tx"]["bytes"])
 
 
+def _tcp_counters(ns: str) -> dict[str, int]:
+    """The namespace's kernel TCP counters (/proc/net/snmp): connections opened, segments sent."""
+    text = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True, check=True).stdout
+    names, values = (line.split()[1:] for line in text.splitlines() if line.startswith("Tcp:"))
+    tcp = dict(zip(names, map(int, values)))
+    return {"connects": tcp["ActiveOpens"], "segments": tcp["OutSegs"]}
+
+
 def namespaces_unavailable() -> str | None:
     """Why this machine cannot make network namespaces (one line), or None."""
     if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
@@ -438,6 +451,9 @@ class Network:
     def wire_bytes(self) -> int | None:
         return None
 
+    def tcp_counters(self) -> dict[str, int] | None:
+        return None
+
     def close(self) -> None:
         for ns in reversed(self._made):
             pids = _ip("netns", "pids", ns, check=False).split()
@@ -462,6 +478,9 @@ class PrivateLoopback(Network):
 
     def wire_bytes(self) -> int:
         return _tx_bytes(self.ns, "lo")
+
+    def tcp_counters(self) -> dict[str, int]:
+        return _tcp_counters(self.ns)
 
 
 class ShapedLan(Network):
@@ -662,7 +681,7 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
         for worker in workers:
             worker.send({"t0": t0, "measure_from": measure_from, "until": until})
         time.sleep(max(0.0, measure_from - time.time()))
-        wire_before = network.wire_bytes()
+        wire_before, tcp_before = network.wire_bytes(), network.tcp_counters()
         uploads_before = network.uploads() if isinstance(network, NatWan) else None
         progress: dict[int, dict] = {}
 
@@ -681,7 +700,11 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
             print(f"  {label}: +{time.time() - measure_from:.0f}/{window_s:.0f} s counted: {steps} steps, "
                   f"{fetched}/{chosen} chosen batches fetched", flush=True)
         done = [wait_for(worker, "done", STEP_TIMEOUT_S * 3 + 60.0) for worker in workers]
-        wire_after = network.wire_bytes()
+        # Every node's steps (when, what it fetched, from whom, how old), for questions the summary does not answer.
+        (logs / f"{label}-steps.json").write_text(json.dumps(
+            {"measure_from": measure_from, "until": until, "peers": {peer: index for peer, index in peers.items()},
+             "nodes": [{key: node[key] for key in ("index", "peer", "period", "steps")} for message in done for node in message["nodes"]]}))
+        wire_after, tcp_after = network.wire_bytes(), network.tcp_counters()
         uploads_after = network.uploads() if isinstance(network, NatWan) else None
         drops = network.drops() if isinstance(network, ShapedLan) else None
         for message, worker in zip(done, workers):
@@ -709,6 +732,10 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
     summary = summarize(n, network, done, byes, peers, measure_from, until, wire_before, wire_after, drops, unclean, startup_s)
     summary["idle_bytes_per_node_s"] = None if idle_rate is None else round(idle_rate)
     summary["shutdown_stages_cut_short"] = cut_short
+    if tcp_before is not None and tcp_after is not None:
+        # Connection churn: each new TCP connection costs a TLS and an identify handshake (a few kB) besides its RPC.
+        summary["tcp_per_node_step"] = {key: round((tcp_after[key] - tcp_before[key]) / max(1, summary["node_steps"]), 2)
+                                        for key in tcp_after}
     if uploads_before is not None and uploads_after is not None:
         public, homes = (after - before for before, after in zip(uploads_before, uploads_after, strict=True))
         window = summary["window_s"]
@@ -890,7 +917,7 @@ def _row(r: dict) -> str:
             f"keys served/node-s {r['served_per_node_s']['records_served']['mean']} (busiest "
             f"{r['served_per_node_s']['records_served']['max_over_mean']}x) | busiest key {r['index_key_reads']['busiest_key_share']} "
             f"of a bucket's reads (root {r['index_key_reads']['root_share']}) | "
-            f"idle {(r.get('idle_bytes_per_node_step') or 0) / 1e3:.0f} kB/node-step | "
+            f"idle {(r.get('idle_bytes_per_node_step') or 0) / 1e3:.0f} kB/node-step | tcp/node-step {r.get('tcp_per_node_step')} | "
             f"{r['cpu_s_per_node_step']} cpu-s/node-step | {r['rss_mb_per_node']} MB/node | clean {r['clean_shutdowns']}")
 
 
