@@ -25,6 +25,8 @@ Counted over each phase's steady window, which starts once every node has publis
                         the same has no advantage and trains nothing; shared, it also trains on foreign samples)
   foreign_age_s         age of the foreign samples trained on (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
+  foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples trained
+                        on, and trained / accepted (below 1: fetched and verified, then aged out of the pool unused)
 
     python bench/hetero_swarm.py            # 7 minutes per phase
     python bench/hetero_swarm.py --quick    # 4 minutes per phase
@@ -165,6 +167,12 @@ def main() -> int:
     profiles = {"shared": step_profile(steps["fast"]), "apart": step_profile(apart_steps["fast"])}
     for phase, profile in profiles.items():
         print(f"fast node {phase}: seconds per step {profile}", flush=True)
+    use = {}
+    for name, s in steps.items():
+        accepted, used = sum(e["accepted"] for e in s), sum(e["foreign_used"] for e in s)
+        use[name] = {"received": sum(e["received"] for e in s), "accepted": accepted, "trained": used,
+                     "trained_of_accepted": round(used / accepted, 3) if accepted else None}
+        print(f"shared {name}: {use[name]}", flush=True)
     result = {
         "foreign_step_share": share,
         "foreign_step_share_min": min(share.values()),
@@ -175,6 +183,7 @@ def main() -> int:
         "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
         "foreign_age_s": _percentiles(ages),
         "foreign_version_lag": _percentiles(lags),
+        "foreign_use": use,
         "minutes_per_phase": minutes,
         "fast_set": args.fast_set,
     }

@@ -2,17 +2,22 @@
 
 Nodes share no round numbers. `publish` journals our rollouts first (a crash after it loses
 nothing we made), then signs the batch and announces it in the index by recency. `collect` asks
-gossip for at most ``max_foreign_batches`` fresh batches (younger than ``train.staleness_seconds``,
-and within ``train.staleness_versions`` of our policy where that is set), chosen by peer score with exploration, and
-returns at once: a node never waits for another. Only a small swarm of equal nodes (the demo)
-sets ``expected_peers``: then a step waits, at most ``round_timeout``, until that many authors
-had a new batch accepted. Each body goes through intake, its sender is scored, and what passes
+gossip for fresh batches (younger than ``train.staleness_seconds``, and within
+``train.staleness_versions`` of our policy where that is set), chosen by peer score with exploration, and
+returns at once: a node never waits for another. It fetches what the next step can train on and no
+more (`batches_to_fetch`): enough batches for the informative samples the pool still has room for
+(`ForeignPool.room`), at the informative samples per batch seen lately, at most
+``max_foreign_batches``; none while the pool holds enough. (Fetching K every step, a node whose batches
+are as large as its foreign budget downloaded and verified K times what it trained on, and the
+surplus aged out of the pool.) Only a small swarm of equal nodes may set ``expected_peers``: then a
+step fetches up to K and waits, at most ``round_timeout``, until that many authors had a new batch accepted. Each body goes through intake, its sender is scored, and what passes
 feeds the drafter and waits in the foreign pool. Owns the envelope sequence number; never trains
 and never touches the engine. Gossip is passed per call: the supervisor may rebuild it between steps.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -33,6 +38,17 @@ if TYPE_CHECKING:
 
 
 _POLL_MIN_S, _POLL_MAX_S = 0.2, 1.0  # while expected_peers' batches are awaited, index reads back off
+_YIELD_MEMORY = 0.3  # weight of the latest fetched batch in the informative-samples-per-batch average
+
+
+def batches_to_fetch(need: int, per_batch: float | None, cap: int) -> int:
+    """Batches a step fetches for `need` more informative samples, at `per_batch` informative samples a fetched batch
+    (None: nothing fetched yet), at most `cap`: none when nothing is needed, `cap` while the yield is unknown or nil."""
+    if need <= 0:
+        return 0
+    if not per_batch:
+        return cap
+    return min(cap, math.ceil(need / per_batch))
 
 
 class RoundExchange:
@@ -70,6 +86,7 @@ class RoundExchange:
         self.check = check
         self.progress = progress
         self._seq = int(time.time() * 1000)  # monotonic across restarts without a stored counter
+        self.informative_per_batch: float | None = None  # moving average over fetched batches (a refused one brings 0)
 
     def publish(self, gossip: Gossip, round_index: int, rollouts: Sequence[Rollout], policy_version: int) -> None:
         """Journal our round's rollouts, then sign the batch and offer it to the swarm."""
@@ -84,14 +101,19 @@ class RoundExchange:
         ])
         gossip.publish_rollouts(body, version=policy_version)  # journaled first: a crash here loses nothing we made
 
-    def collect(self, gossip: Gossip, round_index: int, policy_version: int) -> list[Admission]:
-        """Admit fresh peers' batches: at most ``max_foreign_batches`` this step, waiting only where ``expected_peers`` asks.
+    def collect(self, gossip: Gossip, round_index: int, policy_version: int, *, need: int | None = None) -> list[Admission]:
+        """Admit fresh peers' batches: enough for `need` more informative samples (None: as many as allowed), at most
+        ``max_foreign_batches``, waiting only where ``expected_peers`` asks (then up to K, whatever the need).
 
         An author whose batches were all refused does not count toward ``expected_peers``, so a
         peer sending junk cannot end the wait before the honest peers' batches arrive.
         """
         swarm = self.swarm
         budget = swarm.max_foreign_batches
+        if need is not None and not swarm.expected_peers:
+            budget = batches_to_fetch(need, self.informative_per_batch, budget)
+            if budget == 0:
+                return []
         deadline = time.monotonic() + (swarm.round_timeout if swarm.expected_peers else 0.0)
         admissions: list[Admission] = []
         useful: set[str] = set()
@@ -126,8 +148,12 @@ class RoundExchange:
             self.on_admission(admission, item.body)
         if self.peer_scores is not None:
             self.peer_scores.record(admission.blame(item.holder), admission.outcome, admission.reason)
+        informative = 0
         if admission.outcome == "accept":  # peers' rollouts of shared prompts feed the drafter too
             self.feed.feed(admission.rollouts, own=False, author=admission.author, round_index=round_index,
                            policy_version=admission.policy_version)
-            self.pool.admit(admission.author, round_index, admission.rollouts, admission.policy_version, born=admission.born)
+            informative = self.pool.admit(admission.author, round_index, admission.rollouts, admission.policy_version,
+                                          born=admission.born)
+        last = self.informative_per_batch
+        self.informative_per_batch = informative if last is None else last + _YIELD_MEMORY * (informative - last)
         return admission

@@ -5,7 +5,8 @@ One round, and the module that owns each step:
   2. own rollouts into the drafter and the trace                        speculation/feed.DrafterFeed
   3. journal, sign and publish our batch                                exchange.RoundExchange.publish
   4. (once) measure speculation's verify-cost curve while peers work    speculation/policy.CurveCalibration
-  5. fresh peers' batches (at most K): intake, scores, drafter, pool  exchange.RoundExchange.collect
+  5. fresh peers' batches (what the pool has room for, at most K): intake, scores, drafter, pool
+                                                                       exchange.RoundExchange.collect (ForeignPool.room)
   6. choose the step's foreign samples                                  training/foreign_pool.ForeignPool.select
   7. one GRPO step with importance weights, own and foreign samples     training/trainer.Trainer.step
   8. the trainer's weights into the engine (and to followers)           weights/sync.WeightSync.sync, weights/publisher
@@ -242,7 +243,8 @@ class Node:
             self.exchange.publish(self.gossip, round_index, own, self.trainer.version)
             self._calibrate()
             self.progress.phase("waiting for peers", f"round {round_index}")
-            admissions = self.exchange.collect(self.gossip, round_index, self.trainer.version)
+            need = self.pool.room(len(own), self.trainer.version, now=time.time())
+            admissions = self.exchange.collect(self.gossip, round_index, self.trainer.version, need=need)
         except GossipError as exc:  # the supervisor rebuilds gossip at the next round; train solo now
             log.error("round %d: gossip failed (%s); training on own rollouts this round", round_index, exc)
             admissions = []

@@ -1,7 +1,8 @@
 """The pool of admitted foreign rollouts waiting to be trained on, and which of them a step takes.
 
-Owns three moves: `admit` queues what intake accepted, with each rollout's GRPO advantage over
-its author's whole group; `select` takes a step's SAPO-style share (prompt groups, balanced over
+Owns four moves: `admit` queues what intake accepted, with each rollout's GRPO advantage over
+its author's whole group; `room` says how many informative samples the next step could still take
+(what the exchange fetches for, see `exchange.batches_to_fetch`); `select` takes a step's SAPO-style share (prompt groups, balanced over
 authors, informative and fresh first; a group larger than what is left of the budget gives its
 most informative samples, keeping their whole-group advantages) after dropping what aged out; `restore` rebuilds the pool after a resume from the checkpoint's entries plus what was
 journaled after it. It never validates a rollout (intake did) and never touches torch: rollouts
@@ -63,11 +64,24 @@ class ForeignPool:
         """The pool now, oldest admission first (a copy: safe to keep across rounds)."""
         return tuple(self._pending)
 
-    def admit(self, author: str, round_index: int, rollouts: Iterable[Rollout], policy_version: int = -1, *, born: float) -> None:
-        """Queue rollouts intake accepted from `author` (signed at `born`) during our round `round_index`."""
+    def admit(self, author: str, round_index: int, rollouts: Iterable[Rollout], policy_version: int = -1, *, born: float) -> int:
+        """Queue rollouts intake accepted from `author` (signed at `born`) during our round `round_index`; how many of them
+        are informative (a nonzero advantage: a group with a reward spread)."""
         rollouts = list(rollouts)
         advantages = group_advantages([r.reward for r in rollouts], [r.prompt_id for r in rollouts])
         self._pending.extend(PendingRollout(author, round_index, r, policy_version, born, a) for r, a in zip(rollouts, advantages, strict=True))
+        return sum(1 for a in advantages if a != 0.0)
+
+    def budget(self, own_count: int) -> int:
+        """Foreign samples a step of `own_count` own ones takes at most (`foreign_fraction` of the step)."""
+        fraction = self.foreign_fraction
+        return int(own_count * fraction / (1.0 - fraction)) if fraction > 0 else 0
+
+    def room(self, own_count: int, policy_version: int, *, now: float | None = None) -> int:
+        """Informative foreign samples the next step of `own_count` own ones could still take: its budget less the
+        informative ones pending and still fresh (what the swarm should bring before that step, and no more)."""
+        self._drop_stale(policy_version, now)
+        return max(0, self.budget(own_count) - sum(1 for p in self._pending if p.advantage != 0.0))
 
     def put_back(self, items: Iterable[PendingRollout]) -> None:
         """Return rollouts a step took but never trained on (a stop inside the step), as they were."""
@@ -83,11 +97,8 @@ class ForeignPool:
         served round-robin from an order that rotates every round, so no peer id is favoured
         when the budget runs out. What is taken leaves the pool.
         """
-        self._pending = [
-            p for p in self._pending if self.still_fresh(p.born, p.policy_version, current_version=policy_version, now=now)
-        ]
-        fraction = self.foreign_fraction
-        budget = int(own_count * fraction / (1.0 - fraction)) if fraction > 0 else 0
+        self._drop_stale(policy_version, now)
+        budget = self.budget(own_count)
         groups: dict[str, dict[str, list[PendingRollout]]] = defaultdict(lambda: defaultdict(list))
         for item in self._pending:
             groups[item.author][item.rollout.prompt_id].append(item)
@@ -113,6 +124,11 @@ class ForeignPool:
         taken = {id(p) for p in chosen}
         self._pending = [p for p in self._pending if id(p) not in taken]
         return chosen
+
+    def _drop_stale(self, policy_version: int, now: float | None) -> None:
+        self._pending = [
+            p for p in self._pending if self.still_fresh(p.born, p.policy_version, current_version=policy_version, now=now)
+        ]
 
     @staticmethod
     def entries(pending: Sequence[PendingRollout]) -> list[dict]:

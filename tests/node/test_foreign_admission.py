@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hivespec.node.config import NodeConfig
+from hivespec.node.exchange import batches_to_fetch
 from hivespec.node.model.loader import load_tokenizer
 from hivespec.node.tasks.source import TaskSource
 from hivespec.node.training.foreign_pool import ForeignPool
@@ -158,3 +159,25 @@ def test_a_group_larger_than_the_budget_gives_part_of_itself_with_whole_group_ad
     assert len(pool) == 2 and all(p.advantage == whole[1] for p in pool.pending)
     samples = [TrainSample.from_rollout(p.rollout, p.author, advantage=p.advantage) for p in chosen]
     assert [s.advantage for s in samples] == [p.advantage for p in chosen]
+
+
+def test_room_is_the_budget_less_the_informative_samples_still_fresh():
+    pool = _pool([])
+    assert pool.room(own_count=8, policy_version=74, now=NOW) == 8  # fraction 0.5: as many foreign as own
+    informative = pool.admit("peer-a", 5, [r for _, _, r, _, _ in _pending("peer-a", "a", [1.0, 0.0, 0.0, 1.0])], 74, born=NOW - 10)
+    flat = pool.admit("peer-b", 5, [r for _, _, r, _, _ in _pending("peer-b", "b", [1.0, 1.0])], 74, born=NOW - 10)
+    assert (informative, flat) == (4, 0)  # a group without a reward spread carries no gradient
+    assert pool.room(own_count=8, policy_version=74, now=NOW) == 4  # the flat group does not fill the step
+    assert pool.room(own_count=2, policy_version=74, now=NOW) == 0
+    # What aged out does not count, and room drops it, as select would.
+    assert pool.room(own_count=8, policy_version=74, now=NOW + 300) == 8 and len(pool) == 0
+
+
+@pytest.mark.parametrize(
+    ("need", "per_batch", "cap", "batches"),
+    [(0, 8.0, 4, 0), (-3, None, 4, 0),  # the pool holds enough: nothing to fetch
+     (16, None, 4, 4), (16, 0.0, 4, 4),  # nothing fetched yet, or only flat groups: as many as allowed
+     (16, 16.0, 4, 1), (4, 12.5, 4, 1), (17, 8.0, 4, 3), (100, 8.0, 4, 4)],
+)
+def test_batches_to_fetch(need, per_batch, cap, batches):
+    assert batches_to_fetch(need, per_batch, cap) == batches

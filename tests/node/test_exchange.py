@@ -1,0 +1,91 @@
+"""A step's exchange with a live swarm (real hivemind DHT and p2pd on loopback): it fetches what the pool has room for."""
+
+from collections.abc import Iterator
+
+import numpy as np
+import psutil
+import pytest
+
+from hivespec.node.config import NodeConfig, SwarmConfig
+from hivespec.node.exchange import RoundExchange
+from hivespec.node.model.loader import load_tokenizer
+from hivespec.node.speculation.feed import DrafterFeed
+from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.foreign_pool import ForeignPool
+from hivespec.node.training.intake import Intake
+from hivespec.node.training.store import RolloutStore
+from hivespec.protocol.identity import Identity
+from hivespec.protocol.rollout import Rollout
+
+FINGERPRINT = "0123456789abcdef"
+pytestmark = pytest.mark.timeout(180)
+
+
+def _swarm_config(initial_peers: list[str] = ()) -> SwarmConfig:
+    return SwarmConfig(swarm="test-exchange", initial_peers=list(initial_peers), bootstrap_timeout=10.0, request_timeout=5.0)
+
+
+def _exchange(identity: Identity, tasks: TaskSource, tokenizer, swarm: SwarmConfig) -> RoundExchange:
+    store = RolloutStore(":memory:")
+    intake = Intake.from_config(NodeConfig().train, fingerprint=FINGERPRINT, vocab_size=len(tokenizer), tasks=tasks,
+                                tokenizer=tokenizer, store=store, private=None)
+    pool = ForeignPool(foreign_fraction=0.5, still_fresh=intake.still_fresh)
+    return RoundExchange(identity=identity, fingerprint=FINGERPRINT, store=store, intake=intake, pool=pool, feed=DrafterFeed(),
+                         swarm=swarm)
+
+
+def _group(tasks: TaskSource, tokenizer, seed: int) -> list[Rollout]:
+    """Two completions of one prompt, one right and one wrong: an informative group (rewards the reader's verifier agrees with)."""
+    task = tasks.prompts(seed=seed, round=0, count=1)[0]
+    prompt = np.asarray(tasks.chat_prompt_ids(tokenizer, task), dtype=np.uint32)
+    rollouts = []
+    for index, text in enumerate((str(task.answer), str(task.answer) + "1")):
+        completion = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rollouts.append(Rollout(
+            prompt_id=task.prompt_id, sample_index=index, seed=seed, prompt_ids=prompt,
+            completion_ids=np.asarray(completion, dtype=np.uint32),
+            behaviour_logprobs=np.full(len(completion), -0.5, dtype=np.float32),
+            reward=tasks.reward(task, text), finish_reason="stop",
+        ))
+    assert sorted(r.reward for r in rollouts) == [0.0, 1.0]
+    return rollouts
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[Gossip]]:
+    """Two authors and a reader, bootstrapped from the first author; torn down with a leak check."""
+    first = Gossip(Identity.generate(), _swarm_config())
+    first.start()
+    nodes = [first]
+    for _ in range(2):
+        node = Gossip(Identity.generate(), _swarm_config(first.visible_maddrs))
+        node.start()
+        nodes.append(node)
+    pids = [n._p2p._child.pid for n in nodes]
+    yield nodes
+    for node in nodes:
+        node.shutdown()
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_a_step_fetches_what_the_pool_has_room_for(swarm: list[Gossip]) -> None:
+    tokenizer, tasks = load_tokenizer("smollm2-135m-instruct"), TaskSource()
+    *authors, reader = swarm
+    exchanges = {node: _exchange(node.identity, tasks, tokenizer, node.config) for node in swarm}
+    for seed, author in enumerate(authors * 2):  # two batches each, of one informative group
+        exchanges[author].publish(author, round_index=seed // 2, rollouts=_group(tasks, tokenizer, seed), policy_version=seed // 2)
+    ours = exchanges[reader]
+    assert ours.collect(reader, 0, 0, need=0) == [] and reader.stats()["bodies_fetched"] == 0  # room for nothing: no download
+    # Nothing fetched yet, so the yield per batch is unknown: up to K (one a step from each of the two authors).
+    first = ours.collect(reader, 0, 0, need=ours.pool.room(own_count=4, policy_version=0))
+    assert [a.outcome for a in first] == ["accept", "accept"] and ours.informative_per_batch == 2.0
+    assert ours.pool.room(own_count=4, policy_version=0) == 0  # 4 informative samples pending fill a step of 4 own
+    assert ours.collect(reader, 1, 0, need=ours.pool.room(own_count=4, policy_version=0)) == []
+    # Room for 2 more at 2 a batch: one batch, though each author has one more to give.
+    ours.pool.select(1, own_count=2, policy_version=0)  # a step of 2 own samples took 2 foreign ones
+    assert ours.pool.room(own_count=4, policy_version=0) == 2
+    second = ours.collect(reader, 1, 0, need=2)
+    assert len(second) == 1 and second[0].outcome == "accept" and reader.stats()["bodies_fetched"] == 3
+    # need=None (or a swarm that waits for expected_peers) fetches up to K, as before: the last batch.
+    assert len(ours.collect(reader, 2, 0)) == 1 and reader.stats()["bodies_fetched"] == 4
