@@ -26,7 +26,8 @@ Counted over each phase's steady window, which starts once every node has publis
   foreign_age_s         age of the foreign samples trained on (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
   foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples trained
-                        on, and trained / accepted (below 1: fetched and verified, then aged out of the pool unused)
+                        on, and trained / accepted (below 1: fetched and verified, then aged out of the pool unused);
+                        steps_fetching_nothing: steps whose pool already held what they could train on
 
     python bench/hetero_swarm.py            # 7 minutes per phase
     python bench/hetero_swarm.py --quick    # 4 minutes per phase
@@ -171,7 +172,8 @@ def main() -> int:
     for name, s in steps.items():
         accepted, used = sum(e["accepted"] for e in s), sum(e["foreign_used"] for e in s)
         use[name] = {"received": sum(e["received"] for e in s), "accepted": accepted, "trained": used,
-                     "trained_of_accepted": round(used / accepted, 3) if accepted else None}
+                     "trained_of_accepted": round(used / accepted, 3) if accepted else None,
+                     "steps_fetching_nothing": sum(1 for e in s if e["foreign_room"] == 0)}
         print(f"shared {name}: {use[name]}", flush=True)
     result = {
         "foreign_step_share": share,

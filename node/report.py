@@ -115,6 +115,10 @@ class RoundReport:
     # Each foreign sample the step trained on: its age (s since its author signed it) and version lag (ours - its author's).
     foreign_ages_s: tuple[float, ...] = ()
     foreign_version_lags: tuple[int, ...] = ()
+    # The informative foreign samples the pool had room for when the step fetched (None: it fetched nothing, gossip
+    # failed), and the foreign rollouts left in the pool after the step took its share.
+    foreign_room: int | None = None
+    foreign_pending: int = 0
     heldout_accuracy: float | None = None  # greedy accuracy on held-out questions after this round (eval.every_rounds), else None
     # This process's resident memory (MB) right after the C heap was trimmed at the end of this round; None when the
     # round ended without a trim (at most one every 30 s). Always taken at that point of the loop, it is the floor a leak raises.
@@ -197,6 +201,8 @@ class RoundReport:
             "policy_hash": self.policy_hash,
             "foreign_ages_s": [round(a, 1) for a in self.foreign_ages_s],
             "foreign_version_lags": list(self.foreign_version_lags),
+            "foreign_room": self.foreign_room,
+            "foreign_pending": self.foreign_pending,
             "heldout_accuracy": self.heldout_accuracy,
             "resident_mb_after_trim": self.resident_mb_after_trim,
         }
@@ -213,7 +219,7 @@ EVENT_FIELDS = (
     "swarm_solo", "swarm_reachability", "delta_chunks", "delta_published", "swarm_known_peers", "graylisted_peers",
     "peer_scores", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_tokens_per_forward",
     "spec_draft_seconds", "drafter_rollouts", "policy_hash", "foreign_ages_s", "foreign_version_lags",
-    "heldout_accuracy", "resident_mb_after_trim",
+    "foreign_room", "foreign_pending", "heldout_accuracy", "resident_mb_after_trim",
 )
 
 

@@ -239,6 +239,7 @@ class Node:
 
         mark = time.perf_counter()
         self.progress.beat("gossip")
+        need = None
         try:
             self.exchange.publish(self.gossip, round_index, own, self.trainer.version)
             self._calibrate()
@@ -258,7 +259,8 @@ class Node:
         version, now = self.trainer.version, time.time()
         foreign = self.pool.select(round_index, len(own), version, now=now)
         foreign_mix = {"foreign_ages_s": tuple(now - p.born for p in foreign),
-                       "foreign_version_lags": tuple(version - p.policy_version for p in foreign)}
+                       "foreign_version_lags": tuple(version - p.policy_version for p in foreign),
+                       "foreign_room": need, "foreign_pending": len(self.pool)}
         samples = [TrainSample.from_rollout(r, OWN) for r in own] + [TrainSample.from_rollout(p.rollout, p.author, advantage=p.advantage) for p in foreign]
         self.trainer.between_micro_batches = self.progress.training(round_index)
         try:

@@ -29,6 +29,7 @@ def test_three_nodes_two_rounds_every_node_accepts_foreign_rollouts(tmp_path):
         for report in rounds:
             assert report["made"] == 8
             assert report["accepted"] > 0, f"{name} accepted no foreign rollouts in round {report['round']}"
+            assert 0 <= report["foreign_room"] <= report["made"] and report["foreign_pending"] >= 0  # foreign_fraction 0.5: budget = made
             assert report["rejected"] == 0
             assert report["engine_mismatch"] == 0
             assert 0 <= report["delta_density"] <= 1  # the tiny random model may earn no reward, hence no update
