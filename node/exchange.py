@@ -7,10 +7,11 @@ gossip for fresh batches (younger than ``train.staleness_seconds``, and within
 returns at once: a node never waits for another. It fetches what the next step can train on and no
 more (`batches_to_fetch`): enough batches for the informative samples the pool still has room for
 (`ForeignPool.room`), at the informative samples per batch seen lately, at most
-``max_foreign_batches``; none while the pool holds enough. (Fetching K every step, a node whose batches
-are as large as its foreign budget downloaded and verified K times what it trained on, and the
-surplus aged out of the pool.) Only a small swarm of equal nodes may set ``expected_peers``: then a
-step fetches up to K and waits, at most ``round_timeout``, until that many authors had a new batch accepted. Each body goes through intake, its sender is scored, and what passes
+``max_foreign_batches``; none while the pool holds enough. (Fetching K every step, a node whose
+peers' batches are as large as its foreign budget downloaded and verified K times what it trained
+on, and the surplus aged out of the pool.) Only a small swarm of equal nodes may set
+``expected_peers``: then a step fetches up to K and waits, at most ``round_timeout``, until that
+many authors had a new batch accepted. Each body goes through intake, its sender is scored, and what passes
 feeds the drafter and waits in the foreign pool. Owns the envelope sequence number; never trains
 and never touches the engine. Gossip is passed per call: the supervisor may rebuild it between steps.
 """

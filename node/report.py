@@ -115,8 +115,8 @@ class RoundReport:
     # Each foreign sample the step trained on: its age (s since its author signed it) and version lag (ours - its author's).
     foreign_ages_s: tuple[float, ...] = ()
     foreign_version_lags: tuple[int, ...] = ()
-    # The informative foreign samples the pool had room for when the step fetched (None: it fetched nothing, gossip
-    # failed), and the foreign rollouts left in the pool after the step took its share.
+    # The informative foreign samples the pool had room for when the step fetched (0: it fetched nothing; None: gossip
+    # failed before it was asked), and the foreign rollouts left in the pool after the step took its share.
     foreign_room: int | None = None
     foreign_pending: int = 0
     heldout_accuracy: float | None = None  # greedy accuracy on held-out questions after this round (eval.every_rounds), else None

@@ -2,10 +2,11 @@
 
 Owns four moves: `admit` queues what intake accepted, with each rollout's GRPO advantage over
 its author's whole group; `room` says how many informative samples the next step could still take
-(what the exchange fetches for, see `exchange.batches_to_fetch`); `select` takes a step's SAPO-style share (prompt groups, balanced over
-authors, informative and fresh first; a group larger than what is left of the budget gives its
-most informative samples, keeping their whole-group advantages) after dropping what aged out; `restore` rebuilds the pool after a resume from the checkpoint's entries plus what was
-journaled after it. It never validates a rollout (intake did) and never touches torch: rollouts
+(what the exchange fetches for, see `exchange.batches_to_fetch`); `select` takes a step's
+SAPO-style share (prompt groups, balanced over authors, informative and fresh first; a group
+larger than what is left of the budget gives its most informative samples, keeping their
+whole-group advantages) after dropping what aged out; `restore` rebuilds the pool after a resume
+from the checkpoint's entries plus what was journaled after it. It never validates a rollout (intake did) and never touches torch: rollouts
 stay wire `Rollout`s until the trainer's samples are made from them.
 """
 
@@ -79,7 +80,8 @@ class ForeignPool:
 
     def room(self, own_count: int, policy_version: int, *, now: float | None = None) -> int:
         """Informative foreign samples the next step of `own_count` own ones could still take: its budget less the
-        informative ones pending and still fresh (what the swarm should bring before that step, and no more)."""
+        informative ones pending (what the swarm should bring before that step, and no more). Drops what
+        `still_fresh` refuses first, as `select` does."""
         self._drop_stale(policy_version, now)
         return max(0, self.budget(own_count) - sum(1 for p in self._pending if p.advantage != 0.0))
 
