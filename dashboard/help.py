@@ -18,7 +18,8 @@ HELP_TEXT = """\
   n        next local node (demo with several nodes)
   ?        this help (escape closes it)
 
-[b]1 swarm[/b]  peers [i]connected[/i] sent us rollouts recently. [i]rollouts in[/i] are peers'
+[b]1 swarm[/b]  peers [i]connected[/i] sent us rollouts recently (a node fetches only what its
+  pool has room for, so a quiet spell while steps train on pooled rollouts is fine). [i]rollouts in[/i] are peers'
   rollouts we accepted after checking signature, model and reward; [i]out[/i] are our batches
   peers fetched. [i]speculation pays[/i] when one forward of the target model yields more than
   one token. [i]reward rising[/i] is a least-squares fit over the last rounds.

@@ -135,6 +135,10 @@ def peers_health(snapshot: StatusSnapshot) -> Health:
         level: Level = "good" if not rejected else "warn"
         return Health("peers", level, f"{len(active)} connected (rollouts in the last {window}), {dht} in the DHT{tail}")
     if seen:
+        # A node fetches only what its pool has room for: a step can train on peers' rollouts fetched rounds ago.
+        if any(r.foreign_used and snapshot.time - r.finished_at <= active_window_s(snapshot) for r in snapshot.rounds):
+            return Health("peers", "good", f"0 fetched from in the last {window}: the pool held what the steps could train on "
+                                           f"({seen} seen, {dht} in the DHT)")
         return Health("peers", "bad", f"0 connected: {seen} seen, none in the last {window}; {dht} in the DHT")
     if not snapshot.rounds:
         return Health("peers", "unknown", f"none yet (first round running); {dht} in the DHT")

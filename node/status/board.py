@@ -287,6 +287,7 @@ class StatusBoard:
                 made=rollouts.made,
                 accepted=report.admissions.accepted,
                 rejected=report.admissions.rejected,
+                foreign_used=report.train.foreign_samples,
                 reward_mean=rollouts.reward_mean,
                 foreign_reward_mean=report.admissions.reward_mean,
                 loss=report.train.loss,

@@ -27,6 +27,11 @@ def test_connected_peers_are_those_that_sent_rollouts_recently():
     assert answer.level == "good" and answer.text.startswith("1 connected")
     stale = replace(snapshot, peers=[replace(p, last_seen=snapshot.time - 3600) for p in snapshot.peers])
     assert peers_health(stale).level == "bad" and peers_health(stale).text.startswith("0 connected: 2 seen")
+    # Nothing fetched lately, but the last round trained on foreign samples from the pool: not a lost swarm.
+    fed = replace(stale, rounds=[replace(stale.rounds[-1], finished_at=stale.time - 5, foreign_used=8)])
+    assert peers_health(fed).level == "good" and "the pool held what the steps could train on" in peers_health(fed).text
+    long_ago = replace(fed, rounds=[replace(fed.rounds[-1], finished_at=fed.time - 3600)])
+    assert peers_health(long_ago).level == "bad"
     assert peers_health(replace(snapshot, peers=[], rounds=[])).level == "unknown"
 
 
