@@ -94,7 +94,9 @@ class ForeignPool:
 
         Pending rollouts `still_fresh` refuses (older than the staleness window at `now`, or
         outside the policy-version window of `policy_version`) are dropped first. Each author's
-        groups queue with a reward spread first (only those carry a GRPO gradient), then freshest
+        groups queue informative first (a nonzero advantage: only those carry a GRPO gradient; the
+        rest of a group a step took part of keeps its whole-group advantages, though what is left of
+        it may all have one reward), then freshest
         (by the author's signature time) and nearest our policy version first; authors are
         served round-robin from an order that rotates every round, so no peer id is favoured
         when the budget runs out. What is taken leaves the pool.
@@ -106,7 +108,7 @@ class ForeignPool:
             groups[item.author][item.rollout.prompt_id].append(item)
 
         def priority(items: list[PendingRollout]) -> tuple[bool, float, int]:
-            flat = len({i.rollout.reward for i in items}) < 2
+            flat = all(i.advantage == 0.0 for i in items)
             return flat, -max(i.born for i in items), min(abs(i.policy_version - policy_version) for i in items)
 
         # A group larger than the budget left gives its most informative samples first.

@@ -181,3 +181,14 @@ def test_room_is_the_budget_less_the_informative_samples_still_fresh():
 )
 def test_batches_to_fetch(need, per_batch, cap, batches):
     assert batches_to_fetch(need, per_batch, cap) == batches
+
+
+def test_the_rest_of_a_part_taken_group_still_goes_before_a_flat_one():
+    # A step of 2 takes the two right answers of a [1, 1, 0, 0] group; the two wrong ones left keep their advantages
+    # (-1 each), though they now share one reward: the next step takes them, not a fresher group with no spread.
+    pool = _pool(_pending("peer-a", "a", [1.0, 1.0, 0.0, 0.0], age=10) + _pending("peer-a", "flat", [0.0, 0.0], age=5))
+    first = pool.select(round_index=0, own_count=2, policy_version=74, now=NOW)
+    assert [(p.rollout.prompt_id, p.rollout.reward) for p in first] == [("a", 1.0), ("a", 1.0)]
+    assert pool.room(own_count=2, policy_version=74, now=NOW) == 0  # the two left are informative
+    second = pool.select(round_index=1, own_count=2, policy_version=74, now=NOW)
+    assert [(p.rollout.prompt_id, round(p.advantage, 3)) for p in second] == [("a", -1.0), ("a", -1.0)]
