@@ -702,7 +702,7 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
         done = [wait_for(worker, "done", STEP_TIMEOUT_S * 3 + 60.0) for worker in workers]
         # Every node's steps (when, what it fetched, from whom, how old), for questions the summary does not answer.
         (logs / f"{label}-steps.json").write_text(json.dumps(
-            {"measure_from": measure_from, "until": until, "peers": {peer: index for peer, index in peers.items()},
+            {"measure_from": measure_from, "until": until, "peers": peers,
              "nodes": [{key: node[key] for key in ("index", "peer", "period", "steps")} for message in done for node in message["nodes"]]}))
         wire_after, tcp_after = network.wire_bytes(), network.tcp_counters()
         uploads_after = network.uploads() if isinstance(network, NatWan) else None

@@ -128,7 +128,8 @@ def peers_health(snapshot: StatusSnapshot) -> Health:
     active = active_peers(snapshot)
     seen = len(snapshot.peers)
     dht = snapshot.gossip.known_peers
-    window = fmt_duration(active_window_s(snapshot))
+    window_s = active_window_s(snapshot)
+    window = fmt_duration(window_s)
     if active:
         rejected = sum(p.rejected for p in active)
         tail = f"; {rejected} rejected batches" if rejected else ""
@@ -136,7 +137,7 @@ def peers_health(snapshot: StatusSnapshot) -> Health:
         return Health("peers", level, f"{len(active)} connected (rollouts in the last {window}), {dht} in the DHT{tail}")
     if seen:
         # A node fetches only what its pool has room for: a step can train on peers' rollouts fetched rounds ago.
-        if any(r.foreign_used and snapshot.time - r.finished_at <= active_window_s(snapshot) for r in snapshot.rounds):
+        if any(r.foreign_used and snapshot.time - r.finished_at <= window_s for r in snapshot.rounds):
             return Health("peers", "good", f"0 fetched from in the last {window}: the pool held what the steps could train on "
                                            f"({seen} seen, {dht} in the DHT)")
         return Health("peers", "bad", f"0 connected: {seen} seen, none in the last {window}; {dht} in the DHT")

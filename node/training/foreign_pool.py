@@ -6,8 +6,9 @@ its author's whole group; `room` says how many informative samples the next step
 SAPO-style share (prompt groups, balanced over authors, informative and fresh first; a group
 larger than what is left of the budget gives its most informative samples, keeping their
 whole-group advantages) after dropping what aged out; `restore` rebuilds the pool after a resume
-from the checkpoint's entries plus what was journaled after it. It never validates a rollout (intake did) and never touches torch: rollouts
-stay wire `Rollout`s until the trainer's samples are made from them.
+from the checkpoint's entries plus what was journaled after it. It never validates a rollout
+(intake did) and never touches torch: rollouts stay wire `Rollout`s until the trainer's samples
+are made from them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class PendingRollout:
     policy_version: int = -1  # the author's policy version when it sampled (-1: unknown)
     born: float = 0.0  # when the author signed the batch (unix s)
     advantage: float = 0.0  # GRPO advantage over the author's whole group of this prompt, as admitted
+
+    @property
+    def informative(self) -> bool:
+        """Whether it carries a GRPO gradient: a nonzero advantage (its group had a reward spread when admitted)."""
+        return self.advantage != 0.0
 
 
 class FreshCheck(Protocol):
@@ -70,8 +76,9 @@ class ForeignPool:
         are informative (a nonzero advantage: a group with a reward spread)."""
         rollouts = list(rollouts)
         advantages = group_advantages([r.reward for r in rollouts], [r.prompt_id for r in rollouts])
-        self._pending.extend(PendingRollout(author, round_index, r, policy_version, born, a) for r, a in zip(rollouts, advantages, strict=True))
-        return sum(1 for a in advantages if a != 0.0)
+        queued = [PendingRollout(author, round_index, r, policy_version, born, a) for r, a in zip(rollouts, advantages, strict=True)]
+        self._pending.extend(queued)
+        return sum(1 for p in queued if p.informative)
 
     def budget(self, own_count: int) -> int:
         """Foreign samples a step of `own_count` own ones takes at most (`foreign_fraction` of the step)."""
@@ -83,7 +90,7 @@ class ForeignPool:
         informative ones pending (what the swarm should bring before that step, and no more). Drops what
         `still_fresh` refuses first, as `select` does."""
         self._drop_stale(policy_version, now)
-        return max(0, self.budget(own_count) - sum(1 for p in self._pending if p.advantage != 0.0))
+        return max(0, self.budget(own_count) - sum(1 for p in self._pending if p.informative))
 
     def put_back(self, items: Iterable[PendingRollout]) -> None:
         """Return rollouts a step took but never trained on (a stop inside the step), as they were."""
@@ -108,7 +115,7 @@ class ForeignPool:
             groups[item.author][item.rollout.prompt_id].append(item)
 
         def priority(items: list[PendingRollout]) -> tuple[bool, float, int]:
-            flat = all(i.advantage == 0.0 for i in items)
+            flat = not any(i.informative for i in items)
             return flat, -max(i.born for i in items), min(abs(i.policy_version - policy_version) for i in items)
 
         # A group larger than the budget left gives its most informative samples first.
