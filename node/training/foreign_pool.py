@@ -14,6 +14,7 @@ are made from them.
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,8 @@ class ForeignPool:
     def budget(self, own_count: int) -> int:
         """Foreign samples a step of `own_count` own ones takes at most (`foreign_fraction` of the step)."""
         fraction = self.foreign_fraction
-        return int(own_count * fraction / (1.0 - fraction)) if fraction > 0 else 0
+        # Rounded before the floor: 4 own at a third is 1.9999999999999998 in floats, and means 2.
+        return math.floor(round(own_count * fraction / (1.0 - fraction), 9)) if fraction > 0 else 0
 
     def room(self, own_count: int, policy_version: int, *, now: float | None = None) -> int:
         """Informative foreign samples the next step of `own_count` own ones could still take: its budget less the
@@ -103,10 +105,10 @@ class ForeignPool:
         outside the policy-version window of `policy_version`) are dropped first. Each author's
         groups queue informative first (a nonzero advantage: only those carry a GRPO gradient; the
         rest of a group a step took part of keeps its whole-group advantages, though what is left of
-        it may all have one reward), then freshest
-        (by the author's signature time) and nearest our policy version first; authors are
-        served round-robin from an order that rotates every round, so no peer id is favoured
-        when the budget runs out. What is taken leaves the pool.
+        it may all have one reward), then freshest (by the author's signature time) and nearest our
+        policy version first. Authors are served round-robin from an order that rotates every
+        round, so no peer id is favoured when the budget runs out: first their informative groups,
+        then, with what budget is left, their flat ones. What is taken leaves the pool.
         """
         self._drop_stale(policy_version, now)
         budget = self.budget(own_count)
@@ -115,8 +117,7 @@ class ForeignPool:
             groups[item.author][item.rollout.prompt_id].append(item)
 
         def priority(items: list[PendingRollout]) -> tuple[bool, float, int]:
-            flat = not any(i.informative for i in items)
-            return flat, -max(i.born for i in items), min(abs(i.policy_version - policy_version) for i in items)
+            return not _informative_group(items), -max(i.born for i in items), min(abs(i.policy_version - policy_version) for i in items)
 
         # A group larger than the budget left gives its most informative samples first.
         queues = {
@@ -128,10 +129,14 @@ class ForeignPool:
             shift = round_index % len(authors)
             authors = authors[shift:] + authors[:shift]
         chosen: list[PendingRollout] = []
-        while len(chosen) < budget and any(queues.values()):
-            for author in authors:
-                if queues[author] and len(chosen) < budget:
-                    chosen.extend(queues[author].pop(0)[: budget - len(chosen)])
+        # Informative groups first across all authors, so one author's flat group never takes a step's place from
+        # another's informative one; flat groups (a forward for the statistics, no gradient) only fill what is left.
+        for wanted in (_informative_group, lambda group: True):
+            while len(chosen) < budget and any(queue and wanted(queue[0]) for queue in queues.values()):
+                for author in authors:
+                    queue = queues[author]
+                    if queue and wanted(queue[0]) and len(chosen) < budget:
+                        chosen.extend(queue.pop(0)[: budget - len(chosen)])
         taken = {id(p) for p in chosen}
         self._pending = [p for p in self._pending if id(p) not in taken]
         return chosen
@@ -175,6 +180,11 @@ class ForeignPool:
         for item, saved, fresh in zip(pending, saved_advantage, computed, strict=True):
             item.advantage = float(saved) if saved is not None else fresh
         self._pending = pending
+
+
+def _informative_group(items: Sequence[PendingRollout]) -> bool:
+    """Whether some sample of a (part of a) prompt group carries a gradient."""
+    return any(i.informative for i in items)
 
 
 def _decode_row(payload: bytes) -> Rollout | None:

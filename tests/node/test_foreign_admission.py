@@ -192,3 +192,20 @@ def test_the_rest_of_a_part_taken_group_still_goes_before_a_flat_one():
     assert pool.room(own_count=2, policy_version=74, now=NOW) == 0  # the two left are informative
     second = pool.select(round_index=1, own_count=2, policy_version=74, now=NOW)
     assert [(p.rollout.prompt_id, round(p.advantage, 3)) for p in second] == [("a", -1.0), ("a", -1.0)]
+
+
+def test_an_informative_group_of_any_author_goes_before_a_flat_one():
+    # The rotation puts peer-a first at round 0, but its only group has no spread: the step takes peer-b's
+    # informative group (it carries a gradient), and peer-a's flat one only fills a budget left over.
+    for round_index in (0, 1):
+        pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0], age=5) + _pending("peer-b", "b-mixed", [1.0, 0.0], age=100), fraction=1 / 3)
+        chosen = pool.select(round_index=round_index, own_count=4, policy_version=74, now=NOW)  # budget 2: one group
+        assert [p.rollout.prompt_id for p in chosen] == ["b-mixed", "b-mixed"]
+    pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0]) + _pending("peer-b", "b-mixed", [1.0, 0.0]))
+    chosen = pool.select(round_index=0, own_count=4, policy_version=74, now=NOW)  # budget 4: both groups
+    assert [p.rollout.prompt_id for p in chosen] == ["b-mixed", "b-mixed", "a-flat", "a-flat"]
+
+
+@pytest.mark.parametrize(("fraction", "own", "budget"), [(0.5, 8, 8), (1 / 3, 4, 2), (1 / 3, 5, 2), (0.6, 8, 12), (0.2, 8, 2), (0.0, 8, 0)])
+def test_the_budget_is_the_foreign_fraction_of_the_step_exactly(fraction, own, budget):
+    assert _pool([], fraction=fraction).budget(own) == budget
