@@ -17,7 +17,8 @@ only, so `fast_rate_vs_solo` then holds the cost of sharing without the training
 
 Counted over each phase's steady window, which starts once every node has published a batch
 (before that there is nothing to share) and ends with the phase:
-  foreign_step_share    per node (shared phase): share of its steps that trained on foreign samples
+  foreign_step_share    per node (shared phase): share of its steps that trained on foreign samples, counting only
+                        samples that carried a gradient (a flat group's samples get a forward for the statistics)
   fast_rate_vs_solo     the fast node's steps per minute shared / apart (1.0: sharing costs it nothing)
   fast_step             the fast node's mean seconds per step by phase, shared and apart, with its trained samples
                         and generated tokens per step: tells waiting (`gossip` holds all of its sharing: publish,
@@ -25,8 +26,9 @@ Counted over each phase's steady window, which starts once every node has publis
                         the same has no advantage and trains nothing; shared, it also trains on foreign samples)
   foreign_age_s         age of the foreign samples trained on (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
-  foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples trained
-                        on, and trained / accepted (below 1: fetched and verified, then aged out of the pool unused);
+  foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples taken
+                        by steps and trained on (with a gradient), and taken / accepted (below 1: fetched and
+                        verified, then aged out of the pool unused);
                         steps_fetching_nothing: steps whose pool already held what they could train on
 
     python bench/hetero_swarm.py            # 7 minutes per phase
@@ -101,7 +103,7 @@ def run_phase(root: Path, minutes: float, *, shared: bool, fast_sets: list[str])
             if time.monotonic() >= next_print:
                 next_print += PRINT_EVERY_S
                 counts = ", ".join(
-                    f"{n}: {len(a)} steps, {sum(e['foreign_used'] > 0 for _, e in a)} with foreign" for n, a in arrivals.items()
+                    f"{n}: {len(a)} steps, {sum(e['foreign_trained'] > 0 for _, e in a)} with foreign" for n, a in arrivals.items()
                 )
                 print(f"[{name} {time.monotonic() - started:5.0f}s] {counts}", flush=True)
             time.sleep(POLL_S)
@@ -155,7 +157,7 @@ def main() -> int:
             phases["shared" if shared else "apart"] = (seconds, steps)
 
     seconds, steps = phases["shared"]
-    share = {name: round(sum(e["foreign_used"] > 0 for e in s) / len(s), 3) if s else 0.0 for name, s in steps.items()}
+    share = {name: round(sum(e["foreign_trained"] > 0 for e in s) / len(s), 3) if s else 0.0 for name, s in steps.items()}
     ages = [a for s in steps.values() for e in s for a in e["foreign_ages_s"]]
     lags = [float(v) for s in steps.values() for e in s for v in e["foreign_version_lags"]]
     apart_seconds, apart_steps = phases["apart"]
@@ -170,9 +172,10 @@ def main() -> int:
         print(f"fast node {phase}: seconds per step {profile}", flush=True)
     use = {}
     for name, s in steps.items():
-        accepted, used = sum(e["accepted"] for e in s), sum(e["foreign_used"] for e in s)
-        use[name] = {"received": sum(e["received"] for e in s), "accepted": accepted, "trained": used,
-                     "trained_of_accepted": round(used / accepted, 3) if accepted else None,
+        accepted, taken = sum(e["accepted"] for e in s), sum(e["foreign_used"] for e in s)
+        use[name] = {"received": sum(e["received"] for e in s), "accepted": accepted, "taken": taken,
+                     "trained": sum(e["foreign_trained"] for e in s),
+                     "taken_of_accepted": round(taken / accepted, 3) if accepted else None,
                      "steps_fetching_nothing": sum(1 for e in s if e["foreign_room"] == 0)}
         print(f"shared {name}: {use[name]}", flush=True)
     result = {

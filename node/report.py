@@ -164,6 +164,7 @@ class RoundReport:
             "foreign_reward_mean": self.admissions.reward_mean,
             "trained_samples": train.trained_samples,
             "foreign_used": train.foreign_samples,
+            "foreign_trained": train.foreign_trained_samples,
             "own_weight_mean": own.mean_weight if own else None,
             "foreign_weight_mean": foreign.mean_weight if foreign else None,
             "foreign_weight_max": foreign.max_weight if foreign else None,
@@ -212,7 +213,7 @@ class RoundReport:
 # The "round" event's keys, in order: a stable shape (the demo, bench/ and tests read these names).
 EVENT_FIELDS = (
     "node", "round", "policy_version", "made", "received", "accepted", "rejected", "ignored", "reward_mean",
-    "foreign_reward_mean", "trained_samples", "foreign_used", "own_weight_mean", "foreign_weight_mean",
+    "foreign_reward_mean", "trained_samples", "foreign_used", "foreign_trained", "own_weight_mean", "foreign_weight_mean",
     "foreign_weight_max", "foreign_kept", "loss", "delta_bytes", "dense_bytes", "delta_density", "engine_mismatch",
     "tokens_generated", "seconds", "checkpoint", "checkpoint_error", "oom_retries", "gossip_restarts",
     "watchdog_stalls", "importance_by_source", "importance_foreign", "kept_tokens", "ppo_clip_fraction", "kl",

@@ -140,6 +140,7 @@ class StepStats:
     clip_fraction: float = 0.0
     kl: float | None = None
     source_samples: dict[str, int] = field(default_factory=dict)  # samples per source (OWN or a peer id)
+    foreign_trained_samples: int = 0  # foreign samples that carried a gradient (a nonzero advantage)
 
 
 @dataclass
@@ -316,6 +317,7 @@ class Trainer:
             clip_fraction=clipped_total / kept_tokens if kept_tokens else 0.0,
             kl=kl_total / kept_tokens if self.kl_coef > 0.0 and kept_tokens else None,
             source_samples=dict(Counter(s.source for s in samples)),
+            foreign_trained_samples=sum(1 for s in trained if s.source != OWN),
         )
 
     @torch.no_grad()

@@ -44,7 +44,7 @@ def _report() -> RoundReport:
         version=4, samples=6, foreign_samples=2, trained_samples=6, tokens=18, kept_tokens=14, loss=0.25, grad_norm=1.0,
         reward_mean=0.5, own=_importance(1.0), foreign=_importance(0.9), seconds=0.1,
         sources={OWN: _importance(1.0), "peer-a": _importance(0.9)}, clip_fraction=0.0, kl=None,
-        source_samples={OWN: 4, "peer-a": 2},
+        source_samples={OWN: 4, "peer-a": 2}, foreign_trained_samples=1,
     )
     spec = SpeculationStats(sequences=4, tokens=30, target_forwards=20, drafted=12, accepted=9, draft_seconds=0.01234)
     sync = SyncStats(version=4, changed=10, elements=1000, delta_bytes=120, dense_bytes=2000, chunks=1, seconds=0.01)
@@ -69,6 +69,7 @@ def test_the_round_event_is_flat_and_keeps_its_field_names():
     assert (event["made"], event["tokens_generated"], event["reward_mean"]) == (4, 12, 0.75)
     assert (event["received"], event["accepted"], event["rejected"], event["ignored"]) == (3, 2, 1, 1)
     assert event["foreign_reward_mean"] == 0.5 and event["foreign_used"] == 2 and event["policy_version"] == 4
+    assert event["foreign_trained"] == 1  # of the 2 foreign samples, the one with a gradient
     assert event["importance_by_source"]["own"]["samples"] == 4 and event["importance_by_source"]["peer-a"]["samples"] == 2
     assert event["importance_foreign"]["mean_weight"] == 0.9 and event["foreign_weight_max"] == 2.0
     assert (event["spec_acceptance"], event["spec_tokens_per_forward"], event["spec_draft_seconds"]) == (0.75, 1.5, 0.0123)

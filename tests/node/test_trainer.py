@@ -149,6 +149,16 @@ def test_per_peer_statistics_match_the_kernel():
     assert stats.sources["peer-b"].mean_weight == pytest.approx(math.exp(0.6), abs=1e-6)
 
 
+def test_foreign_samples_with_a_gradient_are_counted_apart_from_those_taken():
+    model = _tiny()
+    prompt = [5]
+    samples = _group(model, prompt, [[7, 8], [9]], [1.0, 0.0])
+    samples += _group(model, prompt, [[10, 11], [12]], [1.0, 1.0], "flat", "peer-a")  # no spread: a forward, no gradient
+    samples += _group(model, prompt, [[13], [14, 15]], [0.0, 1.0], "mixed", "peer-b")
+    stats = _trainer(model).step(samples)
+    assert (stats.foreign_samples, stats.foreign_trained_samples, stats.trained_samples) == (4, 2, 4)
+
+
 def test_ppo_surrogate_by_hand():
     """Advantage +1, eps 0.2, weight 0.5: ratio 1.1 keeps the gradient w*A*r, ratio 1.5 is clipped (no gradient)."""
     trainer = _trainer(_tiny(), clip_epsilon=0.2)
