@@ -24,6 +24,8 @@ Counted over each phase's steady window, which starts once every node has publis
                         and generated tokens per step: tells waiting (`gossip` holds all of its sharing: publish,
                         sample, fetch) from doing more work (`train`: alone, a 1x2 group whose two completions score
                         the same has no advantage and trains nothing; shared, it also trains on foreign samples)
+  fast_trained_per_min  the fast node's samples trained with a gradient (own and foreign) per minute, shared and apart:
+                        what a step's extra training buys
   foreign_age_s         age of the foreign samples trained on (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
   foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples taken
@@ -124,6 +126,11 @@ def step_profile(steps: list[dict]) -> dict:
     return profile
 
 
+def trained_per_min(steps: list[dict], seconds: float) -> float:
+    """Samples trained with a gradient (own and foreign) per minute of a phase's steady window."""
+    return round(sum(e["trained_samples"] for e in steps) / (seconds / 60), 2) if seconds > 0 else 0.0
+
+
 def steady(arrivals: dict[str, list[tuple[float, dict]]], end: float) -> tuple[float, dict[str, list[dict]]]:
     """The window from the moment every node has finished (so published) a step, and each node's steps that ended in it."""
     firsts = [records[0][0] for records in arrivals.values() if records]
@@ -183,6 +190,8 @@ def main() -> int:
         "foreign_step_share_min": min(share.values()),
         "fast_rate_vs_solo": round(rate_shared / rate_apart, 3) if rate_apart else None,
         "fast_steps_per_min": {"shared": round(rate_shared, 2), "apart": round(rate_apart, 2)},
+        "fast_trained_per_min": {"shared": trained_per_min(steps["fast"], seconds),
+                                 "apart": trained_per_min(apart_steps["fast"], apart_seconds)},
         "fast_step": profiles,
         "steps": {name: len(s) for name, s in steps.items()},
         "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
