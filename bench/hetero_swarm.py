@@ -26,7 +26,7 @@ Counted over each phase's steady window, which starts once every node has publis
                         the same has no advantage and trains nothing; shared, it also trains on foreign samples)
   fast_trained_per_min  the fast node's samples trained with a gradient (own and foreign) per minute, shared and apart:
                         what a step's extra training buys
-  foreign_age_s         age of the foreign samples trained on (s since their author signed them), median and p95
+  foreign_age_s         age of the foreign samples the steps took (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
   foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples taken
                         by steps and trained on (with a gradient), and taken / accepted (below 1: fetched and
