@@ -73,7 +73,7 @@ class _Policy:
         self.model = model
         self.engine_model = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
         self.engine = TorchEngine(self.engine_model, max_batch_size=16)
-        self.trainer = Trainer(model, learning_rate=args.learning_rate, micro_batch_size=8)
+        self.trainer = Trainer(model, learning_rate=args.learning_rate, micro_batch_size=8, flat_sample_stats=True)  # ESS of every sample
         self.args, self.tokenizer, self.tasks = args, tokenizer, tasks
         eos = tokenizer.eos_token_id
         self.sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=(eos,))

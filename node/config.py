@@ -253,6 +253,9 @@ class TrainConfig(_Section):
         "the veterans: a window parts them for good. The importance weights measure the policies' distance per token",
         None, ge=0, note="or null")
     micro_batch_size: int = _help("sequences per forward/backward", 8, ge=1)
+    flat_sample_stats: bool = _help(
+        "also run a forward over the samples that carry no gradient (a group whose rewards are all equal), only to add "
+        "them to the importance statistics; costs a CPU node up to a tenth of its step where most groups are flat", False)
 
     def check(self) -> None:
         if self.tis_clip is None and self.tis_mask != "token":

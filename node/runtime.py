@@ -122,7 +122,8 @@ class Node:
         self.fingerprint = fingerprint
         self.seed = config.seed if config.seed is not None else derive_seed(identity.peer_id)
         # Admitted foreign rollouts until a step takes them; the intake says which are still fresh.
-        self.pool = ForeignPool(foreign_fraction=config.train.foreign_fraction, still_fresh=intake.still_fresh)
+        self.pool = ForeignPool(foreign_fraction=config.train.foreign_fraction, still_fresh=intake.still_fresh,
+                                take_flat=config.train.flat_sample_stats)
         # Own and accepted rollouts into the drafter and the trace (speculation.trace_file, for bench/drafter_replay.py).
         self.feed = DrafterFeed(engine.drafter, trace, node=self.name)
         self.checkpoints = checkpoints
@@ -136,6 +137,7 @@ class Node:
         self.state = NodeState(checkpoints, trainer=trainer, sync=sync, engine=engine, store=store, pool=self.pool,
                                providers=self.checkpoint_providers, fingerprint=fingerprint, seed=self.seed, peer_scores=peer_scores)
         self._oom_retries = 0
+        self._engine_mismatch: int | None = None  # engine elements off the trainer's cast at the last check (after a moving sync)
         self.control = RunControl()  # pause/resume/stop between rounds (dashboard, /control)
         self.progress = RoundProgress(self.control, on_phase=on_phase, watchdog=watchdog)
         self.status = StatusBoard(
@@ -276,7 +278,11 @@ class Node:
         self.progress.beat("sync")
         self.progress.phase("syncing", f"round {round_index}")
         # Only a leader's followers read the coded delta; without them the engine is written directly.
-        sync_stats, delta_chunks = self.sync.sync(step.version, encode=self.publisher is not None)
+        moved = step.optimizer_steps > 0
+        sync_stats, delta_chunks = self.sync.sync(step.version, encode=self.publisher is not None, trainer_moved=moved)
+        if moved or self._engine_mismatch is None:
+            # An update's sync is checked bit for bit; a step that moved nothing leaves the engine as last checked.
+            self._engine_mismatch = self.sync.mismatched_elements()
         self.engine.weights_updated(sync_stats.tensors)
         delta_published = self._publish_delta(step.version, delta_chunks)
         timings["sync"] = time.perf_counter() - mark
@@ -298,7 +304,7 @@ class Node:
             ),
             delta_published=delta_published,
             policy_hash=self.sync.engine.hash.hex(),
-            engine_mismatch=self.sync.mismatched_elements(),
+            engine_mismatch=self._engine_mismatch,
             drafter_rollouts=self.feed.observed,
             seconds={k: round(v, 3) for k, v in timings.items()},
             **foreign_mix,

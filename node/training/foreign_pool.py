@@ -56,12 +56,15 @@ class ForeignPool:
     """Admitted foreign rollouts, in admission order, until a step takes them or they age out.
 
     `foreign_fraction` caps the foreign share of a step; a pending rollout `still_fresh` no
-    longer accepts is dropped at the next `select`.
+    longer accepts is dropped at the next `select`. `take_flat`: a step also takes groups without
+    a reward spread (no gradient) to fill its budget, for a trainer that runs them for its
+    statistics (`train.flat_sample_stats`); otherwise they wait until they age out.
     """
 
-    def __init__(self, *, foreign_fraction: float, still_fresh: FreshCheck) -> None:
+    def __init__(self, *, foreign_fraction: float, still_fresh: FreshCheck, take_flat: bool = False) -> None:
         self.foreign_fraction = foreign_fraction
         self.still_fresh = still_fresh
+        self.take_flat = take_flat
         self._pending: list[PendingRollout] = []
 
     def __len__(self) -> int:
@@ -108,7 +111,7 @@ class ForeignPool:
         it may all have one reward), then freshest (by the author's signature time) and nearest our
         policy version first. Authors are served round-robin from an order that rotates every
         round, so no peer id is favoured when the budget runs out: first their informative groups,
-        then, with what budget is left, their flat ones. What is taken leaves the pool.
+        then, with what budget is left and where `take_flat`, their flat ones. What is taken leaves the pool.
         """
         self._drop_stale(policy_version, now)
         budget = self.budget(own_count)
@@ -130,8 +133,9 @@ class ForeignPool:
             authors = authors[shift:] + authors[:shift]
         chosen: list[PendingRollout] = []
         # Informative groups first across all authors, so one author's flat group never takes a step's place from
-        # another's informative one; flat groups (a forward for the statistics, no gradient) only fill what is left.
-        for wanted in (_informative_group, lambda group: True):
+        # another's informative one; flat groups (no gradient: a forward for the statistics) only fill what is left.
+        passes = (_informative_group, lambda group: True) if self.take_flat else (_informative_group,)
+        for wanted in passes:
             while len(chosen) < budget and any(queue and wanted(queue[0]) for queue in queues.values()):
                 for author in authors:
                     queue = queues[author]

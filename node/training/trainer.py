@@ -141,6 +141,7 @@ class StepStats:
     kl: float | None = None
     source_samples: dict[str, int] = field(default_factory=dict)  # samples per source (OWN or a peer id)
     foreign_trained_samples: int = 0  # foreign samples that carried a gradient (a nonzero advantage)
+    optimizer_steps: int = 0  # 0: no sample carried a gradient and every weight is as it was before the step
 
 
 @dataclass
@@ -177,6 +178,7 @@ class Trainer:
         micro_batch_size: int = 8,
         temperature: float = 1.0,
         autocast_dtype: torch.dtype | None = torch.bfloat16,
+        flat_sample_stats: bool = False,
     ) -> None:
         if ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
@@ -194,6 +196,8 @@ class Trainer:
         # Behaviour log-probs are taken under the tempered distribution; greedy has no density.
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast_dtype = autocast_dtype
+        # Samples of zero advantage carry no gradient; a forward of them only adds them to the importance statistics.
+        self.flat_sample_stats = flat_sample_stats
         self.version = 0
         self.device = next(model.parameters()).device
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -227,17 +231,21 @@ class Trainer:
             micro_batch_size=train.micro_batch_size,
             temperature=temperature,
             autocast_dtype=autocast_dtype,
+            flat_sample_stats=train.flat_sample_stats,
         )
+
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
         """One policy update (``ppo_epochs`` optimizer steps) over ``samples``.
 
         Samples with zero advantage (a group whose rewards are all equal) carry no gradient: they
-        get one forward pass without autograd, only so the importance statistics cover every
-        sample, own and foreign.
+        are not run at all, unless ``flat_sample_stats`` asks for one forward pass of them without
+        autograd, so that the importance statistics cover every sample, own and foreign (on a CPU
+        that forward is up to a tenth of a step where most groups have one reward). A step
+        where no sample has a gradient moves no weight (``optimizer_steps`` 0).
         """
         started = time.perf_counter()
         sources = sorted({s.source for s in samples})
-        batches = list(self._plan(samples, sources))
+        batches = list(self._plan(samples, sources, flat=self.flat_sample_stats))
         self.model.train()
         self.optimizer_steps_in_call = 0
         try:
@@ -318,6 +326,7 @@ class Trainer:
             kl=kl_total / kept_tokens if self.kl_coef > 0.0 and kept_tokens else None,
             source_samples=dict(Counter(s.source for s in samples)),
             foreign_trained_samples=sum(1 for s in trained if s.source != OWN),
+            optimizer_steps=self.optimizer_steps_in_call,
         )
 
     @torch.no_grad()
@@ -329,9 +338,9 @@ class Trainer:
         """
         sources = sorted({s.source for s in samples})
         out: dict[int, list[float]] = {}
-        batches = list(self._plan(samples, sources))
-        flat = to_host([self._logprobs(batch) for batch in batches])  # one transfer for every micro batch
-        for batch, host in zip(batches, flat, strict=True):
+        batches = list(self._plan(samples, sources, flat=True))
+        hosted = to_host([self._logprobs(batch) for batch in batches])  # one transfer for every micro batch
+        for batch, host in zip(batches, hosted, strict=True):
             values = host.tolist()  # host data: one to_host above
             start = 0
             for sample, _ in batch.samples:
@@ -340,15 +349,15 @@ class Trainer:
                 start = stop
         return [out.get(id(s), []) for s in samples]
 
-    def _plan(self, samples: Sequence[TrainSample], sources: list[str]) -> Iterator[_MicroBatch]:
-        """Micro batches: samples with an advantage first (with autograd), then the rest; each
-        sorted by length so padding stays small."""
+    def _plan(self, samples: Sequence[TrainSample], sources: list[str], *, flat: bool) -> Iterator[_MicroBatch]:
+        """Micro batches: samples with an advantage first (with autograd), then, where `flat`, those
+        without (no autograd); each sorted by length so padding stays small."""
         grouped = [s for s in samples if s.advantage is None]
         computed = dict(zip(map(id, grouped), group_advantages([s.reward for s in grouped], [s.group for s in grouped]), strict=True))
         advantages = [s.advantage if s.advantage is not None else computed[id(s)] for s in samples]
         usable = [(s, a) for s, a in zip(samples, advantages, strict=True) if len(s.completion_ids) > 0]
         trained = sorted((p for p in usable if p[1] != 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
-        idle = sorted((p for p in usable if p[1] == 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
+        idle = sorted((p for p in usable if p[1] == 0.0 and flat), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
         index = {source: i for i, source in enumerate(sources)}
         size = self.micro_batch_size
         for group, with_grad in ((trained, True), (idle, False)):

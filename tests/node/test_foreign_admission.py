@@ -78,12 +78,12 @@ def test_by_default_a_newcomer_and_a_veteran_take_each_others_rollouts(tokenizer
         store.close()
 
 
-def _pool(pending, *, fraction=0.5, versions=64):
+def _pool(pending, *, fraction=0.5, versions=64, take_flat=False):
     # The intake owns the staleness window (240 s by default; a version window only where one is set); the pool asks it.
     train = dataclasses.replace(NodeConfig().train, staleness_versions=versions)
     intake = Intake.from_config(train, fingerprint=FINGERPRINT, vocab_size=1, tasks=TaskSource(), tokenizer=None,
                                 store=RolloutStore(":memory:"), private=None)
-    pool = ForeignPool(foreign_fraction=fraction, still_fresh=intake.still_fresh)
+    pool = ForeignPool(foreign_fraction=fraction, still_fresh=intake.still_fresh, take_flat=take_flat)
     batches: dict[tuple, list[Rollout]] = {}  # one admitted batch per author and prompt group, as intake hands them over
     for author, round_index, rollout, version, born in pending:
         batches.setdefault((author, round_index, version, born, rollout.prompt_id), []).append(rollout)
@@ -196,14 +196,17 @@ def test_the_rest_of_a_part_taken_group_still_goes_before_a_flat_one():
 
 def test_an_informative_group_of_any_author_goes_before_a_flat_one():
     # The rotation puts peer-a first at round 0, but its only group has no spread: the step takes peer-b's
-    # informative group (it carries a gradient), and peer-a's flat one only fills a budget left over.
+    # informative group (it carries a gradient), and peer-a's flat one only fills a budget left over, for a
+    # trainer that runs flat samples for their statistics (train.flat_sample_stats).
     for round_index in (0, 1):
         pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0], age=5) + _pending("peer-b", "b-mixed", [1.0, 0.0], age=100), fraction=1 / 3)
         chosen = pool.select(round_index=round_index, own_count=4, policy_version=74, now=NOW)  # budget 2: one group
         assert [p.rollout.prompt_id for p in chosen] == ["b-mixed", "b-mixed"]
-    pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0]) + _pending("peer-b", "b-mixed", [1.0, 0.0]))
-    chosen = pool.select(round_index=0, own_count=4, policy_version=74, now=NOW)  # budget 4: both groups
-    assert [p.rollout.prompt_id for p in chosen] == ["b-mixed", "b-mixed", "a-flat", "a-flat"]
+    for take_flat, taken in ((True, ["b-mixed", "b-mixed", "a-flat", "a-flat"]), (False, ["b-mixed", "b-mixed"])):
+        pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0]) + _pending("peer-b", "b-mixed", [1.0, 0.0]), take_flat=take_flat)
+        chosen = pool.select(round_index=0, own_count=4, policy_version=74, now=NOW)  # budget 4: room for both groups
+        assert [p.rollout.prompt_id for p in chosen] == taken
+    assert [p.rollout.prompt_id for p in pool.pending] == ["a-flat", "a-flat"]  # a trainer that does not run it leaves it
 
 
 @pytest.mark.parametrize(("fraction", "own", "budget"), [(0.5, 8, 8), (1 / 3, 4, 2), (1 / 3, 5, 2), (0.6, 8, 12), (0.2, 8, 2), (0.0, 8, 0)])

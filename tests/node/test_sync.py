@@ -97,14 +97,16 @@ def test_writing_locally_ends_where_the_wire_path_does(engine_dtype):
         assert _bits_equal(a, b), name
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["diffed", "told"])
 @pytest.mark.parametrize("encode", [True, False], ids=["leader", "no-followers"])
-def test_a_sync_after_a_step_that_updated_nothing_moves_nothing(encode):
-    """A step whose samples had no advantage runs no optimizer step; its sync only advances the version."""
+def test_a_sync_after_a_step_that_updated_nothing_moves_nothing(encode, told):
+    """A step whose samples had no advantage runs no optimizer step; its sync only advances the version,
+    whether it finds that out by diffing or is told so (`trainer_moved=False`: no tensor is cast or compared)."""
     trainer, sync = _bf16_sync()
     _shift(trainer, 0.01)
     sync.sync(1, encode=encode)
     before = sync.engine.hash
-    stats, chunks = sync.sync(2, encode=encode)
+    stats, chunks = sync.sync(2, encode=encode, trainer_moved=not told)
     assert stats.changed == 0 and stats.tensors == () and sync.version == 2
     assert sync.engine.hash == before == state_hash(sync.engine.state) and sync.mismatched_elements() == 0
     if encode:  # a follower at version 1 takes the empty delta to version 2

@@ -61,7 +61,7 @@ def test_on_policy_own_samples_have_weight_exactly_one(autocast):
     """Behaviour log-probs from the trainer's own path (same micro batches, kernels, dtype and
     autocast) give log-ratios of exactly 0, so weights, PPO ratios and ESS/n are exactly 1."""
     model = load_model("tiny", dtype=torch.float32)
-    trainer = _trainer(model, micro_batch_size=2, autocast_dtype=torch.bfloat16 if autocast else None)
+    trainer = _trainer(model, micro_batch_size=2, autocast_dtype=torch.bfloat16 if autocast else None, flat_sample_stats=True)
     prompt = [1, 2, 3, 4]
     shapes = [([40, 41, 42], 1.0), ([50, 51], 0.0), ([60], 0.0), ([70, 71, 72, 73], 1.0), ([80, 81], 1.0), ([90], 1.0)]
     draft = [TrainSample(prompt, c, [0.0] * len(c), r, "g" if i < 4 else "h") for i, (c, r) in enumerate(shapes)]
@@ -73,6 +73,28 @@ def test_on_policy_own_samples_have_weight_exactly_one(autocast):
     assert stats.own.kept_fraction == 1.0 and stats.own.truncated_fraction == 0.0
     assert stats.own.tokens == 13 and stats.trained_samples == 4 and stats.kept_tokens == 10
     assert stats.clip_fraction == 0.0
+
+
+def test_flat_samples_are_not_run_unless_their_statistics_are_asked_for():
+    """A group with one reward carries no gradient: by default a step runs no forward of it;
+    `flat_sample_stats` adds one forward of it, for the statistics only."""
+    model = _tiny()
+    forwards = []
+    model.model.register_forward_hook(lambda module, args, output: forwards.append(output.last_hidden_state.shape[0]))
+    prompt = [5]
+    flat = _group(model, prompt, [[7, 8], [9]], [1.0, 1.0], "flat")
+    mixed = _group(model, prompt, [[10, 11], [12]], [1.0, 0.0], "mixed")
+    forwards.clear()  # the behaviour log-probs' own forwards
+
+    stats = _trainer(model).step(flat)
+    assert forwards == [] and stats.optimizer_steps == 0
+
+    stats = _trainer(model).step(flat + mixed)
+    assert forwards == [2] and stats.optimizer_steps == 1 and stats.own.tokens == 3 and stats.samples == 4
+
+    forwards.clear()
+    stats = _trainer(model, flat_sample_stats=True).step(flat + mixed)
+    assert forwards == [2, 2] and stats.optimizer_steps == 1 and stats.own.tokens == 6
 
 
 def test_step_moves_probability_towards_rewarded_completion():
@@ -211,12 +233,15 @@ def test_plain_mode_trains_without_weights_or_stats():
     assert stats.kept_tokens == 3 and stats.grad_norm > 0.0
 
 
-def test_zero_advantage_step_changes_nothing():
+@pytest.mark.parametrize("flat_sample_stats", [False, True])
+def test_zero_advantage_step_changes_nothing(flat_sample_stats):
     model = _tiny()
     before = [p.detach().clone() for p in model.parameters()]
     prompt = [1]
-    stats = _trainer(model).step([TrainSample(prompt, [2], _logp(model, prompt, [2]), 1.0, "g", OWN)] * 2)
-    assert stats.trained_samples == 0 and stats.loss == 0.0 and stats.own.tokens == 2
+    samples = [TrainSample(prompt, [2], _logp(model, prompt, [2]), 1.0, "g", OWN)] * 2
+    stats = _trainer(model, flat_sample_stats=flat_sample_stats).step(samples)
+    assert stats.trained_samples == 0 and stats.loss == 0.0 and stats.optimizer_steps == 0
+    assert (stats.own.tokens == 2) if flat_sample_stats else (stats.own is None)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
