@@ -35,7 +35,7 @@ import torch
 
 from hivespec.node.model.loader import configure_threads, load_model
 from hivespec.node.model.precision import cpu_facts
-from hivespec.node.training.trainer import OWN, Trainer, TrainSample
+from hivespec.node.training.trainer import Trainer, TrainSample
 from hivespec.node.weights.sync import WeightSync
 
 
