@@ -13,8 +13,9 @@ seed: the sync's cost depends on how many elements move, not on why).
 
 Ends with ``RESULT {json}``: seconds per mode and dtype, the speedup of the direct write
 (`direct_speedup_bf16`, `direct_speedup_fp32`), and whether both modes ended on the same weights.
-Also per mode and dtype: the check every round makes after its sync (`*_check_s`,
-`WeightSync.mismatched_elements`) and a sync after a step that updated nothing (`*_no_update_s`);
+Also per mode and dtype: the check a round makes after a sync that moved a weight (`*_check_s`,
+`WeightSync.mismatched_elements`) and a sync that finds by diffing that nothing moved
+(`*_no_update_s`; a node tells its sync instead, `trainer_moved=False`, and skips it: bench/flat_steps.py);
 and `count_kernel`, the changed-element count a round runs twice, the bool sum it used against
 count_nonzero, side by side on the model's tensors.
 """
