@@ -6,7 +6,8 @@ Two sources in the node's home, both read-only:
   rollout the intake accepted (signature, schema, fingerprint, staleness and reward checks passed),
   by author peer id, and of the node's own rollouts (kept when old rows are pruned);
 - the events log ``events.jsonl`` (``hivespec join --events``; every demo node keeps one): per
-  round, the samples each source contributed to the training step (``importance_by_source``).
+  round, the samples of each source the training step trained on, with a gradient (``importance_by_source``;
+  a group whose rewards are all equal carries none).
   A round re-run after a crash appears twice there; the last event of each round is the one
   counted. Without an events log the trained counts are unknown (None), never guessed.
 

@@ -94,7 +94,7 @@ def _credit_rows(credits: Credits) -> list[str]:
     rows = [
         f"{len(credits.peers)} peer(s) contributed signed rollouts. *Accepted* counts rollouts that passed this node's intake "
         "(Ed25519 signature, schema, model fingerprint, staleness, reward re-computed by this node's verifier) and were "
-        "journaled; *trained on* counts the samples of that peer in this node's training steps"
+        "journaled; *trained on* counts the samples of that peer that carried a gradient in this node's training steps"
         + ("." if trained_known else " (not recorded: the node kept no events log)."),
         "",
         "| peer id | rollouts accepted | samples trained on |",

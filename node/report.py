@@ -131,7 +131,8 @@ class RoundReport:
     @property
     def importance_by_source(self) -> dict[str, dict]:
         """Importance sampling of the step per source ("own" and each author peer id): an
-        ImportanceStats dict plus "samples". Empty when train.importance_sampling is off."""
+        ImportanceStats dict plus "samples", those of the source it trained on (with a gradient;
+        node/credits.py sums them). Empty when train.importance_sampling is off."""
         counts = self.train.source_samples
         return {source: {**asdict(stats), "samples": counts.get(source, 0)} for source, stats in self.train.sources.items()}
 

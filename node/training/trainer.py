@@ -139,7 +139,7 @@ class StepStats:
     sources: dict[str, ImportanceStats] = field(default_factory=dict)
     clip_fraction: float = 0.0
     kl: float | None = None
-    source_samples: dict[str, int] = field(default_factory=dict)  # samples per source (OWN or a peer id)
+    source_samples: dict[str, int] = field(default_factory=dict)  # samples trained on (with a gradient) per source (OWN or a peer id)
     foreign_trained_samples: int = 0  # foreign samples that carried a gradient (a nonzero advantage)
     optimizer_steps: int = 0  # 0: no sample carried a gradient and every weight is as it was before the step
 
@@ -324,7 +324,7 @@ class Trainer:
             sources=by_source,
             clip_fraction=clipped_total / kept_tokens if kept_tokens else 0.0,
             kl=kl_total / kept_tokens if self.kl_coef > 0.0 and kept_tokens else None,
-            source_samples=dict(Counter(s.source for s in samples)),
+            source_samples=dict(Counter(s.source for s in trained)),
             foreign_trained_samples=sum(1 for s in trained if s.source != OWN),
             optimizer_steps=self.optimizer_steps_in_call,
         )

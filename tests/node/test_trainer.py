@@ -179,6 +179,7 @@ def test_foreign_samples_with_a_gradient_are_counted_apart_from_those_taken():
     samples += _group(model, prompt, [[13], [14, 15]], [0.0, 1.0], "mixed", "peer-b")
     stats = _trainer(model).step(samples)
     assert (stats.foreign_samples, stats.foreign_trained_samples, stats.trained_samples) == (4, 2, 4)
+    assert stats.source_samples == {OWN: 2, "peer-b": 2}  # what each source's samples gave the step (the credits' count)
 
 
 def test_ppo_surrogate_by_hand():
