@@ -112,7 +112,7 @@ class RoundReport:
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase and for the round
     checkpoint: str = ""  # checkpoint saved after this round ("" = none)
     checkpoint_error: str = ""  # why a save after this round failed (the previous checkpoint is kept)
-    # Each foreign sample the step took (flat ones included): its age (s since its author signed it) and version lag (ours - its author's).
+    # Each foreign sample the step took (flat ones only with train.flat_sample_stats): its age (s since its author signed it) and version lag (ours - its author's).
     foreign_ages_s: tuple[float, ...] = ()
     foreign_version_lags: tuple[int, ...] = ()
     # The informative foreign samples the pool had room for when the step fetched (0: it fetched nothing; None: gossip

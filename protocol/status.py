@@ -97,7 +97,7 @@ class RoundPoint:
     made: int = 0  # own rollouts generated
     accepted: int = 0  # foreign rollouts accepted
     rejected: int = 0  # foreign batches rejected
-    foreign_used: int = 0  # foreign samples the step took, flat ones included (some fetched in earlier rounds: they wait in the pool)
+    foreign_used: int = 0  # foreign samples the step took, flat ones only with train.flat_sample_stats (some fetched in earlier rounds: they wait in the pool)
     reward_mean: float | None = None  # own rollouts
     foreign_reward_mean: float | None = None
     loss: float | None = None
