@@ -141,7 +141,7 @@ class StepStats:
     kl: float | None = None
     source_samples: dict[str, int] = field(default_factory=dict)  # samples trained on (with a gradient) per source (OWN or a peer id)
     foreign_trained_samples: int = 0  # foreign samples that carried a gradient (a nonzero advantage)
-    optimizer_steps: int = 0  # 0: no sample carried a gradient and every weight is as it was before the step
+    optimizer_steps: int = 0  # optimizer steps taken; 0: no weight moved (no sample had a gradient, or the filters kept no token)
 
 
 @dataclass
@@ -357,7 +357,7 @@ class Trainer:
         advantages = [s.advantage if s.advantage is not None else computed[id(s)] for s in samples]
         usable = [(s, a) for s, a in zip(samples, advantages, strict=True) if len(s.completion_ids) > 0]
         trained = sorted((p for p in usable if p[1] != 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
-        idle = sorted((p for p in usable if p[1] == 0.0 and flat), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
+        idle = sorted((p for p in usable if p[1] == 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids)) if flat else []
         index = {source: i for i, source in enumerate(sources)}
         size = self.micro_batch_size
         for group, with_grad in ((trained, True), (idle, False)):
