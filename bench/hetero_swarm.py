@@ -18,7 +18,8 @@ only, so `fast_rate_vs_solo` then holds the cost of sharing without the training
 Counted over each phase's steady window, which starts once every node has published a batch
 (before that there is nothing to share) and ends with the phase:
   foreign_step_share    per node (shared phase): share of its steps that trained on foreign samples, counting only
-                        samples that carried a gradient (a flat group's samples get a forward for the statistics)
+                        samples that carried a gradient (a flat group carries none, and is taken only where
+                        train.flat_sample_stats runs it for the statistics)
   fast_rate_vs_solo     the fast node's steps per minute shared / apart (1.0: sharing costs it nothing)
   fast_step             the fast node's mean seconds per step by phase, shared and apart, with its trained samples
                         and generated tokens per step: tells waiting (`gossip` holds all of its sharing: publish,
