@@ -97,6 +97,59 @@ def test_flat_samples_are_not_run_unless_their_statistics_are_asked_for():
     assert forwards == [2, 2] and stats.optimizer_steps == 1 and stats.own.tokens == 6
 
 
+def test_samples_of_one_prompt_run_it_once_with_the_same_logprobs_and_update():
+    """Four or more samples of one prompt in a micro batch run the prompt's forward once and their completions on
+    its keys and values: the same log-probs, and the same update up to the order its gradients are summed in."""
+    prompt, other = [1, 2, 3, 4, 5], [6, 7]
+    completions = [[10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [20, 21]]
+    results = {}
+    for share in (False, True):
+        model = _tiny()
+        tokens = []
+        model.model.register_forward_hook(lambda module, args, output, runs=tokens: runs.append(output.last_hidden_state.shape[:2]))
+        samples = _group(model, prompt, completions, [1.0, 0.0, 1.0, 0.0, 1.0]) + _group(model, other, [[30], [31, 32]], [1.0, 0.0], "h")
+        trainer = _trainer(model, max_grad_norm=1e9, micro_batch_size=8, share_prompts=share)
+        tokens.clear()
+        logprobs = trainer.logprobs(samples)
+        results[share] = (logprobs, list(tokens), trainer.step(samples), [p.detach().clone() for p in model.parameters()])
+    (plain, plain_runs, plain_stats, plain_grads), (shared, shared_runs, shared_stats, shared_grads) = results[False], results[True]
+    assert plain_runs == [(7, 9)]  # every sample in one micro batch, padded to the longest
+    assert shared_runs == [(1, 5), (5, 4), (2, 4)]  # the prompt once, its 5 completions on it, the other group as before
+    assert all(torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-12) for a, b in zip(plain, shared))
+    assert shared_stats.kept_tokens == plain_stats.kept_tokens == 15 and shared_stats.trained_samples == 7
+    assert shared_stats.loss == pytest.approx(plain_stats.loss, rel=1e-6)  # float32 sums over two micro batches instead of one
+    # Equal up to float32 rounding (the model's RMSNorm and the head's log-prob kernel run in float32 and see other
+    # sums); with both in float64 the backbone's gradients agree to 1e-16. A prompt without its gradient would be off by far more.
+    assert all((a - b).abs().max() <= 1e-3 * a.abs().max() for a, b in zip(plain_grads, shared_grads))
+    assert all(a.abs().max() > 0 for a in plain_grads)
+
+
+def test_a_cpu_micro_batch_runs_eager_attention_only_where_its_probabilities_fit(monkeypatch):
+    """Eager attention keeps every layer's probabilities for the backward: a CPU micro batch uses it below
+    EAGER_ATTENTION_BYTES, the model's own SDPA above, and the model is left on its own either way."""
+    from hivespec.node.training import trainer as trainer_module
+
+    model = _tiny()
+    assert model.config._attn_implementation == "sdpa"
+    seen = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    samples = _group(model, [1, 2], [[10, 11], [20]], [1.0, 0.0])
+    # 2 rows x 4 x 4 positions x 4 heads x 2 layers x 8 bytes
+    needs = 2 * 4 * 4 * 4 * 2 * 8
+    runs = {}
+    for budget in (needs, needs - 1):
+        monkeypatch.setattr(trainer_module, "EAGER_ATTENTION_BYTES", budget)
+        seen.clear()
+        runs[budget] = _trainer(model).logprobs(samples)
+        assert model.config._attn_implementation == "sdpa"
+    assert seen == ["sdpa"]  # the last run, over budget
+    assert all(torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-12) for a, b in zip(runs[needs], runs[needs - 1]))
+    monkeypatch.setattr(trainer_module, "EAGER_ATTENTION_BYTES", needs)
+    seen.clear()
+    _trainer(model).step(samples)
+    assert seen == ["eager"] and model.config._attn_implementation == "sdpa"
+
+
 def test_step_moves_probability_towards_rewarded_completion():
     model = _tiny()
     prompt, good, bad = [1, 2], [10, 11], [20, 21]
@@ -140,7 +193,8 @@ def test_masked_tokens_leave_the_denominator():
         model = _tiny()
         samples = _group(model, prompt, [[10, 11], [20]], [1.0, 0.0])
         if with_forgery:
-            samples += _group(model, prompt, [[30, 31], [32]], [1.0, 0.0], "q", "peer-b", lambda c: [-20.0] * len(c))
+            # Another prompt: four samples of one prompt would run it once, which sums their gradients in another order.
+            samples += _group(model, [1, 3], [[30, 31], [32]], [1.0, 0.0], "q", "peer-b", lambda c: [-20.0] * len(c))
         trainer = _trainer(model, max_grad_norm=1e9, micro_batch_size=8)
         stats = trainer.step(samples)
         assert stats.kept_tokens == 3
