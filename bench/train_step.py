@@ -1,0 +1,136 @@
+"""What a training step costs on a CPU, before and after a group's prompt ran once and short sequences got eager attention.
+
+A GRPO group is several completions of one prompt. The trainer used to run the prompt again in
+every row of a micro batch, and torch's fused SDPA attention kernel. Now four or more samples of
+one prompt in a micro batch run it once, their completions on its keys and values (the same
+log-probs: `Trainer.share_prompts`, SHARED_PROMPT_MIN_SAMPLES), and a CPU micro batch runs the
+model's eager attention where every layer's attention probabilities fit EAGER_ATTENTION_BYTES.
+This times one step on the embedded model both ways, interleaved in one process, for groups of
+--small (the hetero bench's fast node: 2 completions of 1 prompt) and --large samples (the
+`public` preset: 8 completions of each prompt), and says what eager attention costs in accuracy:
+the mean |log-prob error| of the trainer's bf16-autocast log-probs against float32, with SDPA and
+with eager attention.
+
+Completions are sampled from the model itself at temperature 1 (realistic log-probs), then
+behaviour log-probs are set to the trainer's own before each step (weights 1: every token kept).
+
+    python bench/train_step.py --quick   # 3 repeats
+    python bench/train_step.py           # 7 repeats
+
+Ends with ``RESULT {json}``: best seconds per group size and way (`small_before_s`, `small_now_s`,
+`large_before_s`, `large_now_s`), `small_speedup`, `large_speedup`, the split of each speedup
+(`eager_only_s`: eager attention without the shared prompt), `logp_error` (sdpa, eager) and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from hivespec.node.model.loader import configure_threads, load_model
+from hivespec.node.model.precision import cpu_facts
+from hivespec.node.training import trainer as trainer_module
+from hivespec.node.training.trainer import Trainer, TrainSample
+
+WAYS = ("before", "eager_only", "now")  # (shared prompt, eager attention): (no, no), (no, yes), (yes, yes)
+
+
+def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, completion_tokens: int, seed: int) -> list[TrainSample]:
+    """`size` completions of one random prompt, sampled from the model; rewards alternate so every sample has an advantage."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=generator)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(prompt[None].repeat(size, 1), attention_mask=torch.ones(size, prompt_tokens, dtype=torch.long),
+                             do_sample=True, temperature=1.0, top_k=0, max_new_tokens=completion_tokens, min_new_tokens=completion_tokens // 2,
+                             pad_token_id=model.config.eos_token_id)
+    group = []
+    for row in range(size):
+        completion = out[row, prompt_tokens:].tolist()
+        if model.config.eos_token_id in completion:  # generate pads a finished row with eos
+            completion = completion[: completion.index(model.config.eos_token_id) + 1]
+        group.append(TrainSample(prompt.tolist(), completion, [0.0] * len(completion), float(row % 2), "g"))
+    return group
+
+
+def on_policy(trainer: Trainer, draft: list[TrainSample]) -> list[TrainSample]:
+    behaviour = trainer.logprobs(draft)
+    return [TrainSample(s.prompt_ids, s.completion_ids, b, s.reward, s.group) for s, b in zip(draft, behaviour, strict=True)]
+
+
+def configure(trainer: Trainer, way: str, budget: int) -> None:
+    trainer.share_prompts = way == "now"
+    trainer_module.EAGER_ATTENTION_BYTES = 0 if way == "before" else budget
+
+
+def logp_error(model: torch.nn.Module, draft: list[TrainSample], budget: int) -> dict[str, float]:
+    """Mean |log-prob - float32's| of the bf16-autocast trainer's log-probs, with SDPA and with eager attention."""
+    reference = Trainer(model, learning_rate=0.0, autocast_dtype=None, share_prompts=False)
+    trainer_module.EAGER_ATTENTION_BYTES = 0
+    truth = [v for row in reference.logprobs(draft) for v in row]
+    errors = {}
+    for attention, bytes_ in (("sdpa", 0), ("eager", budget)):
+        trainer_module.EAGER_ATTENTION_BYTES = bytes_
+        got = [v for row in Trainer(model, learning_rate=0.0, autocast_dtype=torch.bfloat16).logprobs(draft) for v in row]
+        errors[attention] = round(statistics.fmean(abs(a - b) for a, b in zip(got, truth, strict=True)), 5)
+    trainer_module.EAGER_ATTENTION_BYTES = budget
+    return errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a node of 3 on 2 cores has 1)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens of a prompt (the task prompts of the presets: 50-70)")
+    parser.add_argument("--completion-tokens", type=int, default=96, help="at most this many tokens a completion (the presets' max_completion_length)")
+    parser.add_argument("--small", type=int, default=2, help="samples of a small group")
+    parser.add_argument("--large", type=int, default=8, help="samples of a large group")
+    args = parser.parse_args()
+    configure_threads(args.threads)
+    repeats = 3 if args.quick else 7
+    budget = trainer_module.EAGER_ATTENTION_BYTES
+    model = load_model().float()
+    cpu = cpu_facts()["cpu"]
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.threads} thread(s), {cpu}, "
+          f"torch {torch.__version__}, trainer autocast bfloat16", flush=True)
+    trainer = Trainer(model, learning_rate=1e-6, micro_batch_size=max(8, args.large), autocast_dtype=torch.bfloat16)
+    best: dict[str, float] = {}
+    groups = {}
+    for kind, size in (("small", args.small), ("large", args.large)):
+        draft = sampled_group(model, size, args.prompt_tokens, args.completion_tokens, seed=size)
+        groups[kind] = draft
+        tokens = sum(len(s.completion_ids) for s in draft)
+        for repeat in range(repeats + 1):  # the first is a warm-up
+            for way in WAYS:  # interleaved: every way sees the machine as it is
+                configure(trainer, way, budget)
+                batch = on_policy(trainer, draft)
+                mark = time.perf_counter()
+                stats = trainer.step(batch)
+                seconds = time.perf_counter() - mark
+                assert stats.optimizer_steps == 1 and stats.kept_tokens == tokens, "every token must be trained on"
+                key = f"{kind}_{way}_s"
+                if repeat:
+                    best[key] = min(best.get(key, float("inf")), seconds)
+        print(f"{kind} group of {size} ({tokens} completion tokens): " + ", ".join(f"{way} {best[f'{kind}_{way}_s']:.3f} s" for way in WAYS),
+              flush=True)
+    configure(trainer, "now", budget)
+    errors = logp_error(model, groups["large"], budget)
+    print(f"mean |log-prob error| against float32, bf16 autocast: sdpa {errors['sdpa']}, eager {errors['eager']}", flush=True)
+    result = {
+        **{key: round(value, 3) for key, value in best.items()},
+        "small_speedup": round(best["small_before_s"] / best["small_now_s"], 2),
+        "large_speedup": round(best["large_before_s"] / best["large_now_s"], 2),
+        "logp_error": errors,
+        "groups": {"small": args.small, "large": args.large},
+        "repeats": repeats, "threads": args.threads, "cpu": cpu,
+        "tokens": {"prompt": args.prompt_tokens, "completion_max": args.completion_tokens},
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
