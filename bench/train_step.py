@@ -75,7 +75,8 @@ def logp_error(model: torch.nn.Module, draft: list[TrainSample], budget: int) ->
     errors = {}
     for attention, bytes_ in (("sdpa", 0), ("eager", budget)):
         trainer_module.EAGER_ATTENTION_BYTES = bytes_
-        got = [v for row in Trainer(model, learning_rate=0.0, autocast_dtype=torch.bfloat16).logprobs(draft) for v in row]
+        trainer = Trainer(model, learning_rate=0.0, autocast_dtype=torch.bfloat16, eager_attention=True)
+        got = [v for row in trainer.logprobs(draft) for v in row]
         errors[attention] = round(statistics.fmean(abs(a - b) for a, b in zip(got, truth, strict=True)), 5)
     trainer_module.EAGER_ATTENTION_BYTES = budget
     return errors
@@ -97,7 +98,7 @@ def main() -> None:
     cpu = cpu_facts()["cpu"]
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.threads} thread(s), {cpu}, "
           f"torch {torch.__version__}, trainer autocast bfloat16", flush=True)
-    trainer = Trainer(model, learning_rate=1e-6, micro_batch_size=max(8, args.large), autocast_dtype=torch.bfloat16)
+    trainer = Trainer(model, learning_rate=1e-6, micro_batch_size=max(8, args.large), autocast_dtype=torch.bfloat16, eager_attention=True)
     best: dict[str, float] = {}
     groups = {}
     for kind, size in (("small", args.small), ("large", args.large)):

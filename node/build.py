@@ -27,12 +27,15 @@ from hivespec.node.config import InputError, NodeConfig, SwarmConfig
 from hivespec.node.heldout_probe import HeldoutProbe
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.inputs import check_home
+from hivespec.node.model import attention
 from hivespec.node.model.engine import TorchEngine
 from hivespec.node.model.loader import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.model.precision import (
     DTYPES,
+    PROMPT_TOKENS,
     PrecisionPlan,
     decode_batch,
+    default_cache_path,
     follower_engine_dtype,
     resolve_precision,
     train_rows,
@@ -260,6 +263,31 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
     return replace(config, model=resolved), plan
 
 
+def _resolve_attention(
+    config: NodeConfig, trainer_model: torch.nn.Module, engine_model: torch.nn.Module, threads: int, precision: PrecisionPlan
+) -> bool:
+    """Decide model.attention per role (node/model/attention.py): sets the native engine's, returns whether the trainer may run eager."""
+    model, rollout = config.model, config.rollout
+    cache = default_cache_path()
+    choices = []
+    if model.engine == "native":
+        engine = attention.decide_engine(
+            model.attention, engine_model, device=model.device, threads=threads, cache=cache,
+            batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+            context=PROMPT_TOKENS + rollout.max_completion_length // 2,
+        )
+        if engine.eager:
+            engine_model.set_attn_implementation("eager")
+        choices.append(engine)
+    trainer = attention.decide_trainer(
+        model.attention, trainer_model, device=model.device, threads=threads, cache=cache,
+        rows=config.train.micro_batch_size, tokens=PROMPT_TOKENS + rollout.max_completion_length, autocast_dtype=precision.trainer.dtype,
+    )
+    choices.append(trainer)
+    log.info("attention: %s", "; ".join(choice.describe() for choice in choices))
+    return trainer.eager
+
+
 def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListener | None = None) -> Node:
     """Build every part of a node from its config (loads the model, starts gossip).
 
@@ -290,6 +318,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     config, precision = _resolve_precision(config, trainer_model, threads)
     engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
+    phase("loading", "choosing attention (eager or SDPA, measured once per machine)")
+    eager_trainer = _resolve_attention(config, trainer_model, engine_model, threads, precision)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
     engine: TorchEngine | VllmEngine
     if config.model.engine == "vllm":
@@ -297,7 +327,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     else:
         engine = TorchEngine.from_config(engine_model, config.rollout)
     sync = WeightSync(trainer_model, engine.sync_parameters())
-    trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype)
+    trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype,
+                                  eager_attention=eager_trainer)
     journal_hours = config.checkpoint.journal_hours
     store = RolloutStore(home / "rollouts.sqlite", keep_seconds=None if journal_hours is None else journal_hours * 3600)
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)

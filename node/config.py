@@ -134,6 +134,10 @@ class ModelConfig(_Section):
     autocast: bool | Literal["auto"] = _help(
         "bf16 autocast for trainer forwards (fp32 master weights keep small updates); 'auto': on where this device "
         "runs it faster (measured once per machine on CPU, bf16 support on CUDA)", "auto")
+    attention: Literal["auto", "sdpa", "eager"] = _help(
+        "attention kernel of engine and trainer: the model's 'eager' attention or torch's fused 'sdpa'; 'auto': on a CPU, "
+        "eager for each role where it measures faster (once per machine; the trainer's only where a micro batch's attention "
+        "probabilities fit 512 MiB), elsewhere the model's own", "auto")
     device: str = _help("torch device for engine and trainer", "cpu")
     threads: int | None = _help("torch threads per node; default: cores / local nodes", None, ge=1, note="or null")
     engine: Literal["native", "vllm"] = _help(

@@ -361,9 +361,12 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 
 def cached_measurement(
-    role: str, shape: ModelShape, size: float, threads: int, cache: Path | None, measure: Callable[[], dict[str, float]]
+    role: str, shape: ModelShape, size: float, threads: int, cache: Path | None, measure: Callable[[], dict[str, float]],
+    *, names: tuple[str, ...] = ("float32", "bfloat16"),
 ) -> tuple[dict[str, float], bool]:
-    """``(seconds by dtype, from_cache)``: the cached timings for this key, else ``measure()`` written back.
+    """``(seconds by name, from_cache)``: the cached timings for this key, else ``measure()`` written back.
+
+    ``names`` are what is timed (dtypes here; attention implementations in `hivespec.node.model.attention`).
 
     Processes starting together take a file lock, so one measures (on an idle machine) and the
     others read its result; a corrupt or foreign cache file is measured over.
@@ -374,8 +377,8 @@ def cached_measurement(
 
     def lookup() -> dict[str, float] | None:
         entry = _read_cache(cache).get(key)
-        if isinstance(entry, dict) and all(isinstance(entry.get(n), (int, float)) for n in ("float32", "bfloat16")):
-            return {"float32": float(entry["float32"]), "bfloat16": float(entry["bfloat16"])}
+        if isinstance(entry, dict) and all(isinstance(entry.get(n), (int, float)) for n in names):
+            return {n: float(entry[n]) for n in names}
         return None
 
     found = lookup()

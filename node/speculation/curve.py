@@ -240,10 +240,11 @@ def load_or_calibrate(
 
 
 def model_identity(model_config: object, dtype: str) -> str:
-    """What a model's forward cost depends on: its architecture config and dtype (weights do not matter)."""
+    """What a model's forward cost depends on: its architecture config, dtype and attention kernel (weights do not matter)."""
     to_dict = getattr(model_config, "to_dict", None)
     config = to_dict() if callable(to_dict) else vars(model_config)
     shape = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+    shape["attention"] = getattr(model_config, "_attn_implementation", None)
     return hashlib.sha256(json.dumps([shape, dtype], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

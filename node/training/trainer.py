@@ -50,10 +50,10 @@ _FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel f
 # completions): forward + backward of 8 completions 2.82 -> 2.02 s; of 2, 1.01 -> 1.09 s (the second call costs more
 # than the 64 tokens it saves).
 SHARED_PROMPT_MIN_SAMPLES = 4
-# On a CPU the model's eager attention is faster than torch's fused SDPA kernel for short sequences (same model and
-# machine, 8 sequences forward + backward: 3.79 against 4.52 s at 160 tokens, 10.3 against 11.3 s at 384, but 36.2
-# against 27.4 s at 768), and it keeps every layer's attention probabilities for the backward. A micro batch uses
-# it where those fit in this many bytes (8 x 160 tokens of SmolLM2-135M: 0.33 GB).
+# Where eager attention measured faster on this CPU (`eager_attention`, hivespec.node.model.attention), a micro batch
+# runs it only where every layer's attention probabilities, kept for the backward, fit in this many bytes (8 x 160
+# tokens of SmolLM2-135M: 0.44 GB). On the 2-core EPYC, 8 sequences forward + backward took 3.79 s eager against 4.52 s
+# with SDPA at 160 tokens, 10.3 against 11.3 s at 384 (2.3 GB more), 36.2 against 27.4 s at 768 (7 GB more).
 EAGER_ATTENTION_BYTES = 512 << 20
 
 MaskLevel = Literal["none", "token", "sequence"]
@@ -194,6 +194,7 @@ class Trainer:
         autocast_dtype: torch.dtype | None = torch.bfloat16,
         flat_sample_stats: bool = False,
         share_prompts: bool = True,
+        eager_attention: bool = False,
     ) -> None:
         if ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
@@ -217,7 +218,9 @@ class Trainer:
         self.share_prompts = share_prompts
         self.version = 0
         self.device = next(model.parameters()).device
-        self._attention = _EagerWhereSmall.for_model(model, self.device)
+        # Eager attention where a micro batch's probabilities fit EAGER_ATTENTION_BYTES (`hivespec.node.model.attention` measures
+        # whether it is faster on this machine); the model's own elsewhere.
+        self._attention = _EagerWhereSmall.for_model(model, self.device, allowed=eager_attention)
         self._params = [p for p in model.parameters() if p.requires_grad]
         # The fused kernel updates every tensor in one pass: 0.05 s against 0.28 s per step for SmolLM2-135M on a
         # 2-core CPU (torch 2.13). Its results are AdamW's; which kernel runs is the machine's choice, not the checkpoint's.
@@ -230,12 +233,15 @@ class Trainer:
 
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, train: TrainConfig, *, temperature: float, autocast_dtype: torch.dtype | None) -> Trainer:
+    def from_config(
+        cls, model: torch.nn.Module, train: TrainConfig, *, temperature: float, autocast_dtype: torch.dtype | None,
+        eager_attention: bool = False,
+    ) -> Trainer:
         """A trainer with the `train` section's optimizer, importance and PPO settings.
 
         `temperature` must be the one the rollouts were sampled at (`rollout.temperature`): the
         trainer's log-probs are taken under it. `autocast_dtype` is precision's choice for the
-        trainer (None: float32 forwards).
+        trainer (None: float32 forwards), `eager_attention` attention's (`hivespec.node.model.attention`).
         """
         return cls(
             model,
@@ -250,6 +256,7 @@ class Trainer:
             temperature=temperature,
             autocast_dtype=autocast_dtype,
             flat_sample_stats=train.flat_sample_stats,
+            eager_attention=eager_attention,
         )
 
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
@@ -538,20 +545,20 @@ class Trainer:
 
 @dataclass(frozen=True)
 class _EagerWhereSmall:
-    """Which attention a CPU micro batch runs: the model's eager one where every layer's attention probabilities,
-    kept for the backward, fit in EAGER_ATTENTION_BYTES, else the model's own (SDPA). Elsewhere (a GPU, a model
-    loaded with another implementation) the model's own always."""
+    """Which attention a micro batch runs: where `allowed` (measured faster on this CPU), the model's eager one where
+    every layer's attention probabilities, kept for the backward, fit in EAGER_ATTENTION_BYTES, else the model's own
+    (SDPA). Elsewhere (not allowed, a GPU, a model loaded with another implementation) the model's own always."""
 
     model: torch.nn.Module
     own: str
     cells_per_token_pair: int  # heads x layers: probabilities per (query, key) pair and sequence
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, device: torch.device) -> _EagerWhereSmall:
+    def for_model(cls, model: torch.nn.Module, device: torch.device, *, allowed: bool) -> _EagerWhereSmall:
         config = getattr(model, "config", None)
         own = getattr(config, "_attn_implementation", None)
         heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
-        usable = device.type == "cpu" and own == "sdpa" and heads and layers and hasattr(model, "set_attn_implementation")
+        usable = allowed and device.type == "cpu" and own == "sdpa" and heads and layers and hasattr(model, "set_attn_implementation")
         return cls(model, own or "", heads * layers if usable else 0)
 
     def choose(self, rows: int, queries: int, keys: int) -> str | None:

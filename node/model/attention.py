@@ -1,0 +1,185 @@
+"""Which attention kernel the engine and the trainer run on a CPU: the model's eager attention or torch's SDPA.
+
+transformers runs a model's attention through torch's fused ``scaled_dot_product_attention`` by
+default. On a CPU its kernel is slow at the shapes a node runs, short sequences and a decode step
+of one token per row, next to the model's eager attention (two matmuls and a softmax): on a
+2-core AMD EPYC with AVX512-BF16 (SmolLM2-135M, bf16 engine, 1 thread) 96 decode steps of 16 rows
+took 9.1 s with SDPA and 6.1-6.4 s eager, and a training step of 8 rows of 160 tokens 4.5 against
+3.8 s. Eager attention keeps every layer's probabilities for the backward, though, and the other
+way round at long sequences (at 768 tokens 36 against 27 s, and 7 GB more). So with
+``model.attention: auto`` the node decides at start-up, per role, from what this machine does:
+
+- engine: one real decode step of the engine's model at its decode batch over a cache of a
+  prompt and half a completion, both ways;
+- trainer: a forward and backward of the first two layers (a fresh copy, random weights) on one
+  micro batch's rows and tokens under the trainer's autocast, both ways; a micro batch then runs
+  eager only where its saved probabilities also fit ``EAGER_ATTENTION_BYTES``
+  (`hivespec.node.training.trainer`).
+
+Eager is chosen where it takes at most ``MARGIN`` of SDPA's time (a tie keeps SDPA, the model's
+own). The timings are cached beside the precision measurements (``precision.json``, keyed by the
+machine, shapes and threads). On CUDA, or for a model loaded with another implementation, the
+model's own runs. The choice changes numerics only by rounding: on the embedded model the bf16
+engine's log-probs were 0.0324 nats from float32's on the mean with eager attention and 0.0326
+with SDPA, the bf16-autocast trainer's 0.0527 and 0.0518 (bench/train_step.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from hivespec.node.model.precision import MARGIN, ModelShape, cached_measurement, cpu_facts
+
+log = logging.getLogger(__name__)
+
+Requested = Literal["auto", "sdpa", "eager"]
+IMPLEMENTATIONS = ("sdpa", "eager")
+_MEASURE_BUDGET_S = 0.5  # per role: repeats stop once both are timed and this is spent
+_TRAIN_LAYERS = 2  # layers of the copy a training step is timed on (every layer costs the same)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """One role's attention and why: ``source`` is explicit, device, measured or cached."""
+
+    role: str
+    eager: bool
+    source: str
+    reason: str
+
+    @property
+    def implementation(self) -> str:
+        return "eager" if self.eager else "sdpa"
+
+    def describe(self) -> str:
+        return f"{self.role} attention {self.implementation} ({self.source}: {self.reason})"
+
+
+def _alternate(runs: dict[str, Callable[[], None]], budget_s: float) -> dict[str, float]:
+    """Best seconds of each run: one warm-up each, then they alternate until `budget_s` is spent (2-5 rounds)."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, math.inf)
+    started = time.perf_counter()
+    for rounds in range(1, 6):
+        for name, run in runs.items():
+            mark = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - mark)
+        if rounds >= 2 and time.perf_counter() - started > budget_s:
+            break
+    return best
+
+
+def _using(model: torch.nn.Module, implementation: str, run: Callable[[], None]) -> Callable[[], None]:
+    def timed() -> None:
+        own = model.config._attn_implementation
+        model.set_attn_implementation(implementation)
+        try:
+            run()
+        finally:
+            model.set_attn_implementation(own)
+
+    return timed
+
+
+@torch.inference_mode()
+def measure_decode(model: torch.nn.Module, batch: int, context: int, *, budget_s: float = _MEASURE_BUDGET_S) -> dict[str, float]:
+    """Seconds of one decode step of `model` (the engine's, in its dtype) at `batch` rows over `context` cached tokens, per attention."""
+    device = next(model.parameters()).device
+    # The cache's values do not change a step's time: one row's prefill, repeated for every row (a prefill of every
+    # row would take seconds at batch 32).
+    one = model(input_ids=torch.ones((1, context), dtype=torch.long, device=device), use_cache=True).past_key_values
+    one.batch_repeat_interleave(batch)
+    token = torch.ones((batch, 1), dtype=torch.long, device=device)
+
+    def step() -> None:
+        model(input_ids=token, past_key_values=one, use_cache=True)
+        one.crop(-1)  # every step sees the same context
+
+    runs = {implementation: _using(model, implementation, step) for implementation in IMPLEMENTATIONS}
+    return _alternate(runs, budget_s)
+
+
+def measure_training(
+    model: torch.nn.Module, rows: int, tokens: int, autocast_dtype: torch.dtype | None, *, budget_s: float = _MEASURE_BUDGET_S
+) -> dict[str, float]:
+    """Seconds of a forward and backward of `rows` x `tokens` through the first layers of a fresh copy of `model`'s
+    architecture (random weights: the time does not depend on them), per attention, under `autocast_dtype`."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = _TRAIN_LAYERS
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:_TRAIN_LAYERS]
+    device = next(model.parameters()).device
+    small = type(model)(config).to(device=device, dtype=next(model.parameters()).dtype).train()
+    backbone = getattr(small, small.base_model_prefix)
+    ids = torch.randint(0, config.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1:, tokens * 3 // 4 :] = 0  # padded rows, as a micro batch of unequal lengths has: the mask is materialized
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden.float().square().mean().backward()
+        small.zero_grad(set_to_none=True)
+
+    return _alternate({implementation: _using(small, implementation, step) for implementation in IMPLEMENTATIONS}, budget_s)
+
+
+def _verdict(role: str, seconds: dict[str, float], cached: bool, what: str) -> AttentionChoice:
+    eager = seconds["eager"] <= MARGIN * seconds["sdpa"]
+    reason = f"{what}: sdpa {seconds['sdpa'] * 1e3:.1f} ms, eager {seconds['eager'] * 1e3:.1f} ms; {cpu_facts()['cpu']}"
+    return AttentionChoice(role, eager, "cached" if cached else "measured", reason)
+
+
+def _fixed(role: str, requested: Requested, model: torch.nn.Module, device: str) -> AttentionChoice | None:
+    """The choice where nothing is measured: explicit, not a CPU, or a model that does not run SDPA."""
+    if requested != "auto":
+        return AttentionChoice(role, requested == "eager", "explicit", "model.attention in the config")
+    own = getattr(model.config, "_attn_implementation", None)
+    if torch.device(device).type != "cpu":
+        return AttentionChoice(role, own == "eager", "device", f"{device}: the model's own ({own})")
+    if own != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return AttentionChoice(role, own == "eager", "device", f"the model runs {own} attention")
+    return None
+
+
+def decide_engine(
+    requested: Requested, model: torch.nn.Module, *, device: str, batch: int, context: int, threads: int, cache: Path | None
+) -> AttentionChoice:
+    """The engine's attention (see the module docstring); `model` is the engine's, in its dtype."""
+    fixed = _fixed("engine", requested, model, device)
+    if fixed is not None:
+        return fixed
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    seconds, cached = cached_measurement(
+        f"attention-decode-{dtype}-{context}", ModelShape.of(model.config), batch, threads, cache,
+        lambda: measure_decode(model, batch, context), names=IMPLEMENTATIONS,
+    )
+    return _verdict("engine", seconds, cached, f"a decode step of {batch} rows over {context} tokens, {threads} thread(s)")
+
+
+def decide_trainer(
+    requested: Requested, model: torch.nn.Module, *, device: str, rows: int, tokens: int, autocast_dtype: torch.dtype | None,
+    threads: int, cache: Path | None,
+) -> AttentionChoice:
+    """Whether the trainer may run eager attention (see the module docstring); `model` is the trainer's."""
+    fixed = _fixed("trainer", requested, model, device)
+    if fixed is not None:
+        return fixed
+    autocast = str(autocast_dtype).removeprefix("torch.") if autocast_dtype is not None else "off"
+    seconds, cached = cached_measurement(
+        f"attention-train-{autocast}-{tokens}", ModelShape.of(model.config), rows, threads, cache,
+        lambda: measure_training(model, rows, tokens, autocast_dtype), names=IMPLEMENTATIONS,
+    )
+    what = f"forward+backward of {rows} x {tokens} tokens through {_TRAIN_LAYERS} layers, autocast {autocast}, {threads} thread(s)"
+    return _verdict("trainer", seconds, cached, what)

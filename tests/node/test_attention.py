@@ -1,0 +1,98 @@
+"""The attention kernel per role: explicit values win, "auto" measures once per machine on a CPU and follows the numbers.
+
+Measurements run for real on a tiny model (milliseconds). The decision rule is checked against
+cache entries written the way a measurement writes them, so it does not depend on what this CPU
+happens to measure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hivespec.node.config import ConfigError, load_config
+from hivespec.node.model import attention
+from hivespec.node.model.loader import load_model
+from hivespec.node.model.precision import ModelShape, cpu_facts, measurement_key
+
+THREADS = 1
+
+
+@pytest.fixture
+def tiny():
+    return load_model("tiny", dtype=torch.float32)
+
+
+def _engine(model, cache, requested="auto", device="cpu"):
+    return attention.decide_engine(requested, model, device=device, batch=4, context=12, threads=THREADS, cache=cache)
+
+
+def _trainer(model, cache, requested="auto", device="cpu"):
+    return attention.decide_trainer(requested, model, device=device, rows=2, tokens=16, autocast_dtype=None, threads=THREADS, cache=cache)
+
+
+def _seed(path: Path, model, *, engine: tuple[float, float], trainer: tuple[float, float]) -> None:
+    """Write (sdpa, eager) seconds per role under the keys the decisions above look up."""
+    shape, facts = ModelShape.of(model.config), cpu_facts()
+    data = {
+        measurement_key("attention-decode-float32-12", shape, 4, THREADS, facts): dict(zip(("sdpa", "eager"), engine, strict=True)),
+        measurement_key("attention-train-off-16", shape, 2, THREADS, facts): dict(zip(("sdpa", "eager"), trainer, strict=True)),
+    }
+    path.write_text(json.dumps(data))
+
+
+def test_explicit_and_non_cpu_choices_measure_nothing(tiny, tmp_path):
+    cache = tmp_path / "precision.json"
+    for requested, eager in (("eager", True), ("sdpa", False)):
+        for decide in (_engine, _trainer):
+            choice = decide(tiny, cache, requested)
+            assert choice.eager is eager and choice.source == "explicit" and choice.implementation == requested
+    choice = _engine(tiny, cache, device="cuda")
+    assert not choice.eager and choice.source == "device" and "sdpa" in choice.reason  # the model's own
+    assert not cache.exists()
+
+
+def test_auto_measures_once_then_reads_the_machine_cache_and_leaves_the_model_as_it_was(tiny, tmp_path):
+    cache = tmp_path / "precision.json"
+    first = [_engine(tiny, cache), _trainer(tiny, cache)]
+    assert [c.source for c in first] == ["measured", "measured"]
+    assert all("sdpa" in c.reason and "eager" in c.reason and cpu_facts()["cpu"] in c.reason for c in first)
+    assert tiny.config._attn_implementation == "sdpa"
+    entries = json.loads(cache.read_text())
+    assert len(entries) == 2 and all({"sdpa", "eager"} <= set(e) and min(e["sdpa"], e["eager"]) > 0 for e in entries.values())
+    second = [_engine(tiny, cache), _trainer(tiny, cache)]
+    assert [c.source for c in second] == ["cached", "cached"]
+    assert [c.eager for c in second] == [c.eager for c in first] and [c.reason for c in second] == [c.reason for c in first]
+
+
+@pytest.mark.parametrize(
+    ("engine", "trainer", "engine_eager", "trainer_eager"),
+    [
+        ((0.075, 0.044), (0.28, 0.22), True, True),  # the 2-core EPYC at batch 16, bf16 autocast
+        ((0.031, 0.029), (0.62, 0.63), False, False),  # batch 2, float32 training: within the margin SDPA stays
+        ((0.050, 0.080), (0.20, 0.40), False, False),
+    ],
+)
+def test_auto_follows_the_measured_numbers(tiny, tmp_path, engine, trainer, engine_eager, trainer_eager):
+    cache = tmp_path / "precision.json"
+    _seed(cache, tiny, engine=engine, trainer=trainer)
+    choices = _engine(tiny, cache), _trainer(tiny, cache)
+    assert [c.source for c in choices] == ["cached", "cached"]
+    assert [c.eager for c in choices] == [engine_eager, trainer_eager]
+
+
+def test_a_model_loaded_with_eager_attention_keeps_it(tmp_path):
+    model = load_model("tiny", dtype=torch.float32)
+    model.set_attn_implementation("eager")
+    choice = _engine(model, tmp_path / "precision.json")
+    assert choice.eager and choice.source == "device"
+
+
+def test_config_takes_auto_sdpa_and_eager():
+    assert load_config("tiny").model.attention == "auto"
+    assert load_config("tiny", overrides={"model.attention": "eager"}).model.attention == "eager"
+    with pytest.raises(ConfigError, match="attention"):
+        load_config("tiny", overrides={"model.attention": "flash"})
