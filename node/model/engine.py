@@ -491,19 +491,31 @@ class TorchEngine:
         state.attention_mask = (~pad).to(state.attention_mask.dtype)
 
     def _prefill(self, requests: list[GenerationRequest], stats: SpeculationStats) -> _DecodeState:
-        """Run the left-padded prompts through the model, filling a fresh cache."""
+        """Run the left-padded prompts through the model, filling a fresh cache.
+
+        Each distinct prompt runs once (a GRPO group is several samples of one prompt); its keys,
+        values and logits are then copied to every row that has it.
+        """
         width = max(len(request.prompt_ids) for request in requests)
-        input_ids = torch.zeros(len(requests), width, dtype=torch.int64)
-        attention_mask = torch.zeros(len(requests), width, dtype=torch.int64)
-        for i, request in enumerate(requests):
-            input_ids[i, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            attention_mask[i, width - len(request.prompt_ids) :] = 1
+        distinct: dict[tuple[int, ...], int] = {}
+        row_prompt = [distinct.setdefault(tuple(request.prompt_ids), len(distinct)) for request in requests]
+        input_ids = torch.zeros(len(distinct), width, dtype=torch.int64)
+        attention_mask = torch.zeros(len(distinct), width, dtype=torch.int64)
+        for i, prompt in enumerate(distinct):
+            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[i, width - len(prompt) :] = 1
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         # Positions count real tokens only, so a prompt sees the same positions at any padding.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache(config=self._model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
         stats.batch_forwards += 1
+        if len(distinct) < len(requests):
+            rows = torch.tensor(row_prompt, dtype=torch.int64, device=self._device)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, rows)
+                layer.values = layer.values.index_select(0, rows)
+            logits, attention_mask, position_ids = logits.index_select(0, rows), attention_mask[rows], position_ids[rows]
         return _DecodeState(
             rows=[_Row(request, forwards=1) for request in requests],
             cache=cache,

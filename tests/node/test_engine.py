@@ -78,6 +78,26 @@ def test_each_request_alone_equals_it_in_a_batch(engine):
             assert sample.logprobs == pytest.approx(alone.logprobs, abs=1e-9)
 
 
+def test_a_prompt_shared_by_several_samples_is_read_once(engine, model):
+    """A GRPO group's samples share a prompt: the prefill runs each distinct prompt once, and every sample comes out
+    as it does alone."""
+    prompts = [tuple(r.prompt_ids) for r in _requests(lengths=(6, 3))]
+    requests = [GenerationRequest(prompts[i % 2], seed=5, sample_index=i) for i in range(6)]
+    rows_run = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_run.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        together = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8))
+    finally:
+        hook.remove()
+    assert rows_run[0] == (2, 6)  # the prefill: the 2 prompts, left-padded to the longer
+    assert all(shape[0] == 6 for shape in rows_run[1:])  # then every sample decodes
+    for request, sample in zip(requests, together, strict=True):
+        (alone,) = engine.generate([request], SamplingParams(temperature=1.0, max_new_tokens=8))
+        assert sample.completion_ids == alone.completion_ids
+        assert sample.logprobs == pytest.approx(alone.logprobs, abs=1e-9)
+    assert len({tuple(s.completion_ids) for s in together}) > 2  # the samples of a prompt differ: each has its own key
+
+
 def test_behaviour_logprobs_match_a_full_forward(engine, model):
     temperature = 0.7
     samples = engine.generate(_requests(), SamplingParams(temperature=temperature, max_new_tokens=16))
