@@ -27,7 +27,6 @@ with SDPA, the bf16-autocast trainer's 0.0527 and 0.0518 (bench/train_step.py).
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -38,8 +37,6 @@ from typing import Literal
 import torch
 
 from hivespec.node.model.precision import MARGIN, ModelShape, cached_measurement, cpu_facts
-
-log = logging.getLogger(__name__)
 
 Requested = Literal["auto", "sdpa", "eager"]
 IMPLEMENTATIONS = ("sdpa", "eager")

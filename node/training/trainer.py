@@ -390,9 +390,12 @@ class Trainer:
             rest = group
             if self.share_prompts:
                 by_prompt: dict[tuple[int, ...], list[tuple[TrainSample, float]]] = defaultdict(list)
-                for pair in group:
-                    by_prompt[tuple(pair[0].prompt_ids)].append(pair)
                 rest = []
+                for pair in group:
+                    if pair[0].prompt_ids:
+                        by_prompt[tuple(pair[0].prompt_ids)].append(pair)
+                    else:  # nothing to share (and nothing to run a prompt pass on)
+                        rest.append(pair)
                 for members in by_prompt.values():
                     for start in range(0, len(members), size):
                         chunk = members[start : start + size]
