@@ -265,8 +265,9 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
 
 def _resolve_attention(
     config: NodeConfig, trainer_model: torch.nn.Module, engine_model: torch.nn.Module, threads: int, precision: PrecisionPlan
-) -> bool:
-    """Decide model.attention per role (node/model/attention.py): sets the native engine's, returns whether the trainer may run eager."""
+) -> tuple[bool, str]:
+    """Decide model.attention per role (node/model/attention.py): sets the native engine's; returns whether the
+    trainer may run eager, and the choices described."""
     model, rollout = config.model, config.rollout
     cache = default_cache_path()
     choices = []
@@ -284,8 +285,9 @@ def _resolve_attention(
         rows=config.train.micro_batch_size, tokens=PROMPT_TOKENS + rollout.max_completion_length, autocast_dtype=precision.trainer.dtype,
     )
     choices.append(trainer)
-    log.info("attention: %s", "; ".join(choice.describe() for choice in choices))
-    return trainer.eager
+    described = "; ".join(choice.describe() for choice in choices)
+    log.info("attention: %s", described)
+    return trainer.eager, described
 
 
 def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListener | None = None) -> Node:
@@ -319,7 +321,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     phase("loading", "choosing attention (eager or SDPA, measured once per machine)")
-    eager_trainer = _resolve_attention(config, trainer_model, engine_model, threads, precision)
+    eager_trainer, attention_choice = _resolve_attention(config, trainer_model, engine_model, threads, precision)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
     engine: TorchEngine | VllmEngine
     if config.model.engine == "vllm":
@@ -380,6 +382,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
         trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
         precision=precision,
+        attention=attention_choice,
         calibration=calibration,
         on_phase=on_phase,
         heldout=HeldoutProbe.from_config(config, tasks, tokenizer),

@@ -93,6 +93,7 @@ class Node:
         publisher: PolicyPublisher | None = None,
         trace: TraceWriter | None = None,
         precision: PrecisionPlan | None = None,
+        attention: str = "",
         calibration: CurveCalibration | None = None,
         on_phase: PhaseListener | None = None,
         heldout: HeldoutProbe | None = None,
@@ -102,6 +103,7 @@ class Node:
         self.trackers = trackers  # report_to: each round's figures to tensorboard / wandb, None when none
         self.heldout = heldout  # the held-out accuracy probe (eval.every_rounds), None when off
         self.precision = precision  # what model.engine_dtype / model.autocast "auto" became, and why
+        self.attention = attention  # what model.attention "auto" became per role, and why ("" where not decided)
         self.calibration = calibration  # the verify-cost curve still to measure (speculation waits for it)
         self.stop_report = ""  # what a stop in the middle of a round kept and saved, for the CLI to print
         self._round_start: RoundStart | None = None  # captured as each round begins

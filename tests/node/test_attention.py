@@ -96,3 +96,28 @@ def test_config_takes_auto_sdpa_and_eager():
     assert load_config("tiny", overrides={"model.attention": "eager"}).model.attention == "eager"
     with pytest.raises(ConfigError, match="attention"):
         load_config("tiny", overrides={"model.attention": "flash"})
+
+
+@pytest.mark.timeout(300)
+def test_a_node_runs_the_kernels_it_was_given(tmp_path):
+    """`model.attention: eager` reaches the node: its engine copy decodes with eager attention, its trainer may run it
+    per micro batch, the trainer's model stays on its own kernel between forwards, and the node says what it chose."""
+    from test_resume import make_digit_model
+
+    from hivespec.node.build import build_node
+
+    model = make_digit_model(tmp_path / "digit-model")
+    config = load_config("tiny", overrides={
+        "home": str(tmp_path / "home"), "model.name": str(model), "model.attention": "eager", "rounds": "1",
+        "swarm.swarm": "test-attention", "swarm.expected_peers": "0", "swarm.bootstrap_timeout": "0", "status.enabled": "false",
+        "checkpoint.every_rounds": "0", "checkpoint.at_exit": "false", "checkpoint.resume": "false", "speculation.enabled": "false",
+    })
+    node = build_node(config)
+    try:
+        assert node.engine._model.config._attn_implementation == "eager"
+        assert node.trainer.model.config._attn_implementation == "sdpa" and node.trainer._attention.cells_per_token_pair > 0
+        assert "engine attention eager (explicit" in node.attention and "trainer attention eager (explicit" in node.attention
+        (report,) = node.run(lambda report: None, keep=1)
+        assert report.round == 0 and node.trainer.model.config._attn_implementation == "sdpa"
+    finally:
+        node.close()
