@@ -13,15 +13,15 @@ way round at long sequences (at 768 tokens 36 against 27 s, and 7 GB more). So w
   prompt and half a completion, both ways;
 - trainer: a forward and backward of the first two layers (a fresh copy, random weights) on one
   micro batch's rows and tokens under the trainer's autocast, both ways; a micro batch then runs
-  eager only where its saved probabilities also fit ``EAGER_ATTENTION_BYTES``
-  (`hivespec.node.training.trainer`).
+  eager only where its saved probabilities also fit ``EAGER_ATTENTION_BYTES`` (`MicroBatchAttention`).
 
 Eager is chosen where it takes at most ``MARGIN`` of SDPA's time (a tie keeps SDPA, the model's
 own). The timings are cached beside the precision measurements (``precision.json``, keyed by the
 machine, shapes and threads). On CUDA, or for a model loaded with another implementation, the
 model's own runs. The choice changes numerics only by rounding: on the embedded model the bf16
 engine's log-probs were 0.0324 nats from float32's on the mean with eager attention and 0.0326
-with SDPA, the bf16-autocast trainer's 0.0527 and 0.0518 (bench/train_step.py).
+with SDPA; the bf16-autocast trainer's 0.0246 eager and 0.0222 with SDPA on the loaded weights
+(bench/train_step.py: eager adds about a tenth to the rounding autocast already brings).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -42,6 +43,11 @@ Requested = Literal["auto", "sdpa", "eager"]
 IMPLEMENTATIONS = ("sdpa", "eager")
 _MEASURE_BUDGET_S = 0.5  # per role: repeats stop once both are timed and this is spent
 _TRAIN_LAYERS = 2  # layers of the copy a training step is timed on (every layer costs the same)
+# Where the trainer runs eager attention, a micro batch runs it only where every layer's attention probabilities, kept
+# for the backward, fit in this many bytes (8 x 160 tokens of SmolLM2-135M: 0.44 GB). On the 2-core EPYC, 8 sequences
+# forward + backward took 3.79 s eager against 4.52 s with SDPA at 160 tokens, 10.3 against 11.3 s at 384 (2.3 GB
+# more), 36.2 against 27.4 s at 768 (7 GB more).
+EAGER_ATTENTION_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -77,16 +83,48 @@ def _alternate(runs: dict[str, Callable[[], None]], budget_s: float) -> dict[str
     return best
 
 
+@contextmanager
+def running(model: torch.nn.Module, implementation: str | None) -> Iterator[None]:
+    """`model` runs `implementation` inside the block (None, or its own: nothing changes); its own kernel again after."""
+    own = model.config._attn_implementation if implementation is not None else None
+    if implementation is None or implementation == own:
+        yield
+        return
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
+
+
 def _using(model: torch.nn.Module, implementation: str, run: Callable[[], None]) -> Callable[[], None]:
     def timed() -> None:
-        own = model.config._attn_implementation
-        model.set_attn_implementation(implementation)
-        try:
+        with running(model, implementation):
             run()
-        finally:
-            model.set_attn_implementation(own)
 
     return timed
+
+
+@dataclass(frozen=True)
+class MicroBatchAttention:
+    """Which kernel one training micro batch runs once the trainer's role may run eager (`decide_trainer`): eager
+    where every layer's attention probabilities, kept for the backward, fit EAGER_ATTENTION_BYTES, else the model's own."""
+
+    cells_per_token_pair: int  # heads x layers: probabilities per (query, key) pair and sequence; 0: never eager
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, eager: bool) -> MicroBatchAttention:
+        config = getattr(model, "config", None)
+        heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
+        usable = eager and heads and layers and hasattr(model, "set_attn_implementation")
+        return cls(heads * layers if usable else 0)
+
+    def choose(self, rows: int, queries: int, keys: int) -> str | None:
+        """"eager" where this forward's saved probabilities (float32 and a copy in the autocast dtype: at most
+        8 bytes each) fit the budget; None: the model's own."""
+        if not self.cells_per_token_pair:
+            return None
+        return "eager" if rows * queries * keys * self.cells_per_token_pair * 8 <= EAGER_ATTENTION_BYTES else None
 
 
 @torch.inference_mode()

@@ -22,7 +22,6 @@ import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -37,6 +36,7 @@ from hivespec.kernels.importance import (
     importance_weights,
 )
 from hivespec.kernels.logprobs import token_logprobs
+from hivespec.node.model.attention import MicroBatchAttention, running
 from hivespec.node.training.advantages import group_advantages
 
 if TYPE_CHECKING:
@@ -50,11 +50,6 @@ _FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel f
 # completions): forward + backward of 8 completions 2.82 -> 2.02 s; of 2, 1.01 -> 1.09 s (the second call costs more
 # than the 64 tokens it saves).
 SHARED_PROMPT_MIN_SAMPLES = 4
-# Where eager attention measured faster on this CPU (`eager_attention`, hivespec.node.model.attention), a micro batch
-# runs it only where every layer's attention probabilities, kept for the backward, fit in this many bytes (8 x 160
-# tokens of SmolLM2-135M: 0.44 GB). On the 2-core EPYC, 8 sequences forward + backward took 3.79 s eager against 4.52 s
-# with SDPA at 160 tokens, 10.3 against 11.3 s at 384 (2.3 GB more), 36.2 against 27.4 s at 768 (7 GB more).
-EAGER_ATTENTION_BYTES = 512 << 20
 
 MaskLevel = Literal["none", "token", "sequence"]
 
@@ -218,9 +213,9 @@ class Trainer:
         self.share_prompts = share_prompts
         self.version = 0
         self.device = next(model.parameters()).device
-        # Eager attention where a micro batch's probabilities fit EAGER_ATTENTION_BYTES (`hivespec.node.model.attention` measures
-        # whether it is faster on this machine); the model's own elsewhere.
-        self._attention = _EagerWhereSmall.for_model(model, self.device, allowed=eager_attention)
+        # Eager attention where `eager_attention` (`hivespec.node.model.attention` measures whether it is faster on this
+        # machine) and a micro batch's probabilities fit its budget; the model's own elsewhere.
+        self._attention = MicroBatchAttention.for_model(model, eager=eager_attention)
         self._params = [p for p in model.parameters() if p.requires_grad]
         # The fused kernel updates every tensor in one pass: 0.05 s against 0.28 s per step for SmolLM2-135M on a
         # 2-core CPU (torch 2.13). Its results are AdamW's; which kernel runs is the machine's choice, not the checkpoint's.
@@ -382,28 +377,14 @@ class Trainer:
         computed = dict(zip(map(id, grouped), group_advantages([s.reward for s in grouped], [s.group for s in grouped]), strict=True))
         advantages = [s.advantage if s.advantage is not None else computed[id(s)] for s in samples]
         usable = [(s, a) for s, a in zip(samples, advantages, strict=True) if len(s.completion_ids) > 0]
-        trained = sorted((p for p in usable if p[1] != 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
-        idle = sorted((p for p in usable if p[1] == 0.0), key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids)) if flat else []
+        trained = sorted((p for p in usable if p[1] != 0.0), key=_length)
+        idle = sorted((p for p in usable if p[1] == 0.0), key=_length) if flat else []
         index = {source: i for i, source in enumerate(sources)}
         size = self.micro_batch_size
         for group, with_grad in ((trained, True), (idle, False)):
-            rest = group
-            if self.share_prompts:
-                by_prompt: dict[tuple[int, ...], list[tuple[TrainSample, float]]] = defaultdict(list)
-                rest = []
-                for pair in group:
-                    if pair[0].prompt_ids:
-                        by_prompt[tuple(pair[0].prompt_ids)].append(pair)
-                    else:  # nothing to share (and nothing to run a prompt pass on)
-                        rest.append(pair)
-                for members in by_prompt.values():
-                    for start in range(0, len(members), size):
-                        chunk = members[start : start + size]
-                        if len(chunk) >= SHARED_PROMPT_MIN_SAMPLES:
-                            yield self._build(chunk, with_grad, index, share_prompt=True)
-                        else:
-                            rest.extend(chunk)
-                rest.sort(key=lambda p: len(p[0].prompt_ids) + len(p[0].completion_ids))
+            shared, rest = _split_shared_prompts(group, size) if self.share_prompts else ([], group)
+            for chunk in shared:
+                yield self._build(chunk, with_grad, index, share_prompt=True)
             for start in range(0, len(rest), size):
                 yield self._build(rest[start : start + size], with_grad, index)
 
@@ -461,7 +442,7 @@ class Trainer:
         """Float32 log-prob of every completion token of the micro batch, flat."""
         backbone = getattr(self.model, self.model.base_model_prefix)
         head = self.model.get_output_embeddings().weight
-        with self._attention.using(batch.attention_impl), \
+        with running(self.model, batch.attention_impl), \
                 torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             hidden = self._hidden(backbone, batch)
             selected = hidden[batch.rows, batch.cols]
@@ -546,39 +527,27 @@ class Trainer:
         return {k: v for k, v in by_source.items() if v.tokens > 0}, foreign_stats if foreign_stats.tokens > 0 else None
 
 
-@dataclass(frozen=True)
-class _EagerWhereSmall:
-    """Which attention a micro batch runs: where `allowed` (measured faster on this CPU), the model's eager one where
-    every layer's attention probabilities, kept for the backward, fit in EAGER_ATTENTION_BYTES, else the model's own
-    (SDPA). Elsewhere (not allowed, a GPU, a model loaded with another implementation) the model's own always."""
+def _length(pair: tuple[TrainSample, float]) -> int:
+    """Tokens a sample runs whole: the sort key that keeps a micro batch's padding small."""
+    return len(pair[0].prompt_ids) + len(pair[0].completion_ids)
 
-    model: torch.nn.Module
-    own: str
-    cells_per_token_pair: int  # heads x layers: probabilities per (query, key) pair and sequence
 
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, device: torch.device, *, allowed: bool) -> _EagerWhereSmall:
-        config = getattr(model, "config", None)
-        own = getattr(config, "_attn_implementation", None)
-        heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
-        usable = allowed and device.type == "cpu" and own == "sdpa" and heads and layers and hasattr(model, "set_attn_implementation")
-        return cls(model, own or "", heads * layers if usable else 0)
-
-    def choose(self, rows: int, queries: int, keys: int) -> str | None:
-        """"eager" where this forward's saved probabilities (float32 and a copy in the autocast dtype: at most
-        8 bytes each) fit the budget; None: the model's own."""
-        if not self.cells_per_token_pair:
-            return None
-        return "eager" if rows * queries * keys * self.cells_per_token_pair * 8 <= EAGER_ATTENTION_BYTES else None
-
-    @contextmanager
-    def using(self, implementation: str | None) -> Iterator[None]:
-        """The model runs `implementation` inside the block (None: its own); its own again after."""
-        if implementation is None or implementation == self.own:
-            yield
-            return
-        self.model.set_attn_implementation(implementation)
-        try:
-            yield
-        finally:
-            self.model.set_attn_implementation(self.own)
+def _split_shared_prompts(
+    group: list[tuple[TrainSample, float]], size: int
+) -> tuple[list[list[tuple[TrainSample, float]]], list[tuple[TrainSample, float]]]:
+    """Micro batches of at most `size` samples of one prompt, each of at least SHARED_PROMPT_MIN_SAMPLES, and the
+    samples left over (sorted by length); a sample without prompt tokens has nothing to share."""
+    by_prompt: dict[tuple[int, ...], list[tuple[TrainSample, float]]] = defaultdict(list)
+    rest = [pair for pair in group if not pair[0].prompt_ids]
+    for pair in group:
+        if pair[0].prompt_ids:
+            by_prompt[tuple(pair[0].prompt_ids)].append(pair)
+    shared = []
+    for members in by_prompt.values():
+        for start in range(0, len(members), size):
+            chunk = members[start : start + size]
+            if len(chunk) >= SHARED_PROMPT_MIN_SAMPLES:
+                shared.append(chunk)
+            else:
+                rest.extend(chunk)
+    return shared, sorted(rest, key=_length)

@@ -127,7 +127,7 @@ def test_samples_of_one_prompt_run_it_once_with_the_same_logprobs_and_update():
 def test_a_cpu_micro_batch_runs_eager_attention_only_where_its_probabilities_fit(monkeypatch):
     """Eager attention keeps every layer's probabilities for the backward: where it is allowed (measured faster), a
     CPU micro batch uses it below EAGER_ATTENTION_BYTES, the model's own SDPA above; the model is left on its own."""
-    from hivespec.node.training import trainer as trainer_module
+    from hivespec.node.model import attention
 
     model = _tiny()
     assert model.config._attn_implementation == "sdpa"
@@ -138,13 +138,13 @@ def test_a_cpu_micro_batch_runs_eager_attention_only_where_its_probabilities_fit
     needs = 2 * 4 * 4 * 4 * 2 * 8
     runs = {}
     for budget in (needs, needs - 1):
-        monkeypatch.setattr(trainer_module, "EAGER_ATTENTION_BYTES", budget)
+        monkeypatch.setattr(attention, "EAGER_ATTENTION_BYTES", budget)
         seen.clear()
         runs[budget] = _trainer(model, eager_attention=True).logprobs(samples)
         assert model.config._attn_implementation == "sdpa"
     assert seen == ["sdpa"]  # the last run, over budget
     assert all(torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-12) for a, b in zip(runs[needs], runs[needs - 1]))
-    monkeypatch.setattr(trainer_module, "EAGER_ATTENTION_BYTES", needs)
+    monkeypatch.setattr(attention, "EAGER_ATTENTION_BYTES", needs)
     seen.clear()
     _trainer(model, eager_attention=True).step(samples)
     assert seen == ["eager"] and model.config._attn_implementation == "sdpa"
