@@ -4,7 +4,8 @@ A GRPO group is several completions of one prompt. The trainer used to run the p
 every row of a micro batch, and torch's fused SDPA attention kernel. Now four or more samples of
 one prompt in a micro batch run it once, their completions on its keys and values (the same
 log-probs: `Trainer.share_prompts`, SHARED_PROMPT_MIN_SAMPLES), and a CPU micro batch runs the
-model's eager attention where every layer's attention probabilities fit EAGER_ATTENTION_BYTES.
+model's eager attention where every layer's attention probabilities fit `EAGER_ATTENTION_BYTES`
+(`hivespec.node.model.attention`).
 This times one step on the embedded model both ways, interleaved in one process, for groups of
 --small (the hetero bench's fast node: 2 completions of 1 prompt) and --large samples (the
 `public` preset: 8 completions of each prompt), and says what eager attention costs in accuracy:
@@ -33,10 +34,9 @@ import torch
 
 from hivespec.node.model.loader import configure_threads, load_model
 from hivespec.node.model.precision import cpu_facts
-from hivespec.node.training import trainer as trainer_module
 from hivespec.node.training.trainer import Trainer, TrainSample
 
-WAYS = ("before", "eager_only", "now")  # (shared prompt, eager attention): (no, no), (no, yes), (yes, yes)
+WAYS = {"before": (False, False), "eager_only": (False, True), "now": (True, True)}  # way: (share_prompts, eager_attention)
 
 
 def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, completion_tokens: int, seed: int) -> list[TrainSample]:
@@ -62,23 +62,15 @@ def on_policy(trainer: Trainer, draft: list[TrainSample]) -> list[TrainSample]:
     return [TrainSample(s.prompt_ids, s.completion_ids, b, s.reward, s.group) for s, b in zip(draft, behaviour, strict=True)]
 
 
-def configure(trainer: Trainer, way: str, budget: int) -> None:
-    trainer.share_prompts = way == "now"
-    trainer_module.EAGER_ATTENTION_BYTES = 0 if way == "before" else budget
-
-
-def logp_error(model: torch.nn.Module, draft: list[TrainSample], budget: int) -> dict[str, float]:
+def logp_error(model: torch.nn.Module, draft: list[TrainSample]) -> dict[str, float]:
     """Mean |log-prob - float32's| of the bf16-autocast trainer's log-probs, with SDPA and with eager attention."""
     reference = Trainer(model, learning_rate=0.0, autocast_dtype=None, share_prompts=False)
-    trainer_module.EAGER_ATTENTION_BYTES = 0
     truth = [v for row in reference.logprobs(draft) for v in row]
     errors = {}
-    for attention, bytes_ in (("sdpa", 0), ("eager", budget)):
-        trainer_module.EAGER_ATTENTION_BYTES = bytes_
-        trainer = Trainer(model, learning_rate=0.0, autocast_dtype=torch.bfloat16, eager_attention=True)
+    for attention, eager in (("sdpa", False), ("eager", True)):
+        trainer = Trainer(model, learning_rate=0.0, autocast_dtype=torch.bfloat16, eager_attention=eager)
         got = [v for row in trainer.logprobs(draft) for v in row]
         errors[attention] = round(statistics.fmean(abs(a - b) for a, b in zip(got, truth, strict=True)), 5)
-    trainer_module.EAGER_ATTENTION_BYTES = budget
     return errors
 
 
@@ -93,21 +85,23 @@ def main() -> None:
     args = parser.parse_args()
     configure_threads(args.threads)
     repeats = 3 if args.quick else 7
-    budget = trainer_module.EAGER_ATTENTION_BYTES
     model = load_model().float()
     cpu = cpu_facts()["cpu"]
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.threads} thread(s), {cpu}, "
           f"torch {torch.__version__}, trainer autocast bfloat16", flush=True)
-    trainer = Trainer(model, learning_rate=1e-6, micro_batch_size=max(8, args.large), autocast_dtype=torch.bfloat16, eager_attention=True)
+    trainers = {way: Trainer(model, learning_rate=1e-6, micro_batch_size=max(8, args.large), autocast_dtype=torch.bfloat16,
+                             share_prompts=share, eager_attention=eager) for way, (share, eager) in WAYS.items()}
+    groups = {kind: sampled_group(model, size, args.prompt_tokens, args.completion_tokens, seed=size)
+              for kind, size in (("small", args.small), ("large", args.large))}
+    # On the loaded weights, before the timed steps move them (each way's trainer steps the same model).
+    errors = logp_error(model, groups["large"])
+    print(f"mean |log-prob error| against float32, bf16 autocast: sdpa {errors['sdpa']}, eager {errors['eager']}", flush=True)
     best: dict[str, float] = {}
-    groups = {}
-    for kind, size in (("small", args.small), ("large", args.large)):
-        draft = sampled_group(model, size, args.prompt_tokens, args.completion_tokens, seed=size)
-        groups[kind] = draft
+    for kind, draft in groups.items():
+        size = len(draft)
         tokens = sum(len(s.completion_ids) for s in draft)
         for repeat in range(repeats + 1):  # the first is a warm-up
-            for way in WAYS:  # interleaved: every way sees the machine as it is
-                configure(trainer, way, budget)
+            for way, trainer in trainers.items():  # interleaved: every way sees the machine as it is
                 batch = on_policy(trainer, draft)
                 mark = time.perf_counter()
                 stats = trainer.step(batch)
@@ -118,9 +112,6 @@ def main() -> None:
                     best[key] = min(best.get(key, float("inf")), seconds)
         print(f"{kind} group of {size} ({tokens} completion tokens): " + ", ".join(f"{way} {best[f'{kind}_{way}_s']:.3f} s" for way in WAYS),
               flush=True)
-    configure(trainer, "now", budget)
-    errors = logp_error(model, groups["large"], budget)
-    print(f"mean |log-prob error| against float32, bf16 autocast: sdpa {errors['sdpa']}, eager {errors['eager']}", flush=True)
     result = {
         **{key: round(value, 3) for key, value in best.items()},
         "small_speedup": round(best["small_before_s"] / best["small_now_s"], 2),
