@@ -1,4 +1,4 @@
-"""What a training step costs on a CPU, before and after a group's prompt ran once and short sequences got eager attention.
+"""What a training step costs, before and after a group's prompt ran once and short sequences got eager attention.
 
 A GRPO group is several completions of one prompt. The trainer used to run the prompt again in
 every row of a micro batch, and torch's fused SDPA attention kernel. Now four or more samples of
@@ -17,6 +17,7 @@ behaviour log-probs are set to the trainer's own before each step (weights 1: ev
 
     python bench/train_step.py --quick   # 3 repeats
     python bench/train_step.py           # 7 repeats
+    python bench/train_step.py --quick --device cuda   # on a GPU: "now" keeps the model's own attention there
 
 Ends with ``RESULT {json}``: best seconds per group size and way (`small_before_s`, `small_now_s`,
 `large_before_s`, `large_now_s`), `small_speedup`, `large_speedup`, the split of each speedup
@@ -36,7 +37,15 @@ from hivespec.node.model.loader import configure_threads, load_model
 from hivespec.node.model.precision import cpu_facts
 from hivespec.node.training.trainer import Trainer, TrainSample
 
-WAYS = {"before": (False, False), "eager_only": (False, True), "now": (True, True)}  # way: (share_prompts, eager_attention)
+
+def ways(device: torch.device) -> dict[str, tuple[bool, bool]]:
+    """way: (share_prompts, eager_attention). "now" is what a node runs there: eager attention only on a CPU that measured it faster."""
+    return {"before": (False, False), "eager_only": (False, True), "now": (True, device.type == "cpu")}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, completion_tokens: int, seed: int) -> list[TrainSample]:
@@ -44,8 +53,9 @@ def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, complet
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=generator)
     torch.manual_seed(seed)
+    ids = prompt[None].repeat(size, 1).to(model.device)
     with torch.no_grad():
-        out = model.generate(prompt[None].repeat(size, 1), attention_mask=torch.ones(size, prompt_tokens, dtype=torch.long),
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
                              do_sample=True, temperature=1.0, top_k=0, max_new_tokens=completion_tokens, min_new_tokens=completion_tokens // 2,
                              pad_token_id=model.config.eos_token_id)
     group = []
@@ -78,19 +88,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a node of 3 on 2 cores has 1)")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens of a prompt (the task prompts of the presets: 50-70)")
     parser.add_argument("--completion-tokens", type=int, default=96, help="at most this many tokens a completion (the presets' max_completion_length)")
     parser.add_argument("--small", type=int, default=2, help="samples of a small group")
     parser.add_argument("--large", type=int, default=8, help="samples of a large group")
     args = parser.parse_args()
     configure_threads(args.threads)
+    device = torch.device(args.device)
     repeats = 3 if args.quick else 7
-    model = load_model().float()
+    model = load_model(dtype=torch.float32, device=str(device))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} thread(s)"
     cpu = cpu_facts()["cpu"]
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.threads} thread(s), {cpu}, "
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {where}, {cpu}, "
           f"torch {torch.__version__}, trainer autocast bfloat16", flush=True)
     trainers = {way: Trainer(model, learning_rate=1e-6, micro_batch_size=max(8, args.large), autocast_dtype=torch.bfloat16,
-                             share_prompts=share, eager_attention=eager) for way, (share, eager) in WAYS.items()}
+                             share_prompts=share, eager_attention=eager) for way, (share, eager) in ways(device).items()}
     groups = {kind: sampled_group(model, size, args.prompt_tokens, args.completion_tokens, seed=size)
               for kind, size in (("small", args.small), ("large", args.large))}
     # On the loaded weights, before the timed steps move them (each way's trainer steps the same model).
@@ -103,14 +116,16 @@ def main() -> None:
         for repeat in range(repeats + 1):  # the first is a warm-up
             for way, trainer in trainers.items():  # interleaved: every way sees the machine as it is
                 batch = on_policy(trainer, draft)
+                _sync(device)
                 mark = time.perf_counter()
                 stats = trainer.step(batch)
+                _sync(device)
                 seconds = time.perf_counter() - mark
                 assert stats.optimizer_steps == 1 and stats.kept_tokens == tokens, "every token must be trained on"
                 key = f"{kind}_{way}_s"
                 if repeat:
                     best[key] = min(best.get(key, float("inf")), seconds)
-        print(f"{kind} group of {size} ({tokens} completion tokens): " + ", ".join(f"{way} {best[f'{kind}_{way}_s']:.3f} s" for way in WAYS),
+        print(f"{kind} group of {size} ({tokens} completion tokens): " + ", ".join(f"{way} {best[f'{kind}_{way}_s']:.3f} s" for way in trainers),
               flush=True)
     result = {
         **{key: round(value, 3) for key, value in best.items()},
@@ -118,7 +133,7 @@ def main() -> None:
         "large_speedup": round(best["large_before_s"] / best["large_now_s"], 2),
         "logp_error": errors,
         "groups": {"small": args.small, "large": args.large},
-        "repeats": repeats, "threads": args.threads, "cpu": cpu,
+        "repeats": repeats, "threads": args.threads, "cpu": cpu, "device": where if device.type == "cuda" else "cpu",
         "tokens": {"prompt": args.prompt_tokens, "completion_max": args.completion_tokens},
     }
     print("RESULT " + json.dumps(result))

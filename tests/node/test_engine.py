@@ -1,5 +1,7 @@
 """TorchEngine on a tiny random float64 Llama: keyed determinism, batch invariance, log-probs, stops."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -10,6 +12,8 @@ from hivespec.node.model.engine import GenerationRequest, RolloutEngine, Samplin
 torch.set_num_threads(1)
 
 VOCAB = 256
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: `python bench/gpu_check.py` runs it on a GPU machine")
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +82,12 @@ def test_each_request_alone_equals_it_in_a_batch(engine):
             assert sample.logprobs == pytest.approx(alone.logprobs, abs=1e-9)
 
 
-def test_a_prompt_shared_by_several_samples_is_read_once(engine, model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_a_prompt_shared_by_several_samples_is_read_once(model, device):
     """A GRPO group's samples share a prompt: the prefill runs each distinct prompt once, and every sample comes out
     as it does alone."""
+    model = copy.deepcopy(model).to(device)
+    engine = TorchEngine(model, max_batch_size=16)
     prompts = [tuple(r.prompt_ids) for r in _requests(lengths=(6, 3))]
     requests = [GenerationRequest(prompts[i % 2], seed=5, sample_index=i) for i in range(6)]
     rows_run = []

@@ -16,18 +16,20 @@ from hivespec.node.training.trainer import (
     TrainSample,
 )
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: `python bench/gpu_check.py` runs it on a GPU machine")
 
-def _tiny(seed: int = 0) -> LlamaForCausalLM:
+
+def _tiny(seed: int = 0, device: str = "cpu") -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
     )
-    return LlamaForCausalLM(config).to(torch.float64).eval()
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.float64).eval()
 
 
 def _logp(model, prompt, completion) -> list[float]:
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].double()
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -97,14 +99,15 @@ def test_flat_samples_are_not_run_unless_their_statistics_are_asked_for():
     assert forwards == [2, 2] and stats.optimizer_steps == 1 and stats.own.tokens == 6
 
 
-def test_samples_of_one_prompt_run_it_once_with_the_same_logprobs_and_update():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_samples_of_one_prompt_run_it_once_with_the_same_logprobs_and_update(device):
     """Four or more samples of one prompt in a micro batch run the prompt's forward once and their completions on
     its keys and values: the same log-probs, and the same update up to the order its gradients are summed in."""
     prompt, other = [1, 2, 3, 4, 5], [6, 7]
     completions = [[10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [20, 21]]
     results = {}
     for share in (False, True):
-        model = _tiny()
+        model = _tiny(device=device)
         tokens = []
         model.model.register_forward_hook(lambda module, args, output, runs=tokens: runs.append(output.last_hidden_state.shape[:2]))
         samples = _group(model, prompt, completions, [1.0, 0.0, 1.0, 0.0, 1.0]) + _group(model, other, [[30], [31, 32]], [1.0, 0.0], "h")
