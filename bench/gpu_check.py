@@ -217,14 +217,19 @@ def _train_samples(tokenizer, model, device: torch.device, count: int, max_new_t
 
 
 def trainer_part(device: torch.device, model_name: str, quick: bool) -> dict:
-    """Seconds per GRPO step (16 samples in groups of 4, micro batch 8), after one warm-up step."""
+    """Seconds per GRPO step (16 samples in groups of 4, micro batch 8), after one warm-up step, with a group's
+    prompt run once or not as a node decides here (`train.share_prompts: auto`)."""
+    from hivespec.node.model.attention import decide_shared_prompts
     from hivespec.node.training.trainer import Trainer
 
     tokenizer = load_tokenizer(model_name)
     model = load_model(model_name, dtype=torch.float32, device=str(device))
-    samples = _train_samples(tokenizer, model, device, 16, 32 if quick else 96)
+    completion_tokens = 32 if quick else 96
+    samples = _train_samples(tokenizer, model, device, 16, completion_tokens)
     autocast = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    trainer = Trainer(model, learning_rate=1e-6, micro_batch_size=8, autocast_dtype=autocast)
+    sharing = decide_shared_prompts("auto", model, device=str(device), rows=4, prompt_tokens=64, completion_tokens=completion_tokens,
+                                    autocast_dtype=autocast, eager=False, threads=torch.get_num_threads(), cache=None)
+    trainer = Trainer(model, learning_rate=1e-6, micro_batch_size=8, autocast_dtype=autocast, share_prompts=sharing.share)
     trainer.step(samples)
     times = []
     for _ in range(2 if quick else 4):
@@ -234,7 +239,7 @@ def trainer_part(device: torch.device, model_name: str, quick: bool) -> dict:
         _sync(device)
         times.append(time.perf_counter() - started)
     return {"step_seconds": round(min(times), 4), "tokens": stats.tokens, "samples": len(samples),
-            "autocast": str(autocast).replace("torch.", "") if autocast else None}
+            "autocast": str(autocast).replace("torch.", "") if autocast else None, "share_prompts": sharing.describe()}
 
 
 def delta_part(device: torch.device, model_name: str) -> dict:

@@ -33,13 +33,16 @@ import time
 
 import torch
 
+from hivespec.node.model.attention import decide_shared_prompts
 from hivespec.node.model.loader import configure_threads, load_model
 from hivespec.node.model.precision import cpu_facts
 from hivespec.node.training.trainer import Trainer, TrainSample
 
 
 def ways(device: torch.device) -> dict[str, tuple[bool, bool]]:
-    """way: (share_prompts, eager_attention). "now" is what a node runs there: eager attention only on a CPU that measured it faster."""
+    """way: (share_prompts, eager_attention). "now": the prompt once, and eager attention on a CPU (where this CPU
+    measured it faster). A node runs the prompt once only where `attention.decide_shared_prompts` measures it faster
+    on its device (RESULT's `node_shares_prompts`, at the large group): on a 2-core EPYC it does, on an H100 it did not."""
     return {"before": (False, False), "eager_only": (False, True), "now": (True, device.type == "cpu")}
 
 
@@ -127,11 +130,16 @@ def main() -> None:
                     best[key] = min(best.get(key, float("inf")), seconds)
         print(f"{kind} group of {size} ({tokens} completion tokens): " + ", ".join(f"{way} {best[f'{kind}_{way}_s']:.3f} s" for way in trainers),
               flush=True)
+    sharing = decide_shared_prompts("auto", model, device=str(device), rows=args.large, prompt_tokens=args.prompt_tokens,
+                                    completion_tokens=args.completion_tokens, autocast_dtype=torch.bfloat16,
+                                    eager=device.type == "cpu", threads=args.threads, cache=None)
+    print(sharing.describe(), flush=True)
     result = {
         **{key: round(value, 3) for key, value in best.items()},
         "small_speedup": round(best["small_before_s"] / best["small_now_s"], 2),
         "large_speedup": round(best["large_before_s"] / best["large_now_s"], 2),
         "logp_error": errors,
+        "node_shares_prompts": sharing.share,
         "groups": {"small": args.small, "large": args.large},
         "repeats": repeats, "threads": args.threads, "cpu": cpu, "device": where if device.type == "cuda" else "cpu",
         "tokens": {"prompt": args.prompt_tokens, "completion_max": args.completion_tokens},

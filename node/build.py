@@ -265,12 +265,12 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
 
 def _resolve_attention(
     config: NodeConfig, trainer_model: torch.nn.Module, engine_model: torch.nn.Module, threads: int, precision: PrecisionPlan
-) -> tuple[bool, str]:
-    """Decide model.attention per role (node/model/attention.py): sets the native engine's; returns whether the
-    trainer may run eager, and the choices described."""
+) -> tuple[bool, bool, str]:
+    """Decide model.attention per role and train.share_prompts (node/model/attention.py): sets the native engine's
+    kernel; returns whether the trainer may run eager, whether it shares a group's prompt, and the choices described."""
     model, rollout = config.model, config.rollout
     cache = default_cache_path()
-    choices = []
+    choices: list[attention.AttentionChoice | attention.SharingChoice] = []
     if model.engine == "native":
         engine = attention.decide_engine(
             model.attention, engine_model, device=model.device, threads=threads, cache=cache,
@@ -285,9 +285,15 @@ def _resolve_attention(
         rows=config.train.micro_batch_size, tokens=PROMPT_TOKENS + rollout.max_completion_length, autocast_dtype=precision.trainer.dtype,
     )
     choices.append(trainer)
+    sharing = attention.decide_shared_prompts(
+        config.train.share_prompts, trainer_model, device=model.device, threads=threads, cache=cache,
+        rows=min(rollout.num_generations, config.train.micro_batch_size), prompt_tokens=PROMPT_TOKENS,
+        completion_tokens=rollout.max_completion_length, autocast_dtype=precision.trainer.dtype, eager=trainer.eager,
+    )
+    choices.append(sharing)
     described = "; ".join(choice.describe() for choice in choices)
     log.info("attention: %s", described)
-    return trainer.eager, described
+    return trainer.eager, sharing.share, described
 
 
 def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListener | None = None) -> Node:
@@ -320,8 +326,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     config, precision = _resolve_precision(config, trainer_model, threads)
     engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
-    phase("loading", "choosing attention (eager or SDPA, measured once per machine)")
-    eager_trainer, attention_choice = _resolve_attention(config, trainer_model, engine_model, threads, precision)
+    phase("loading", "choosing attention (eager or SDPA, a group's prompt once or not: measured once per machine)")
+    eager_trainer, share_prompts, attention_choice = _resolve_attention(config, trainer_model, engine_model, threads, precision)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
     engine: TorchEngine | VllmEngine
     if config.model.engine == "vllm":
@@ -330,7 +336,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         engine = TorchEngine.from_config(engine_model, config.rollout)
     sync = WeightSync(trainer_model, engine.sync_parameters())
     trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype,
-                                  eager_attention=eager_trainer)
+                                  eager_attention=eager_trainer, share_prompts=share_prompts)
     journal_hours = config.checkpoint.journal_hours
     store = RolloutStore(home / "rollouts.sqlite", keep_seconds=None if journal_hours is None else journal_hours * 3600)
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)

@@ -257,6 +257,10 @@ class TrainConfig(_Section):
         "the veterans: a window parts them for good. The importance weights measure the policies' distance per token",
         None, ge=0, note="or null")
     micro_batch_size: int = _help("sequences per forward/backward", 8, ge=1)
+    share_prompts: bool | Literal["auto"] = _help(
+        "run a group's prompt once where 4 or more of its samples share a micro batch, their completions on its keys and "
+        "values (the same log-probs); saves the prompt's tokens in every row but one for one more forward: 'auto': where "
+        "that measures faster on this device (once per machine; 1.5x on a 2-core CPU, 0.6x on an H100 at 8 rows)", "auto")
     flat_sample_stats: bool = _help(
         "also run a forward over the samples that carry no gradient (a group whose rewards are all equal), only to add "
         "them to the importance statistics; costs a CPU node up to a tenth of its step where most groups are flat", False)

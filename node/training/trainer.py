@@ -36,7 +36,7 @@ from hivespec.kernels.importance import (
     importance_weights,
 )
 from hivespec.kernels.logprobs import token_logprobs
-from hivespec.node.model.attention import MicroBatchAttention, running
+from hivespec.node.model.attention import SHARED_PROMPT_MIN_SAMPLES, MicroBatchAttention, hidden_states, running
 from hivespec.node.training.advantages import group_advantages
 
 if TYPE_CHECKING:
@@ -45,11 +45,6 @@ if TYPE_CHECKING:
 
 OWN = "own"
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel for every float dtype we train in
-# A prompt's forward is run once for this many of its samples in one micro batch, its keys and values shared by
-# their completions. SmolLM2-135M on a 2-core AMD EPYC (1 thread, bf16 autocast, 64-token prompt, 80-96-token
-# completions): forward + backward of 8 completions 2.82 -> 2.02 s; of 2, 1.01 -> 1.09 s (the second call costs more
-# than the 64 tokens it saves).
-SHARED_PROMPT_MIN_SAMPLES = 4
 
 MaskLevel = Literal["none", "token", "sequence"]
 
@@ -188,7 +183,7 @@ class Trainer:
         temperature: float = 1.0,
         autocast_dtype: torch.dtype | None = torch.bfloat16,
         flat_sample_stats: bool = False,
-        share_prompts: bool = True,
+        share_prompts: bool = False,
         eager_attention: bool = False,
     ) -> None:
         if ppo_epochs < 1:
@@ -210,6 +205,7 @@ class Trainer:
         # Samples of zero advantage carry no gradient; a forward of them only adds them to the importance statistics.
         self.flat_sample_stats = flat_sample_stats
         # Samples of one prompt in a micro batch run its forward once (SHARED_PROMPT_MIN_SAMPLES); the same log-probs.
+        # Faster only where the saved tokens outweigh one more forward (`attention.decide_shared_prompts` measures it).
         self.share_prompts = share_prompts
         self.version = 0
         self.device = next(model.parameters()).device
@@ -230,13 +226,14 @@ class Trainer:
     @classmethod
     def from_config(
         cls, model: torch.nn.Module, train: TrainConfig, *, temperature: float, autocast_dtype: torch.dtype | None,
-        eager_attention: bool = False,
+        eager_attention: bool = False, share_prompts: bool = False,
     ) -> Trainer:
         """A trainer with the `train` section's optimizer, importance and PPO settings.
 
         `temperature` must be the one the rollouts were sampled at (`rollout.temperature`): the
         trainer's log-probs are taken under it. `autocast_dtype` is precision's choice for the
-        trainer (None: float32 forwards), `eager_attention` attention's (`hivespec.node.model.attention`).
+        trainer (None: float32 forwards), `eager_attention` and `share_prompts` attention's
+        (`hivespec.node.model.attention`: what `model.attention` and `train.share_prompts` became here).
         """
         return cls(
             model,
@@ -252,6 +249,7 @@ class Trainer:
             autocast_dtype=autocast_dtype,
             flat_sample_stats=train.flat_sample_stats,
             eager_attention=eager_attention,
+            share_prompts=share_prompts,
         )
 
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
@@ -408,7 +406,7 @@ class Trainer:
                     f"{len(sample.behaviour_logprobs)} behaviour log-probs; they must pair one to one"
                 )
             # The token at position p is predicted by the hidden state at p - 1; with a shared prompt the
-            # hidden states are the prompt's last one followed by the completion's (see `_hidden`).
+            # hidden states are the prompt's last one followed by the completion's (see `hidden_states`).
             first = 0 if share_prompt else len(sample.prompt_ids) - 1
             rows.extend([row] * n)
             cols.extend(range(first, first + n))
@@ -444,25 +442,11 @@ class Trainer:
         head = self.model.get_output_embeddings().weight
         with running(self.model, batch.attention_impl), \
                 torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            hidden = self._hidden(backbone, batch)
+            hidden = hidden_states(backbone, batch.input_ids, batch.attention, batch.prompt)
             selected = hidden[batch.rows, batch.cols]
             # The head's backward matmuls follow autocast's dtype; its forward stays float32.
             logp = token_logprobs(selected, head, batch.targets, temperature=self.temperature, grad_dtype=self.autocast_dtype)
         return logp.float()
-
-    @staticmethod
-    def _hidden(backbone: torch.nn.Module, batch: _MicroBatch) -> Tensor:
-        """The backbone's last hidden states of the micro batch. With a shared prompt: its forward once, its keys
-        and values repeated for every completion (the backward sums their gradients), then the completions on
-        top; the prompt's last state, which predicts each completion's first token, is put in front of theirs."""
-        if batch.prompt is None:
-            return backbone(input_ids=batch.input_ids, attention_mask=batch.attention).last_hidden_state
-        prompt = backbone(input_ids=batch.prompt, use_cache=True)
-        cache = prompt.past_key_values
-        rows = batch.input_ids.shape[0]
-        cache.batch_repeat_interleave(rows)
-        tail = backbone(input_ids=batch.input_ids, attention_mask=batch.attention, past_key_values=cache, use_cache=False)
-        return torch.cat([prompt.last_hidden_state[:, -1:].expand(rows, -1, -1), tail.last_hidden_state], dim=1)
 
     def _weights(self, old: Tensor, batch: _MicroBatch) -> ImportanceWeights:
         valid = torch.ones_like(old, dtype=torch.bool)

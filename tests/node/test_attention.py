@@ -1,4 +1,5 @@
-"""The attention kernel per role: explicit values win, "auto" measures once per machine on a CPU and follows the numbers.
+"""The attention kernel per role, and whether the trainer runs a group's prompt once: explicit values win, "auto"
+measures once per machine and follows the numbers.
 
 Measurements run for real on a tiny model (milliseconds). The decision rule is checked against
 cache entries written the way a measurement writes them, so it does not depend on what this CPU
@@ -84,6 +85,60 @@ def test_auto_follows_the_measured_numbers(tiny, tmp_path, engine, trainer, engi
     assert [c.eager for c in choices] == [engine_eager, trainer_eager]
 
 
+def _sharing(model, cache, requested="auto", rows=2):
+    return attention.decide_shared_prompts(requested, model, device="cpu", rows=rows, prompt_tokens=8, completion_tokens=6,
+                                           autocast_dtype=None, eager=False, threads=THREADS, cache=cache)
+
+
+def test_sharing_a_prompt_is_explicit_or_measured_once_at_a_group_of_at_least_four(tiny, tmp_path):
+    cache = tmp_path / "precision.json"
+    for requested in (True, False):
+        choice = _sharing(tiny, cache, requested)
+        assert choice.share is requested and choice.source == "explicit"
+    assert not cache.exists()
+    first = _sharing(tiny, cache)
+    assert first.source == "measured" and f"{attention.SHARED_PROMPT_MIN_SAMPLES} completions" in first.reason  # 2 rows: measured at 4
+    (entry,) = json.loads(cache.read_text()).values()
+    assert min(entry[name] for name in attention.SHARING_RUNS) > 0
+    second = _sharing(tiny, cache)
+    assert second.source == "cached" and (second.share, second.reason) == (first.share, first.reason)
+
+
+@pytest.mark.parametrize(
+    ("timings", "share"),
+    [
+        # (1 layer, 2 layers) per way. The 2-core EPYC, 8 completions of a 64-token prompt, bf16 autocast: at 2 layers
+        # the prompt once costs 0.92x; taken to 30 layers, 0.68x.
+        (((0.123, 0.232), (0.140, 0.212)), True),
+        (((0.060, 0.062), (0.110, 0.113)), False),  # a GPU: one more forward costs more than the tokens it saves
+        (((0.100, 0.200), (0.095, 0.190)), False),  # within the margin: every row whole
+        (((0.100, 0.095), (0.050, 0.049)), True),  # noise below the cost of a layer: taken as 0 per layer
+    ],
+)
+def test_sharing_follows_the_numbers_taken_to_the_models_depth(tiny, tmp_path, timings, share):
+    cache = tmp_path / "precision.json"
+    tiny.config.num_hidden_layers = 30  # the depth the timings are taken to (nothing runs it: the cache answers)
+    key = measurement_key(f"shared-prompt-cpu-{cpu_facts()['cpu']}-off-own-8-6", ModelShape.of(tiny.config), 4, THREADS, cpu_facts())
+    (w1, w2), (s1, s2) = timings
+    cache.write_text(json.dumps({key: {"whole-1": w1, "whole-2": w2, "shared-1": s1, "shared-2": s2}}))
+    choice = _sharing(tiny, cache)
+    assert choice.source == "cached" and choice.share is share
+    assert attention.predicted_seconds({"x-1": 0.123, "x-2": 0.232}, "x", 30) == pytest.approx(0.123 + 29 * 0.109)
+
+
+def test_a_shared_prompt_gives_the_hidden_states_of_every_row_whole(tiny):
+    """What the measurement times is what the trainer runs: `hidden_states` with a prompt equals the rows run whole."""
+    model = tiny.double()
+    backbone = model.model
+    ids = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    ids[:, :5] = ids[0, :5]
+    mask = torch.ones_like(ids)
+    whole = attention.hidden_states(backbone, ids, mask)
+    shared = attention.hidden_states(backbone, ids[:, 5:], mask, ids[:1, :5])
+    assert shared.shape == (3, 5, model.config.hidden_size)  # the prompt's last state, then the 4 completion tokens'
+    assert torch.allclose(shared, whole[:, 4:], rtol=0, atol=1e-12)
+
+
 def test_a_model_loaded_with_eager_attention_keeps_it(tmp_path):
     model = load_model("tiny", dtype=torch.float32)
     model.set_attn_implementation("eager")
@@ -96,6 +151,10 @@ def test_config_takes_auto_sdpa_and_eager():
     assert load_config("tiny", overrides={"model.attention": "eager"}).model.attention == "eager"
     with pytest.raises(ConfigError, match="attention"):
         load_config("tiny", overrides={"model.attention": "flash"})
+    assert load_config("tiny").train.share_prompts == "auto"
+    assert load_config("tiny", overrides={"train.share_prompts": "false"}).train.share_prompts is False
+    with pytest.raises(ConfigError, match="share_prompts"):
+        load_config("tiny", overrides={"train.share_prompts": "sometimes"})
 
 
 @pytest.mark.timeout(300)
@@ -108,7 +167,7 @@ def test_a_node_runs_the_kernels_it_was_given(tmp_path):
 
     model = make_digit_model(tmp_path / "digit-model")
     config = load_config("tiny", overrides={
-        "home": str(tmp_path / "home"), "model.name": str(model), "model.attention": "eager", "rounds": "1",
+        "home": str(tmp_path / "home"), "model.name": str(model), "model.attention": "eager", "train.share_prompts": "true", "rounds": "1",
         "swarm.swarm": "test-attention", "swarm.expected_peers": "0", "swarm.bootstrap_timeout": "0", "status.enabled": "false",
         "checkpoint.every_rounds": "0", "checkpoint.at_exit": "false", "checkpoint.resume": "false", "speculation.enabled": "false",
     })
@@ -117,6 +176,7 @@ def test_a_node_runs_the_kernels_it_was_given(tmp_path):
         assert node.engine._model.config._attn_implementation == "eager"
         assert node.trainer.model.config._attn_implementation == "sdpa" and node.trainer._attention.cells_per_token_pair > 0
         assert "engine attention eager (explicit" in node.attention and "trainer attention eager (explicit" in node.attention
+        assert node.trainer.share_prompts and "trainer runs a group's prompt once (explicit" in node.attention
         (report,) = node.run(lambda report: None, keep=1)
         assert report.round == 0 and node.trainer.model.config._attn_implementation == "sdpa"
     finally:
