@@ -56,6 +56,10 @@ class SyncPanel(Vertical):
             for role, reason in (("engine", node.engine_dtype_reason), ("trainer", node.train_precision_reason)):
                 if reason:
                     facts.append(f"\n              {role} {reason}", style="dim")
+        if node.attention:
+            facts.append("\nattention     ", style="bold")
+            for index, choice in enumerate(node.attention):
+                facts.append(("\n              " if index else "") + choice, style="dim" if index else "")
         facts.append("\nbehind swarm  ", style="bold")
         behind = sync.versions_behind
         facts.append(

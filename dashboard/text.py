@@ -36,6 +36,9 @@ def render_text(snapshot: StatusSnapshot) -> str:
         lines.append(f"precision: engine {node.engine_dtype}, trainer {node.train_precision or DASH}")
         lines += [f"  {role} {reason}" for role, reason in (("engine", node.engine_dtype_reason),
                                                             ("trainer", node.train_precision_reason)) if reason]
+    if node.attention:
+        lines.append("attention:")
+        lines += [f"  {choice}" for choice in node.attention]
     lines.append("")
     lines += [f"{answer.label:>11}  {answer.text}" for answer in health(snapshot)]
     lines.append("")

@@ -265,9 +265,9 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
 
 def _resolve_attention(
     config: NodeConfig, trainer_model: torch.nn.Module, engine_model: torch.nn.Module, threads: int, precision: PrecisionPlan
-) -> tuple[bool, bool, str]:
+) -> tuple[bool, bool, tuple[str, ...]]:
     """Decide model.attention per role and train.share_prompts (node/model/attention.py): sets the native engine's
-    kernel; returns whether the trainer may run eager, whether it shares a group's prompt, and the choices described."""
+    kernel; returns whether the trainer may run eager, whether it shares a group's prompt, and each choice described."""
     model, rollout = config.model, config.rollout
     cache = default_cache_path()
     choices: list[attention.AttentionChoice | attention.SharingChoice] = []
@@ -291,8 +291,8 @@ def _resolve_attention(
         completion_tokens=rollout.max_completion_length, autocast_dtype=precision.trainer.dtype, eager=trainer.eager,
     )
     choices.append(sharing)
-    described = "; ".join(choice.describe() for choice in choices)
-    log.info("attention: %s", described)
+    described = tuple(choice.describe() for choice in choices)
+    log.info("attention: %s", "; ".join(described))
     return trainer.eager, sharing.share, described
 
 

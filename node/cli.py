@@ -88,7 +88,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             "event": "ready", "name": node.name, "peer_id": node.identity.peer_id,
             "maddrs": node.gossip.visible_maddrs, "status_url": status_url,
             "precision": node.precision.describe() if node.precision is not None else "",
-            "attention": node.attention,
+            "attention": list(node.attention),
         }
         if events:
             events.write(ready)
@@ -102,7 +102,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         if node.precision is not None:
             print(f"precision: {node.precision.describe()}", flush=True)
         if node.attention:
-            print(f"attention: {node.attention}", flush=True)
+            print(f"attention: {'; '.join(node.attention)}", flush=True)
         _warn_if_unreachable("join", config, node.gossip.status())
 
         def on_report(report) -> None:

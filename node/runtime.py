@@ -93,7 +93,7 @@ class Node:
         publisher: PolicyPublisher | None = None,
         trace: TraceWriter | None = None,
         precision: PrecisionPlan | None = None,
-        attention: str = "",
+        attention: tuple[str, ...] = (),
         calibration: CurveCalibration | None = None,
         on_phase: PhaseListener | None = None,
         heldout: HeldoutProbe | None = None,
@@ -103,7 +103,7 @@ class Node:
         self.trackers = trackers  # report_to: each round's figures to tensorboard / wandb, None when none
         self.heldout = heldout  # the held-out accuracy probe (eval.every_rounds), None when off
         self.precision = precision  # what model.engine_dtype / model.autocast "auto" became, and why
-        self.attention = attention  # what model.attention "auto" became per role, and why ("" where not decided)
+        self.attention = attention  # what model.attention and train.share_prompts "auto" became, one line each with why
         self.calibration = calibration  # the verify-cost curve still to measure (speculation waits for it)
         self.stop_report = ""  # what a stop in the middle of a round kept and saved, for the CLI to print
         self._round_start: RoundStart | None = None  # captured as each round begins
@@ -146,6 +146,7 @@ class Node:
             NodeFacts(
                 name=self.name, peer_id=identity.peer_id, swarm=config.swarm.swarm, model=config.model.name,
                 device=config.model.device, rounds_target=config.rounds, precision=NodeFacts.precision_fields(precision),
+                attention=attention,
             ),
             BoardSources(  # read from the status server's threads; gossip may be rebuilt, so read through the node
                 policy_version=lambda: self.trainer.version,

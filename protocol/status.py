@@ -65,6 +65,7 @@ class NodeInfo:
     train_precision: str = ""  # "float32" or "bfloat16 autocast" ("" = not reported)
     engine_dtype_reason: str = ""  # why, e.g. model.engine_dtype "auto" and the measured decode step times
     train_precision_reason: str = ""  # why, e.g. model.autocast "auto" and the measured forward+backward times
+    attention: list[str] = field(default_factory=list)  # what model.attention and train.share_prompts became, one line each with why
 
 
 @dataclass(frozen=True)

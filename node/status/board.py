@@ -174,6 +174,7 @@ class NodeFacts:
     device: str
     rounds_target: int
     precision: Mapping[str, str] = field(default_factory=dict)  # NodeInfo's engine_dtype / train_precision fields and reasons
+    attention: tuple[str, ...] = ()  # NodeInfo.attention: the node's attention and shared-prompt choices, described
 
     @staticmethod
     def precision_fields(plan: PrecisionPlan | None) -> dict[str, str]:
@@ -373,6 +374,7 @@ class StatusBoard:
             solo=swarm["solo"] if isinstance(swarm.get("solo"), bool) else None,
             private=swarm["private"] if isinstance(swarm.get("private"), bool) else None,
             **facts.precision,
+            attention=[choice[:500] for choice in facts.attention[:4]],
         )
         supervision = SupervisionStatus(
             oom_retries=oom_retries,

@@ -57,6 +57,8 @@ def make_snapshot(rounds: int = 6, *, paused: bool = False, name: str = "node-0"
             phase="paused" if paused else "running", paused=paused, started_at=T0 - 25, uptime_s=now - T0 + 25,
             engine_dtype="float32", engine_dtype_reason="cached: decode step at batch 16, 1 thread: float32 139 ms, bfloat16 348 ms",
             train_precision="float32", train_precision_reason="cached: forward+backward of 896 tokens: float32 11 s, bfloat16 autocast 215 s",
+            attention=["engine attention eager (cached: a decode step of 16 rows over 112 tokens, 1 thread(s): sdpa 74.6 ms, eager 43.9 ms)",
+                       "trainer runs a group's prompt once (cached: every row whole 3181 ms, the prompt once 2019 ms)"],
         ),
         peers=[
             PeerRow(peer_id=PEER_A, name="swift-otter-3fa2", last_seen=now - 12, latency_ms=4.0, batches=rounds,

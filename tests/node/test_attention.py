@@ -175,8 +175,9 @@ def test_a_node_runs_the_kernels_it_was_given(tmp_path):
     try:
         assert node.engine._model.config._attn_implementation == "eager"
         assert node.trainer.model.config._attn_implementation == "sdpa" and node.trainer._attention.cells_per_token_pair > 0
-        assert "engine attention eager (explicit" in node.attention and "trainer attention eager (explicit" in node.attention
-        assert node.trainer.share_prompts and "trainer runs a group's prompt once (explicit" in node.attention
+        described = "; ".join(node.attention)
+        assert "engine attention eager (explicit" in described and "trainer attention eager (explicit" in described
+        assert node.trainer.share_prompts and "trainer runs a group's prompt once (explicit" in described
         (report,) = node.run(lambda report: None, keep=1)
         assert report.round == 0 and node.trainer.model.config._attn_implementation == "sdpa"
     finally:

@@ -244,12 +244,16 @@ def test_status_snapshot_carries_the_choice_and_older_snapshots_still_decode():
 
     info = NodeInfo(name="n", peer_id="hs00", swarm="s", engine_dtype="bfloat16", train_precision="float32",
                     engine_dtype_reason="measured: a round of 48 steps + sync: float32 78 s, bfloat16 52 s",
-                    train_precision_reason="measured: forward+backward of 896 tokens: float32 5.7 s, bfloat16 autocast 117 s")
+                    train_precision_reason="measured: forward+backward of 896 tokens: float32 5.7 s, bfloat16 autocast 117 s",
+                    attention=["engine attention eager (measured: sdpa 74.6 ms, eager 43.9 ms; AMD EPYC)",
+                               "trainer runs a group's prompt once (cached: ...)"])
     snapshot = StatusSnapshot(version=STATUS_VERSION, time=1.0, node=info)
     verdict, decoded = decode_status(encode_status(snapshot))
     assert verdict.ok and decoded == snapshot
     text = render_text(decoded)
     assert "precision: engine bfloat16, trainer float32" in text and "float32 78 s, bfloat16 52 s" in text
+    assert "attention:\n  engine attention eager (measured: sdpa 74.6 ms, eager 43.9 ms; AMD EPYC)\n  trainer runs a group's prompt once" in text
     older = json.dumps({"version": STATUS_VERSION, "time": 1.0, "node": {"name": "n", "peer_id": "hs00", "swarm": "s"}})
     verdict, decoded = decode_status(older.encode())
-    assert verdict.ok and decoded.node.engine_dtype == "" and "precision:" not in render_text(decoded)
+    assert verdict.ok and decoded.node.engine_dtype == "" and decoded.node.attention == [] and "precision:" not in render_text(decoded)
+    assert "attention:" not in render_text(decoded)
