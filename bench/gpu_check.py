@@ -116,6 +116,8 @@ def swarm_part(device: torch.device, model: str, *, engine: str = "native", roun
                 "engine_mismatch": [r.get("engine_mismatch") for r in reports],
                 "foreign_accepted": sum(int(r.get("accepted", 0)) for r in reports),
                 "round_seconds": [round(r["seconds"]["round"], 2) for r in reports if isinstance(r.get("seconds"), dict)],
+                # where each round's time went (rollout, gossip, train, sync, ...): what a slow round is made of
+                "phases": [{k: round(v, 2) for k, v in r["seconds"].items() if k != "round"} for r in reports if isinstance(r.get("seconds"), dict)],
             })
     ok = all(n["rounds"] == rounds and set(n["engine_mismatch"]) == {0} and n["foreign_accepted"] > 0 for n in per_node)
     return {"ok": ok, "engine": engine, "nodes": per_node, "seconds": round(time.perf_counter() - started, 1)}
