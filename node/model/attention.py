@@ -240,6 +240,7 @@ def measure_shared_prompt(
         whole = _random_ids(small, rows, prompt_tokens + completion_tokens)
         prompt, completions = whole[:1, :prompt_tokens], whole[:, prompt_tokens:]
         mask = torch.ones_like(whole)
+        mask[1:, prompt_tokens + completion_tokens * 3 // 4 :] = 0  # completions of unequal lengths, padded
         runs[f"whole-{layers}"] = _backward_timer(small, autocast_dtype, implementation, lambda b, w=whole, m=mask: hidden_states(b, w, m))
         runs[f"shared-{layers}"] = _backward_timer(small, autocast_dtype, implementation,
                                                    lambda b, c=completions, m=mask, p=prompt: hidden_states(b, c, m, p))
