@@ -32,7 +32,6 @@ from hivespec.node.model.engine import TorchEngine
 from hivespec.node.model.loader import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.model.precision import (
     DTYPES,
-    PROMPT_TOKENS,
     PrecisionPlan,
     decode_batch,
     default_cache_path,
@@ -265,35 +264,20 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
 
 def _resolve_attention(
     config: NodeConfig, trainer_model: torch.nn.Module, engine_model: torch.nn.Module, threads: int, precision: PrecisionPlan
-) -> tuple[bool, bool, tuple[str, ...]]:
-    """Decide model.attention per role and train.share_prompts (node/model/attention.py): sets the native engine's
-    kernel; returns whether the trainer may run eager, whether it shares a group's prompt, and each choice described."""
+) -> attention.AttentionPlan:
+    """Decide model.attention per role and train.share_prompts (node/model/attention.py); sets the native engine's kernel."""
     model, rollout = config.model, config.rollout
-    cache = default_cache_path()
-    choices: list[attention.AttentionChoice | attention.SharingChoice] = []
-    if model.engine == "native":
-        engine = attention.decide_engine(
-            model.attention, engine_model, device=model.device, threads=threads, cache=cache,
-            batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
-            context=PROMPT_TOKENS + rollout.max_completion_length // 2,
-        )
-        if engine.eager:
-            engine_model.set_attn_implementation("eager")
-        choices.append(engine)
-    trainer = attention.decide_trainer(
-        model.attention, trainer_model, device=model.device, threads=threads, cache=cache,
-        rows=config.train.micro_batch_size, tokens=PROMPT_TOKENS + rollout.max_completion_length, autocast_dtype=precision.trainer.dtype,
+    plan = attention.resolve_attention(
+        model.attention, config.train.share_prompts, trainer_model, engine_model if model.engine == "native" else None,
+        device=model.device, threads=threads, cache=default_cache_path(),
+        decode_batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+        micro_batch_size=config.train.micro_batch_size, group_size=rollout.num_generations,
+        max_completion_length=rollout.max_completion_length, autocast_dtype=precision.trainer.dtype,
     )
-    choices.append(trainer)
-    sharing = attention.decide_shared_prompts(
-        config.train.share_prompts, trainer_model, device=model.device, threads=threads, cache=cache,
-        rows=min(rollout.num_generations, config.train.micro_batch_size), prompt_tokens=PROMPT_TOKENS,
-        completion_tokens=rollout.max_completion_length, autocast_dtype=precision.trainer.dtype, eager=trainer.eager,
-    )
-    choices.append(sharing)
-    described = tuple(choice.describe() for choice in choices)
-    log.info("attention: %s", "; ".join(described))
-    return trainer.eager, sharing.share, described
+    if plan.engine is not None and plan.engine.eager:
+        engine_model.set_attn_implementation("eager")
+    log.info("attention: %s", "; ".join(plan.describe()))
+    return plan
 
 
 def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListener | None = None) -> Node:
@@ -327,7 +311,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
     phase("loading", "choosing attention (eager or SDPA, a group's prompt once or not: measured once per machine)")
-    eager_trainer, share_prompts, attention_choice = _resolve_attention(config, trainer_model, engine_model, threads, precision)
+    attention_plan = _resolve_attention(config, trainer_model, engine_model, threads, precision)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
     engine: TorchEngine | VllmEngine
     if config.model.engine == "vllm":
@@ -336,7 +320,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         engine = TorchEngine.from_config(engine_model, config.rollout)
     sync = WeightSync(trainer_model, engine.sync_parameters())
     trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype,
-                                  eager_attention=eager_trainer, share_prompts=share_prompts)
+                                  eager_attention=attention_plan.trainer.eager, share_prompts=attention_plan.sharing.share)
     journal_hours = config.checkpoint.journal_hours
     store = RolloutStore(home / "rollouts.sqlite", keep_seconds=None if journal_hours is None else journal_hours * 3600)
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
@@ -388,7 +372,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
         trace=_trace_writer(config, identity) if config.speculation.trace_file else None,
         precision=precision,
-        attention=attention_choice,
+        attention=attention_plan.describe(),
         calibration=calibration,
         on_phase=on_phase,
         heldout=HeldoutProbe.from_config(config, tasks, tokenizer),

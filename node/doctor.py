@@ -28,12 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import psutil
 import torch
 
 from hivespec.node.config import NodeConfig, node_home
+
+if TYPE_CHECKING:
+    from hivespec.node.model.precision import PrecisionPlan
 from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
 Status = Literal["ok", "warn", "skip", "fail"]
@@ -133,8 +136,9 @@ def check_memory(config: NodeConfig, params: int | None) -> list[Check]:
     return checks
 
 
-def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default") -> Check:
-    """What model.engine_dtype and model.autocast become on this device (node/model/precision.py), measured as a node would.
+def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default") -> list[Check]:
+    """What model.engine_dtype and model.autocast become on this device (node/model/precision.py), measured as a node
+    would, then model.attention and train.share_prompts (node/model/attention.py) on that precision.
 
     WARN where an explicit setting is one this device runs slower than the alternative.
     """
@@ -147,7 +151,8 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
     try:
         loaded = load_model(model.name)  # the sync estimate samples its real weights, as a node's does
     except (OSError, ValueError) as exc:
-        return Check("precision", "skip", f"the model does not load ({exc}); see the model line")
+        why = f"the model does not load ({exc}); see the model line"
+        return [Check("precision", "skip", why), Check("attention", "skip", why)]
     architecture, weights = loaded.config, weight_sample(loaded)
     settings = {
         "train_dtype": model.train_dtype, "device": model.device, "threads": threads,
@@ -166,9 +171,41 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
     if chosen.trainer.dtype != best.trainer.dtype and chosen.trainer.source == "explicit" and model.train_dtype == "float32":
         advice.append(f"model.autocast is {str(chosen.trainer.dtype is not None).lower()}, but {best.trainer.label} is faster "
                       f"here ({best.trainer.reason}): set model.autocast: auto")
-    if advice:
-        return Check("precision", "warn", "; ".join(advice))
-    return Check("precision", "ok", chosen.describe())
+    precision = Check("precision", "warn", "; ".join(advice)) if advice else Check("precision", "ok", chosen.describe())
+    return [precision, check_attention(config, loaded, chosen, threads=threads, cache=settings["cache"])]
+
+
+def check_attention(config: NodeConfig, model: torch.nn.Module, precision: PrecisionPlan, *, threads: int,
+                    cache: Path | None | Literal["default"]) -> Check:
+    """What model.attention and train.share_prompts become here, measured as a node would (once per machine, cached);
+    WARN where an explicit setting is the slower way here."""
+    import copy
+
+    from hivespec.node.model.attention import resolve_attention
+    from hivespec.node.model.precision import decode_batch, default_cache_path
+
+    model_config, rollout = config.model, config.rollout
+    try:
+        model = model.to(model_config.device)  # measured where the node runs (a GPU's shared-prompt timing)
+    except (RuntimeError, AssertionError) as exc:
+        return Check("attention", "skip", f"the model does not move to {model_config.device} ({exc}); see the torch line")
+    engine_model = copy.deepcopy(model).to(precision.engine.dtype).eval().requires_grad_(False) if model_config.engine == "native" else None
+    settings = {
+        "device": model_config.device, "threads": threads, "cache": default_cache_path() if cache == "default" else cache,
+        "decode_batch": decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+        "micro_batch_size": config.train.micro_batch_size, "group_size": rollout.num_generations,
+        "max_completion_length": rollout.max_completion_length, "autocast_dtype": precision.trainer.dtype,
+    }
+    chosen = resolve_attention(model_config.attention, config.train.share_prompts, model, engine_model, **settings)
+    best = resolve_attention("auto", "auto", model, engine_model, **settings)
+    advice = []
+    if model_config.attention != "auto" and (chosen.engine, chosen.trainer) != (best.engine, best.trainer):
+        faster = "; ".join(c.describe() for c in (best.engine, best.trainer) if c is not None)
+        advice.append(f"model.attention is {model_config.attention}, but here {faster}: set model.attention: auto")
+    if config.train.share_prompts != "auto" and chosen.sharing.share != best.sharing.share:
+        advice.append(f"train.share_prompts is {str(config.train.share_prompts).lower()}, but here {best.sharing.describe()}: "
+                      "set train.share_prompts: auto")
+    return Check("attention", "warn", "; ".join(advice)) if advice else Check("attention", "ok", "; ".join(chosen.describe()))
 # ----- GPU ----------------------------------------------------------------------------------
 
 
@@ -531,7 +568,7 @@ def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.
     model, params = check_model(config)
     add(model, *check_memory(config, params), *check_gpu(config, params))
     if params is not None:
-        add(check_precision(config))
+        add(*check_precision(config))
     add(check_vllm())
     add(*check_ports(config))
     if network:

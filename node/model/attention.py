@@ -46,7 +46,7 @@ from typing import Literal
 
 import torch
 
-from hivespec.node.model.precision import MARGIN, ModelShape, cached_measurement, cpu_facts
+from hivespec.node.model.precision import MARGIN, PROMPT_TOKENS, ModelShape, cached_measurement, cpu_facts
 
 Requested = Literal["auto", "sdpa", "eager"]
 IMPLEMENTATIONS = ("sdpa", "eager")
@@ -344,3 +344,35 @@ def decide_shared_prompts(
               f"autocast {autocast}, timed through 1 and 2 layers and taken to {layers}: every row whole {whole * 1e3:.0f} ms, "
               f"the prompt once {shared * 1e3:.0f} ms; {where}")
     return SharingChoice(shared <= MARGIN * whole, "cached" if cached else "measured", reason)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What `model.attention` and `train.share_prompts` became for a node, with each choice's reason."""
+
+    engine: AttentionChoice | None  # None: no native engine (vLLM runs its own)
+    trainer: AttentionChoice
+    sharing: SharingChoice
+
+    def describe(self) -> tuple[str, ...]:
+        return tuple(choice.describe() for choice in (self.engine, self.trainer, self.sharing) if choice is not None)
+
+
+def resolve_attention(
+    attention: Requested, share_prompts: bool | Literal["auto"], trainer_model: torch.nn.Module, engine_model: torch.nn.Module | None,
+    *, device: str, threads: int, cache: Path | None, decode_batch: int, micro_batch_size: int, group_size: int,
+    max_completion_length: int, autocast_dtype: torch.dtype | None,
+) -> AttentionPlan:
+    """Every choice of a node (see the module docstring), as `build_node` and `hivespec doctor` ask for them: the engine's
+    attention on its model (`engine_model`, None for vLLM; not switched here), the trainer's at a micro batch of
+    `micro_batch_size` rows, and the shared prompt at a group of `group_size` completions."""
+    engine = None
+    if engine_model is not None:
+        engine = decide_engine(attention, engine_model, device=device, threads=threads, cache=cache, batch=decode_batch,
+                               context=PROMPT_TOKENS + max_completion_length // 2)
+    trainer = decide_trainer(attention, trainer_model, device=device, threads=threads, cache=cache, rows=micro_batch_size,
+                             tokens=PROMPT_TOKENS + max_completion_length, autocast_dtype=autocast_dtype)
+    sharing = decide_shared_prompts(share_prompts, trainer_model, device=device, threads=threads, cache=cache,
+                                    rows=min(group_size, micro_batch_size), prompt_tokens=PROMPT_TOKENS,
+                                    completion_tokens=max_completion_length, autocast_dtype=autocast_dtype, eager=trainer.eager)
+    return AttentionPlan(engine, trainer, sharing)

@@ -229,13 +229,36 @@ def test_doctor_warns_when_an_explicit_dtype_is_the_slower_one_here(tiny, tmp_pa
     batch, rows = decode_batch(4, 4, 16), train_rows(8, 48)
     _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=batch, rows=rows,
                 sync=(1.0, 1.0), learning_rate=config.train.learning_rate)
-    check = check_precision(config, cache=cache)
+    check, attention = check_precision(config, cache=cache)
     assert check.status == "warn"
     assert "set model.engine_dtype: auto" in check.detail and "set model.autocast: auto" in check.detail
+    assert attention.name == "attention" and attention.status == "ok" and "trainer attention" in attention.detail
     auto = load_config("tiny", overrides={"model.engine_dtype": "auto", "model.autocast": "auto", "model.threads": str(THREADS),
                                           "rollout.prompts_per_round": "4", "rollout.max_completion_length": "48"}, environ={})
-    check = check_precision(auto, cache=cache)
+    check, attention = check_precision(auto, cache=cache)
     assert check.status == "ok" and "engine float32 (cached" in check.detail and "trainer float32 (cached" in check.detail
+    assert attention.status == "ok" and "engine attention" in attention.detail and "trainer runs" in attention.detail
+
+
+def test_doctor_warns_when_sharing_a_prompt_is_set_where_it_is_the_slower_way(tiny, tmp_path):
+    from hivespec.node.doctor import check_precision
+    from hivespec.node.model.attention import SHARED_PROMPT_MIN_SAMPLES
+
+    cache = tmp_path / "precision.json"
+    config = load_config("tiny", overrides={"train.share_prompts": "true", "model.threads": str(THREADS),
+                                            "rollout.max_completion_length": "48"}, environ={})
+    _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=decode_batch(4, 4, 16), rows=train_rows(8, 48),
+                learning_rate=config.train.learning_rate)
+    data = json.loads(cache.read_text())
+    rows = max(SHARED_PROMPT_MIN_SAMPLES, min(config.rollout.num_generations, config.train.micro_batch_size))
+    for kernel in ("own", "eager"):  # whichever the trainer's attention measurement picks: as an H100 measured it
+        role = f"shared-prompt-cpu-{cpu_facts()['cpu']}-off-{kernel}-64-48"
+        data[measurement_key(role, ModelShape.of(tiny), rows, THREADS, cpu_facts())] = {
+            "whole-1": 0.060, "whole-2": 0.062, "shared-1": 0.110, "shared-2": 0.113}
+    cache.write_text(json.dumps(data))
+    _, attention = check_precision(config, cache=cache)
+    assert attention.status == "warn" and "train.share_prompts is true, but here trainer runs every row whole" in attention.detail
+    assert "set train.share_prompts: auto" in attention.detail
 
 
 def test_status_snapshot_carries_the_choice_and_older_snapshots_still_decode():
