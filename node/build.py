@@ -266,14 +266,8 @@ def _resolve_attention(
     config: NodeConfig, trainer_model: torch.nn.Module, engine_model: torch.nn.Module, threads: int, precision: PrecisionPlan
 ) -> attention.AttentionPlan:
     """Decide model.attention per role and train.share_prompts (node/model/attention.py); sets the native engine's kernel."""
-    model, rollout = config.model, config.rollout
-    plan = attention.resolve_attention(
-        model.attention, config.train.share_prompts, trainer_model, engine_model if model.engine == "native" else None,
-        device=model.device, threads=threads, cache=default_cache_path(),
-        decode_batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
-        micro_batch_size=config.train.micro_batch_size, group_size=rollout.num_generations,
-        max_completion_length=rollout.max_completion_length, autocast_dtype=precision.trainer.dtype,
-    )
+    plan = attention.resolve_attention(config, trainer_model, engine_model, threads=threads, cache=default_cache_path(),
+                                       autocast_dtype=precision.trainer.dtype)
     if plan.engine is not None and plan.engine.eager:
         engine_model.set_attn_implementation("eager")
     log.info("attention: %s", "; ".join(plan.describe()))

@@ -34,10 +34,10 @@ import psutil
 import torch
 
 from hivespec.node.config import NodeConfig, node_home
+from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
 if TYPE_CHECKING:
     from hivespec.node.model.precision import PrecisionPlan
-from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
 Status = Literal["ok", "warn", "skip", "fail"]
 MAX_CLOCK_SKEW_S = 3.0  # hivemind's DHT rejects records beyond this discrepancy
@@ -182,22 +182,20 @@ def check_attention(config: NodeConfig, model: torch.nn.Module, precision: Preci
     import copy
 
     from hivespec.node.model.attention import resolve_attention
-    from hivespec.node.model.precision import decode_batch, default_cache_path
+    from hivespec.node.model.precision import default_cache_path
 
-    model_config, rollout = config.model, config.rollout
+    model_config = config.model
     try:
         model = model.to(model_config.device)  # measured where the node runs (a GPU's shared-prompt timing)
     except (RuntimeError, AssertionError) as exc:
         return Check("attention", "skip", f"the model does not move to {model_config.device} ({exc}); see the torch line")
-    engine_model = copy.deepcopy(model).to(precision.engine.dtype).eval().requires_grad_(False) if model_config.engine == "native" else None
-    settings = {
-        "device": model_config.device, "threads": threads, "cache": default_cache_path() if cache == "default" else cache,
-        "decode_batch": decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
-        "micro_batch_size": config.train.micro_batch_size, "group_size": rollout.num_generations,
-        "max_completion_length": rollout.max_completion_length, "autocast_dtype": precision.trainer.dtype,
-    }
-    chosen = resolve_attention(model_config.attention, config.train.share_prompts, model, engine_model, **settings)
-    best = resolve_attention("auto", "auto", model, engine_model, **settings)
+    # vLLM's attention is its own: resolve_attention does not look at the engine's model then.
+    native = model_config.engine == "native"
+    engine_model = copy.deepcopy(model).to(precision.engine.dtype).eval().requires_grad_(False) if native else model
+    settings = {"threads": threads, "cache": default_cache_path() if cache == "default" else cache, "autocast_dtype": precision.trainer.dtype}
+    best = resolve_attention(config, model, engine_model, requested=("auto", "auto"), **settings)
+    auto = (model_config.attention, config.train.share_prompts) == ("auto", "auto")
+    chosen = best if auto else resolve_attention(config, model, engine_model, **settings)
     advice = []
     if model_config.attention != "auto" and (chosen.engine, chosen.trainer) != (best.engine, best.trainer):
         faster = "; ".join(c.describe() for c in (best.engine, best.trainer) if c is not None)

@@ -42,11 +42,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from hivespec.node.model.precision import MARGIN, PROMPT_TOKENS, ModelShape, cached_measurement, cpu_facts
+from hivespec.node.model.precision import MARGIN, PROMPT_TOKENS, ModelShape, cached_measurement, cpu_facts, decode_batch
+
+if TYPE_CHECKING:
+    from hivespec.node.config import NodeConfig
 
 Requested = Literal["auto", "sdpa", "eager"]
 IMPLEMENTATIONS = ("sdpa", "eager")
@@ -111,7 +114,9 @@ def running(model: torch.nn.Module, implementation: str | None) -> Iterator[None
         model.set_attn_implementation(own)
 
 
-def _using(model: torch.nn.Module, implementation: str, run: Callable[[], None]) -> Callable[[], None]:
+def _using(model: torch.nn.Module, implementation: str | None, run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with `model` on attention `implementation` (None: its own)."""
+
     def timed() -> None:
         with running(model, implementation):
             run()
@@ -188,19 +193,20 @@ def _training_copy(model: torch.nn.Module, layers: int = _TRAIN_LAYERS) -> torch
 
 def _backward_timer(small: torch.nn.Module, autocast_dtype: torch.dtype | None, implementation: str | None,
                     forward: Callable[[torch.nn.Module], torch.Tensor]) -> Callable[[], None]:
-    """One timed forward (`forward(backbone)`: its hidden states) and backward of `small`, synchronized on a GPU."""
+    """One timed forward (`forward(backbone)`: its hidden states) and backward of `small` with attention
+    `implementation` (None: its own), synchronized on a GPU."""
     backbone = getattr(small, small.base_model_prefix)
     device = next(small.parameters()).device
 
     def step() -> None:
-        with running(small, implementation), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             hidden = forward(backbone)
         hidden.float().square().mean().backward()
         small.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return step
+    return _using(small, implementation, step)
 
 
 def _random_ids(small: torch.nn.Module, rows: int, tokens: int) -> torch.Tensor:
@@ -336,12 +342,13 @@ def decide_shared_prompts(
     autocast = str(autocast_dtype).removeprefix("torch.") if autocast_dtype is not None else "off"
     place = torch.device(device)
     machine = torch.cuda.get_device_name(place) if place.type == "cuda" else cpu_facts()["cpu"]
+    shape = ModelShape.of(model.config)
     seconds, cached = cached_measurement(
         f"shared-prompt-{place.type}-{machine}-{autocast}-{implementation or 'own'}-{prompt_tokens}-{completion_tokens}",
-        ModelShape.of(model.config), rows, threads, cache, names=SHARING_RUNS,
+        shape, rows, threads, cache, names=SHARING_RUNS,
         measure=lambda: measure_shared_prompt(model, rows, prompt_tokens, completion_tokens, autocast_dtype, implementation),
     )
-    layers = ModelShape.of(model.config).layers
+    layers = shape.layers
     whole, shared = (predicted_seconds(seconds, way, layers) for way in ("whole", "shared"))
     where = machine if place.type == "cuda" else f"{threads} thread(s); {machine}"
     reason = (f"forward+backward of {rows} completions of {completion_tokens} tokens on one {prompt_tokens}-token prompt, "
@@ -363,20 +370,24 @@ class AttentionPlan:
 
 
 def resolve_attention(
-    attention: Requested, share_prompts: bool | Literal["auto"], trainer_model: torch.nn.Module, engine_model: torch.nn.Module | None,
-    *, device: str, threads: int, cache: Path | None, decode_batch: int, micro_batch_size: int, group_size: int,
-    max_completion_length: int, autocast_dtype: torch.dtype | None,
+    config: NodeConfig, trainer_model: torch.nn.Module, engine_model: torch.nn.Module, *, threads: int, cache: Path | None,
+    autocast_dtype: torch.dtype | None, requested: tuple[Requested, bool | Literal["auto"]] | None = None,
 ) -> AttentionPlan:
-    """Every choice of a node (see the module docstring), as `build_node` and `hivespec doctor` ask for them: the engine's
-    attention on its model (`engine_model`, None for vLLM; not switched here), the trainer's at a micro batch of
-    `micro_batch_size` rows, and the shared prompt at a group of `group_size` completions."""
+    """Every choice of a node (see the module docstring), as `build_node` and `hivespec doctor` ask for them: the
+    native engine's attention on its model (`engine_model`, not switched here; none for vLLM), the trainer's at a micro
+    batch, and the shared prompt at a group of the node's completions. `requested` (model.attention,
+    train.share_prompts) replaces the config's: doctor asks what "auto" would pick."""
+    model, rollout = config.model, config.rollout
+    attention, share_prompts = requested or (model.attention, config.train.share_prompts)
+    micro_batch_size = config.train.micro_batch_size
     engine = None
-    if engine_model is not None:
-        engine = decide_engine(attention, engine_model, device=device, threads=threads, cache=cache, batch=decode_batch,
-                               context=PROMPT_TOKENS + max_completion_length // 2)
-    trainer = decide_trainer(attention, trainer_model, device=device, threads=threads, cache=cache, rows=micro_batch_size,
-                             tokens=PROMPT_TOKENS + max_completion_length, autocast_dtype=autocast_dtype)
-    sharing = decide_shared_prompts(share_prompts, trainer_model, device=device, threads=threads, cache=cache,
-                                    rows=min(group_size, micro_batch_size), prompt_tokens=PROMPT_TOKENS,
-                                    completion_tokens=max_completion_length, autocast_dtype=autocast_dtype, eager=trainer.eager)
+    if model.engine == "native":
+        engine = decide_engine(attention, engine_model, device=model.device, threads=threads, cache=cache,
+                               batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+                               context=PROMPT_TOKENS + rollout.max_completion_length // 2)
+    trainer = decide_trainer(attention, trainer_model, device=model.device, threads=threads, cache=cache, rows=micro_batch_size,
+                             tokens=PROMPT_TOKENS + rollout.max_completion_length, autocast_dtype=autocast_dtype)
+    sharing = decide_shared_prompts(share_prompts, trainer_model, device=model.device, threads=threads, cache=cache,
+                                    rows=min(rollout.num_generations, micro_batch_size), prompt_tokens=PROMPT_TOKENS,
+                                    completion_tokens=rollout.max_completion_length, autocast_dtype=autocast_dtype, eager=trainer.eager)
     return AttentionPlan(engine, trainer, sharing)
