@@ -63,10 +63,10 @@ from hivespec.protocol.delta import (
     State,
     WeightDelta,
     decode_delta,
-    state_hash,
 )
 from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.entropy import entropy_bits
+from hivespec.protocol.weights_hash import state_hash
 
 CPU_REPEATS = 3
 

@@ -17,21 +17,26 @@ Also per mode and dtype: the check a round makes after a sync that moved a weigh
 `WeightSync.mismatched_elements`) and a sync that finds by diffing that nothing moved
 (`*_no_update_s`; a node tells its sync instead, `trainer_moved=False`, and skips it: bench/flat_steps.py);
 and `count_kernel`, the changed-element count a round runs twice, the bool sum it used against
-count_nonzero, side by side on the model's tensors.
+count_nonzero, side by side on the model's tensors; and `weights_hash`, the hash every sync that moved
+a weight ends with, over the bfloat16 engine's bits: one sha256 over the whole stream (the v1 hash)
+against v2's 4 MiB pieces on every core (`protocol/weights_hash.py`), best of 3 each.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 
+import numpy as np
 import torch
 
 from hivespec.kernels.delta import mismatch_count
 from hivespec.node.model.loader import configure_threads, load_model
 from hivespec.node.model.precision import cpu_facts
-from hivespec.node.weights.sync import WeightSync
+from hivespec.node.weights.sync import WeightSync, host_bits
+from hivespec.protocol.weights_hash import hash_workers, state_hash
 
 
 def time_sync(trainer: torch.nn.Module, dtype: torch.dtype, encode: bool, learning_rate: float) -> dict:
@@ -86,6 +91,31 @@ def count_kernels(trainer: torch.nn.Module) -> dict:
     return {"bool_sum_s": round(old_s, 3), "count_nonzero_s": round(new_s, 3), "speedup": round(old_s / new_s, 1)}
 
 
+def hash_speed(trainer: torch.nn.Module) -> dict:
+    """The weights hash of the bfloat16 engine: v1's one sha256 over the whole stream against v2's pieces on every core."""
+    state = host_bits({name: p.detach().to(torch.bfloat16) for name, p in trainer.named_parameters()})
+
+    def single_stream() -> bytes:
+        hasher = hashlib.sha256(b"hivespec/weights/v1\0")
+        for name in sorted(state):
+            header = f"{name}\0{state[name].dtype}\0{','.join(map(str, state[name].bits.shape))}\0".encode()
+            hasher.update(len(header).to_bytes(4, "little") + header)
+            hasher.update(memoryview(state[name].bits.reshape(-1).view(np.uint8)))
+        return hasher.digest()
+
+    def best(run) -> float:
+        times = []
+        for _ in range(3):
+            mark = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - mark)
+        return min(times)
+
+    v1_s, v2_s = best(single_stream), best(lambda: state_hash(state))
+    return {"bytes": sum(t.bits.nbytes for t in state.values()), "workers": hash_workers(),
+            "single_stream_s": round(v1_s, 3), "pieces_s": round(v2_s, 3), "speedup": round(v1_s / v2_s, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the model cut to its first 4 layers (embeddings included)")
@@ -110,6 +140,9 @@ def main() -> None:
     kernels = count_kernels(trainer)
     print(f"counting changed elements (bf16): bool sum {kernels['bool_sum_s']:.3f} s, count_nonzero "
           f"{kernels['count_nonzero_s']:.3f} s ({kernels['speedup']}x)", flush=True)
+    hashing = hash_speed(trainer)
+    print(f"weights hash of the bfloat16 engine ({hashing['bytes'] / 1e6:.0f} MB): one stream {hashing['single_stream_s']:.3f} s, "
+          f"4 MiB pieces on {hashing['workers']} thread(s) {hashing['pieces_s']:.3f} s ({hashing['speedup']}x)", flush=True)
     for name in ("bfloat16", "float32"):
         assert rows[f"direct_{name}"]["hash"] == rows[f"coded_{name}"]["hash"], f"{name}: both modes must end on the same weights"
     result = {
@@ -118,6 +151,7 @@ def main() -> None:
         **{f"{key}_check_s": row["verify_seconds"] for key, row in rows.items()},
         **{f"{key}_no_update_s": row["idle_seconds"] for key, row in rows.items()},
         "count_kernel": kernels,
+        "weights_hash": hashing,
         "direct_speedup_bf16": round(rows["coded_bfloat16"]["seconds"] / rows["direct_bfloat16"]["seconds"], 1),
         "direct_speedup_fp32": round(rows["coded_float32"]["seconds"] / rows["direct_float32"]["seconds"], 1),
         "same_weights": True,

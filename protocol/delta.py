@@ -6,7 +6,7 @@ their new bit patterns (uint16 for bfloat16/float16, uint32 for float32), so app
 bit-exact. The coding is conditioned on the base weights (see `delta_codes`): positions per
 magnitude class, values relative to the base with tables chosen by the base exponent. So a
 delta only decodes against the exact weights it was made from: the base hash is checked first,
-and `state_hash` of the result must equal `result_hash` after applying.
+and the weights hash of the result (`weights_hash.state_hash`) must equal `result_hash` after applying.
 
 Wire form: a list of chunks, each a msgpack map that is one gossip body (under the 4 MiB
 message cap) and decodes on its own given the base:
@@ -35,7 +35,6 @@ header, and no two pieces overlap.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -82,17 +81,6 @@ class TensorBits:
 
 
 State = Mapping[str, TensorBits]
-
-
-def state_hash(state: State) -> bytes:
-    """sha256 over every tensor's name, dtype, shape and bit patterns, in name order (~1.5 GB/s)."""
-    hasher = hashlib.sha256(b"hivespec/weights/v1\0")
-    for name in sorted(state):
-        tensor = state[name]
-        header = f"{name}\0{tensor.dtype}\0{','.join(map(str, tensor.bits.shape))}\0".encode()
-        hasher.update(len(header).to_bytes(4, "little") + header)
-        hasher.update(memoryview(np.ascontiguousarray(tensor.bits)).cast("B"))
-    return hasher.digest()
 
 
 @dataclass(frozen=True, eq=False)
@@ -489,7 +477,7 @@ def decode_delta(
 ) -> tuple[Verdict, WeightDelta | None]:
     """Decode all chunks of one delta and validate them against the local model; never raises.
 
-    `base` is the local state (every tensor's dtype and bits) and `base_hash` its `state_hash`.
+    `base` is the local state (every tensor's dtype and bits) and `base_hash` its weights hash (`weights_hash.state_hash`).
     Rejects: a base hash other than ours, unknown tensors, wrong shape or dtype, positions out of
     range, pieces that overlap (duplicate positions), malformed streams, non-finite values,
     chunks of different deltas, missing or repeated chunks. An accepted delta can be scattered

@@ -46,11 +46,11 @@ from hivespec.protocol.delta import (
     TensorDelta,
     WeightDelta,
     decode_delta,
-    state_hash,
 )
 from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.verdict import Reason, Verdict
+from hivespec.protocol.weights_hash import state_hash
 
 _BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float16: (torch.int16, np.uint16), torch.float32: (torch.int32, np.uint32)}
 _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

@@ -13,8 +13,8 @@ from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.weights.follower import Follower
 from hivespec.node.weights.publisher import DELTA_TOPIC, PolicyPublisher
 from hivespec.node.weights.sync import EngineWeights, WeightSync
-from hivespec.protocol.delta import state_hash
 from hivespec.protocol.identity import Identity
+from hivespec.protocol.weights_hash import state_hash
 
 SWARM = "test-follow"
 pytestmark = pytest.mark.timeout(240)

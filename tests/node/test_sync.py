@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.node.weights.sync import WeightSync
-from hivespec.protocol.delta import state_hash
 from hivespec.protocol.limits import DEFAULT_LIMITS
 from hivespec.protocol.verdict import Reason
+from hivespec.protocol.weights_hash import state_hash
 
 
 def _tiny(dtype=torch.float32) -> LlamaForCausalLM:

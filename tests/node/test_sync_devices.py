@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hivespec.kernels.host_transfer import HostTransferError, HostTransferGuard
 from hivespec.node.model.engine import unique_parameters
 from hivespec.node.weights.sync import EngineWeights, WeightSync
-from hivespec.protocol.delta import state_hash
 from hivespec.protocol.verdict import Reason
+from hivespec.protocol.weights_hash import state_hash
 
 CUDA_REASON = "needs a CUDA device: run `python bench/gpu_check.py` on a GPU machine (it runs this path on CUDA)"
 

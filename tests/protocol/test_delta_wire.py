@@ -20,7 +20,6 @@ from hivespec.protocol.delta import (
     dense_nbytes,
     encode_head,
     read_header,
-    state_hash,
 )
 from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.entropy import (
@@ -31,6 +30,7 @@ from hivespec.protocol.entropy import (
 )
 from hivespec.protocol.limits import DEFAULT_LIMITS
 from hivespec.protocol.verdict import Reason
+from hivespec.protocol.weights_hash import state_hash
 
 WIDTH = {"bfloat16": 16, "float16": 16, "float32": 32}
 NP = {16: np.uint16, 32: np.uint32}

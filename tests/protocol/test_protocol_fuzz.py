@@ -5,12 +5,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hivespec.protocol.codec import pack, safe_unpack
-from hivespec.protocol.delta import TensorBits, TensorDelta, WeightDelta, decode_delta, state_hash
+from hivespec.protocol.delta import TensorBits, TensorDelta, WeightDelta, decode_delta
 from hivespec.protocol.delta_encode import encode_delta
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout, RolloutBatch, decode_batch, decode_rollout, encode_batch
 from hivespec.protocol.verdict import Verdict
+from hivespec.protocol.weights_hash import state_hash
 
 NOW = 1_700_000_000.0
 IDENT = Identity.from_private_bytes(b"\x07" * 32)
