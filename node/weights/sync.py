@@ -13,11 +13,14 @@ position, or as a whole-tensor copy of each changed tensor where listing positio
 more than the tensor itself (a float32 engine after an Adam step: every element moves) or where
 the engine is its own host mirror (a CPU engine, where the copy is the cheaper write). The same
 invariant holds (engine bits == trainer cast, checked by `mismatched_elements` after each sync
-that moved a weight), at a fraction of the cost: 1.6 s instead of 107 s for a float32
+that moved a weight, where the sync wrote positions: a tensor copied whole from the cast,
+`SyncStats.copied`, equals it by that copy), at a fraction of the cost: 1.6 s instead of 107 s for a float32
 SmolLM2-135M engine, 1.9 s instead of 5.2 s for a bfloat16 one (bench/sync_modes.py, 1 thread,
 AVX2-only AMD EPYC, writing bfloat16 positions); 0.37 s instead of 3.6 s for a bfloat16 one with
-whole-tensor copies (1 thread, AMD EPYC with AVX-512 and avx512_bf16). A step that moved no
-weight is synced without a look at the tensors.
+whole-tensor copies (1 thread, AMD EPYC with AVX-512 and avx512_bf16), and 0.19 s since the casts
+are written into a buffer kept between syncs and the weights hash runs on every core (with the
+round's check, 0.53 -> 0.19 s; on an H100's host the sync took 0.37-0.46 s, 0.18-0.27 s with the
+hash on every core). A step that moved no weight is synced without a look at the tensors.
 
 `EngineWeights` is that receiving side on its own (also used by `node/weights/follower.py`): a set of
 engine tensors viewed as the codec's `State`, with the version and hash of what they hold.
@@ -33,7 +36,7 @@ the device, again in one transfer (`to_device`). A rejected delta never touches 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -273,6 +276,7 @@ class SyncStats:
     chunks: int
     seconds: float
     tensors: tuple[str, ...] = ()  # names of the tensors the delta wrote (what an engine with its own copy reloads)
+    copied: tuple[str, ...] = ()  # of those, the ones copied whole from the trainer's cast: equal to it by that copy
 
     @property
     def density(self) -> float:
@@ -297,6 +301,7 @@ class WeightSync:
         self.trainer_params = trainer_params
         self.engine = EngineWeights(engine_params, limits=limits)
         self.limits = limits
+        self._staging: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # where the casts are written, reused
 
     @property
     def version(self) -> int:
@@ -306,14 +311,16 @@ class WeightSync:
     def engine_params(self) -> dict[str, torch.Tensor]:
         return self.engine.params
 
-    def _targets(self) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
-        """(name, engine tensor, trainer cast on the engine's device) in groups of at most `_STAGE_BYTES`.
+    def _targets(self, names: Collection[str] | None = None) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """(name, engine tensor, trainer cast on the engine's device) in groups of at most `_STAGE_BYTES`; every tensor,
+        or those in `names`.
 
-        Staged in groups so a large model never holds a full second copy on its device.
+        Staged in groups so a large model never holds a full second copy on its device. A group's casts are views
+        of one staging buffer that the next group overwrites: use them before asking for the next.
         """
         group: list[tuple[str, torch.Tensor]] = []
         size = 0
-        items = list(self.engine.params.items())
+        items = [(name, tensor) for name, tensor in self.engine.params.items() if names is None or name in names]
         for index, (name, engine_tensor) in enumerate(items):
             group.append((name, engine_tensor))
             size += engine_tensor.numel() * engine_tensor.element_size()
@@ -330,12 +337,37 @@ class WeightSync:
             by_route.setdefault((self.trainer_params[name].device, engine_tensor.device), []).append(i)
         with torch.no_grad():
             for (trainer_device, engine_device), indices in by_route.items():
-                casts = [self.trainer_params[group[i][0]].detach().to(group[i][1].dtype).contiguous() for i in indices]
-                # Cast where the trainer is; move (batched) only when the engine sits elsewhere (vLLM's CPU copy).
-                moved_casts = casts if trainer_device == engine_device else to_device(casts, engine_device)
+                if trainer_device != engine_device:  # cast where the trainer is, then move, batched (vLLM's CPU copy)
+                    casts = [self.trainer_params[group[i][0]].detach().to(group[i][1].dtype).contiguous() for i in indices]
+                    moved_casts = to_device(casts, engine_device)
+                else:
+                    moved_casts = self._cast_into_staging([(self.trainer_params[group[i][0]], group[i][1].dtype) for i in indices])
                 for i, moved in zip(indices, moved_casts, strict=True):
                     out[i] = (group[i][0], group[i][1], moved)
         return [item for item in out if item is not None]
+
+    def _cast_into_staging(self, tensors: list[tuple[torch.Tensor, torch.dtype]]) -> list[torch.Tensor]:
+        """Each trainer tensor cast to its dtype, written into views of a buffer kept between syncs (per device and dtype).
+
+        `copy_` rounds as `.to()` does (`.to()` is an empty tensor and a `copy_`); a fresh allocation each sync is, on a
+        CPU, pages the kernel zeroes each time: the bf16 casts of SmolLM2-135M took 0.09 s that way, 0.02 s written
+        into a kept buffer (1 thread, 2-core AMD EPYC).
+        """
+        needed: dict[tuple[torch.device, torch.dtype], int] = {}
+        for source, dtype in tensors:
+            needed[(source.device, dtype)] = needed.get((source.device, dtype), 0) + source.numel()
+        for key, count in needed.items():
+            if key not in self._staging or self._staging[key].numel() < count:
+                self._staging[key] = torch.empty(count, dtype=key[1], device=key[0])
+        offsets = dict.fromkeys(needed, 0)
+        casts = []
+        for source, dtype in tensors:
+            key, start = (source.device, dtype), offsets[(source.device, dtype)]
+            view = self._staging[key][start:start + source.numel()].view(source.shape)
+            view.copy_(source.detach())
+            offsets[key] = start + source.numel()
+            casts.append(view)
+        return casts
 
     def build_delta(self, version: int) -> WeightDelta:
         """The delta taking the engine from its current weights to the trainer's cast.
@@ -395,15 +427,15 @@ class WeightSync:
                 self.apply(chunks)
             else:
                 self.engine.commit(version, rehash=False)
-            changed, written = 0, []
+            changed, written, copied = 0, [], []
         elif encode:
             delta = self.build_delta(version)
             chunks = self.encode(delta)
             self.apply(chunks)
-            changed, written = delta.num_changed, [t.name for t in delta.tensors]
+            changed, written, copied = delta.num_changed, [t.name for t in delta.tensors], []
         else:
             chunks = []
-            changed, written = self._write_local(version)
+            changed, written, copied = self._write_local(version)
         stats = SyncStats(
             version=version,
             changed=changed,
@@ -413,11 +445,13 @@ class WeightSync:
             chunks=len(chunks),
             seconds=time.perf_counter() - started,
             tensors=tuple(dict.fromkeys(written)),
+            copied=tuple(copied),
         )
         return stats, chunks
 
-    def _write_local(self, version: int) -> tuple[int, list[str]]:
-        """Write the trainer's cast into the engine, changed positions only or whole tensors; returns (changed, names).
+    def _write_local(self, version: int) -> tuple[int, list[str], list[str]]:
+        """Write the trainer's cast into the engine, changed positions only or whole tensors; returns (changed, the
+        names of the tensors written, of those the ones copied whole).
 
         A tensor is copied whole when its changed positions (8-byte index + value each) would
         take more memory than the tensor (the float32-after-Adam case, where every element moves),
@@ -426,7 +460,7 @@ class WeightSync:
         embedded model's bfloat16 engine after a step that moved 9 % of it: 0.71 s -> 0.3 s, at 1
         thread on a 2-core AMD EPYC (bench/sync_modes.py).
         """
-        changed, written = 0, []
+        changed, written, copied = 0, [], []
         with torch.no_grad():
             for group in self._targets():
                 counts = to_host_all([mismatch_count(engine_tensor, target) for _, engine_tensor, target in group])
@@ -441,6 +475,7 @@ class WeightSync:
                     width = engine_tensor.element_size()
                     if n * (8 + width) >= engine_tensor.numel() * width or self.engine.mirrors_engine(name):
                         dense_targets.append((name, target))
+                        copied.append(name)
                     else:
                         indices, values = extract_delta(engine_tensor, target)
                         sparse_found.append((name, indices, values.view(_BITS[values.dtype][0])))
@@ -454,7 +489,7 @@ class WeightSync:
                 self.engine.write_local(sparse, dense)
         # A step without an optimizer update (no sample had an advantage) leaves every bit as it was.
         self.engine.commit(version, rehash=changed > 0)
-        return changed, written
+        return changed, written, copied
 
     def reset(self, version: int) -> None:
         """Overwrite the engine with the trainer's cast and call it `version` (after a resume restored the trainer)."""
@@ -464,11 +499,14 @@ class WeightSync:
                     engine_tensor.copy_(target)
         self.engine.reload(version=version)
 
-    def mismatched_elements(self) -> int:
-        """Number of engine elements whose bits differ from the trainer's cast (0 after a sync); one read at the end."""
+    def mismatched_elements(self, skip: Collection[str] = ()) -> int:
+        """Number of engine elements whose bits differ from the trainer's cast (0 after a sync); one read at the end.
+
+        `skip`: tensors not to look at (a sync's `SyncStats.copied`, equal to the cast by the copy that wrote them).
+        """
         counts = []
         with torch.no_grad():
-            for group in self._targets():
+            for group in self._targets(set(self.engine.params) - set(skip)):
                 counts += [mismatch_count(engine_tensor, target) for _, engine_tensor, target in group]
         if not counts:
             return 0

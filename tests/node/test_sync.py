@@ -116,6 +116,39 @@ def test_a_sync_after_a_step_that_updated_nothing_moves_nothing(encode, told):
         assert verdict.ok and delta is not None and follower.version == 2 and follower.engine.hash == before
 
 
+def test_the_round_check_looks_past_only_the_tensors_copied_whole():
+    """A CPU engine takes each changed tensor as one copy of the trainer's cast (`SyncStats.copied`), equal to it by that
+    copy: the round's check skips those and still reads every other tensor; a leader's decoded delta copies nothing."""
+    trainer, sync = _bf16_sync()
+    _shift(trainer, 0.01)
+    with torch.no_grad():  # this one does not move
+        trainer.model.norm.weight.copy_(sync.engine_params["model.norm.weight"].float())
+    stats, _ = sync.sync(1, encode=False)
+    assert stats.tensors and set(stats.copied) == set(stats.tensors) and "model.norm.weight" not in stats.tensors
+    assert sync.mismatched_elements(skip=stats.copied) == 0
+    sync.engine_params["model.norm.weight"].view(torch.int16)[3] ^= 1  # a fault where the sync wrote nothing
+    assert sync.mismatched_elements(skip=stats.copied) == 1 == sync.mismatched_elements()
+    leader_trainer, leader = _bf16_sync()
+    _shift(leader_trainer, 0.01)
+    stats, _ = leader.sync(1)
+    assert stats.tensors and stats.copied == ()
+
+
+@pytest.mark.parametrize("engine_dtype", [torch.bfloat16, torch.float16])
+def test_the_cast_rounds_as_to_does_at_the_edges(engine_dtype):
+    """The sync casts into a buffer it keeps (`copy_`); the engine's bits are `.to()`'s for infinities, NaN, subnormals,
+    overflow and ties."""
+    trainer = _tiny()
+    sync = WeightSync(trainer, _engine_params(copy.deepcopy(trainer).to(engine_dtype)))
+    edges = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-40, -1e-45, 6e-8, 65504.0, 65520.0, 3e38,
+                          1 + 2**-8, 1 + 3 * 2**-9, 1 + 2**-11, 0.0, -0.0])
+    with torch.no_grad():
+        trainer.model.norm.weight[: len(edges)] = edges
+    sync.sync(1, encode=False)
+    for name, tensor in sync.engine_params.items():
+        assert _bits_equal(tensor, trainer.get_parameter(name).detach().to(engine_dtype)), name
+
+
 def test_an_empty_delta_that_promises_other_weights_is_refused():
     _, sync = _bf16_sync()
     delta = sync.build_delta(1)
