@@ -14,8 +14,8 @@ Parts, each reported in the RESULT line:
 - trainer: seconds per GRPO step;
 - delta: sparse delta extract and apply bandwidth (kernels/delta.py) and one full sync's time,
   with the engine checked bit-exact to the trainer and its host mirror afterwards;
-- gpu_tests: the tests that skip without CUDA (tests/node/test_sync_devices.py, tests/kernels/test_host_transfer.py,
-  tests/node/test_checkpoint_cuda.py, and the CUDA variants of CPU tests: CUDA_VARIANTS);
+- gpu_tests: the tests marked `cuda` (`pytest -m cuda tests`: whole tests, and the CUDA cases of tests
+  parametrized by device), which skip without CUDA; collecting them needs the dev extra (hypothesis);
 - vllm (when vLLM imports): the swarm round with model.engine=vllm and tests/node/test_vllm_engine.py.
 
 Without CUDA (and no --device) it prints one line saying so and exits 0. Ends with one line
@@ -289,13 +289,6 @@ def delta_part(device: torch.device, model_name: str) -> dict:
     }
 
 
-# CPU tests that also run on CUDA (parametrized by device; the CUDA case skips without one).
-CUDA_VARIANTS = [
-    "tests/node/test_trainer.py::test_samples_of_one_prompt_run_it_once_with_the_same_logprobs_and_update[cuda]",
-    "tests/node/test_engine.py::test_a_prompt_shared_by_several_samples_is_read_once[cuda]",
-]
-
-
 def pytest_part(paths: list[str]) -> dict:
     process = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *paths], check=False, capture_output=True, text=True, cwd=ROOT)
     summary = process.stdout.strip().splitlines()[-1] if process.stdout.strip() else process.stderr[-500:]
@@ -335,8 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "speculation": lambda: speculation_part(device, args.model, args.quick),
         "trainer": lambda: trainer_part(device, args.model, args.quick),
         "delta": lambda: delta_part(device, args.model),
-        "gpu_tests": lambda: pytest_part(["tests/node/test_sync_devices.py", "tests/kernels/test_host_transfer.py",
-                                          "tests/node/test_checkpoint_cuda.py", *CUDA_VARIANTS]),
+        "gpu_tests": lambda: pytest_part(["-m", "cuda", "tests"]),
     }
     if vllm_importable() and device.type == "cuda":
         parts["vllm"] = lambda: {"swarm": swarm_part(device, args.model, engine="vllm"),

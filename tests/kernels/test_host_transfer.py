@@ -6,8 +6,6 @@ import torch
 
 from hivespec.kernels.host_transfer import HostTransferError, HostTransferGuard, to_device, to_host
 
-CUDA_REASON = "needs a CUDA device: run `python bench/gpu_check.py` (and this file's tests) on a GPU machine"
-
 
 def _mixed():
     generator = torch.Generator().manual_seed(0)
@@ -87,7 +85,7 @@ def test_moving_tensors_of_two_devices_at_once_is_refused():
         to_host([torch.zeros(1), torch.zeros(1, device="meta")])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)
+@pytest.mark.cuda
 def test_cuda_round_trip_is_one_pinned_copy_each_way():
     tensors = _mixed()
     with HostTransferGuard(strict=False) as guard:

@@ -5,8 +5,6 @@ import torch
 
 from hivespec.node.training.checkpoint import restore_rng, rng_tensors
 
-CUDA_REASON = "needs a CUDA device: run `python bench/gpu_check.py` on a GPU machine (its gpu_tests part runs this file)"
-
 
 def test_a_cpu_machine_saves_no_cuda_rng_and_restores_what_it_saved():
     tensors, meta = rng_tensors()
@@ -18,7 +16,7 @@ def test_a_cpu_machine_saves_no_cuda_rng_and_restores_what_it_saved():
     assert torch.equal(torch.rand(4), expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)
+@pytest.mark.cuda
 def test_cuda_rng_round_trips():
     torch.cuda.manual_seed_all(123)
     tensors, meta = rng_tensors()

@@ -13,8 +13,6 @@ torch.set_num_threads(1)
 
 VOCAB = 256
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: `python bench/gpu_check.py` runs it on a GPU machine")
-
 
 @pytest.fixture(scope="module")
 def model():
@@ -82,7 +80,7 @@ def test_each_request_alone_equals_it_in_a_batch(engine):
             assert sample.logprobs == pytest.approx(alone.logprobs, abs=1e-9)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_prompt_shared_by_several_samples_is_read_once(model, device):
     """A GRPO group's samples share a prompt: the prefill runs each distinct prompt once, and every sample comes out
     as it does alone."""

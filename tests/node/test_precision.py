@@ -197,7 +197,7 @@ def test_sizes_the_node_measures_at():
     assert train_rows(8, 48) == 8 * (64 + 48)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_decides_from_bf16_support_without_measuring(tiny, tmp_path):
     plan = _resolve(tiny, tmp_path / "p.json", device="cuda")
     expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32

@@ -20,8 +20,6 @@ from hivespec.node.weights.sync import EngineWeights, WeightSync
 from hivespec.protocol.verdict import Reason
 from hivespec.protocol.weights_hash import state_hash
 
-CUDA_REASON = "needs a CUDA device: run `python bench/gpu_check.py` on a GPU machine (it runs this path on CUDA)"
-
 
 def _tiny(device="cpu") -> LlamaForCausalLM:
     torch.manual_seed(0)
@@ -145,7 +143,7 @@ def test_shapes_and_dtypes_of_the_cast_path_hold_on_the_meta_device():
             assert target.device.type == "meta" and target.dtype == torch.bfloat16 and target.shape == engine_tensor.shape, name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)
+@pytest.mark.cuda
 @pytest.mark.parametrize("engine_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("encode", [True, False], ids=["leader", "no-followers"])
 def test_sync_on_cuda(engine_dtype, encode):

@@ -16,8 +16,6 @@ from hivespec.node.training.trainer import (
     TrainSample,
 )
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: `python bench/gpu_check.py` runs it on a GPU machine")
-
 
 def _tiny(seed: int = 0, device: str = "cpu") -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -99,7 +97,7 @@ def test_flat_samples_are_not_run_unless_their_statistics_are_asked_for():
     assert forwards == [2, 2] and stats.optimizer_steps == 1 and stats.own.tokens == 6
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_samples_of_one_prompt_run_it_once_with_the_same_logprobs_and_update(device):
     """Four or more samples of one prompt in a micro batch run the prompt's forward once and their completions on
     its keys and values: the same log-probs, and the same update up to the order its gradients are summed in."""
