@@ -301,7 +301,7 @@ class WeightSync:
         self.trainer_params = trainer_params
         self.engine = EngineWeights(engine_params, limits=limits)
         self.limits = limits
-        self._staging: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # where the casts are written, reused
+        self._staging: dict[torch.dtype, torch.Tensor] = {}  # where a CPU trainer's casts are written, sync after sync
 
     @property
     def version(self) -> int:
@@ -315,8 +315,8 @@ class WeightSync:
         """(name, engine tensor, trainer cast on the engine's device) in groups of at most `_STAGE_BYTES`; every tensor,
         or those in `names`.
 
-        Staged in groups so a large model never holds a full second copy on its device. A group's casts are views
-        of one staging buffer that the next group overwrites: use them before asking for the next.
+        Staged in groups so a large model never holds a full second copy on its device. On a CPU a group's casts are
+        views of one staging buffer that the next group overwrites: use them before asking for the next.
         """
         group: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -337,35 +337,37 @@ class WeightSync:
             by_route.setdefault((self.trainer_params[name].device, engine_tensor.device), []).append(i)
         with torch.no_grad():
             for (trainer_device, engine_device), indices in by_route.items():
-                if trainer_device != engine_device:  # cast where the trainer is, then move, batched (vLLM's CPU copy)
-                    casts = [self.trainer_params[group[i][0]].detach().to(group[i][1].dtype).contiguous() for i in indices]
-                    moved_casts = to_device(casts, engine_device)
-                else:
-                    moved_casts = self._cast_into_staging([(self.trainer_params[group[i][0]], group[i][1].dtype) for i in indices])
+                pairs = [(self.trainer_params[group[i][0]], group[i][1].dtype) for i in indices]
+                if trainer_device.type == engine_device.type == "cpu":
+                    moved_casts = self._cast_into_staging(pairs)
+                else:  # cast where the trainer is; move (batched) only when the engine sits elsewhere (vLLM's CPU copy)
+                    casts = [source.detach().to(dtype).contiguous() for source, dtype in pairs]
+                    moved_casts = casts if trainer_device == engine_device else to_device(casts, engine_device)
                 for i, moved in zip(indices, moved_casts, strict=True):
                     out[i] = (group[i][0], group[i][1], moved)
         return [item for item in out if item is not None]
 
     def _cast_into_staging(self, tensors: list[tuple[torch.Tensor, torch.dtype]]) -> list[torch.Tensor]:
-        """Each trainer tensor cast to its dtype, written into views of a buffer kept between syncs (per device and dtype).
+        """CPU tensors cast to their dtypes, written into views of a buffer kept between syncs (one per dtype).
 
-        `copy_` rounds as `.to()` does (`.to()` is an empty tensor and a `copy_`); a fresh allocation each sync is, on a
-        CPU, pages the kernel zeroes each time: the bf16 casts of SmolLM2-135M took 0.09 s that way, 0.02 s written
-        into a kept buffer (1 thread, 2-core AMD EPYC).
+        `copy_` rounds as `.to()` does (`.to()` is an empty tensor and a `copy_`). A fresh allocation each sync is, on
+        a CPU, pages the kernel zeroes each time: the bf16 casts of SmolLM2-135M took 0.09 s that way, 0.02 s written
+        into a kept buffer (1 thread, 2-core AMD EPYC). A GPU's caching allocator already reuses its blocks, and a
+        buffer the sync held there would keep memory from the trainer's activations, so CUDA casts stay `.to()`.
         """
-        needed: dict[tuple[torch.device, torch.dtype], int] = {}
+        needed: dict[torch.dtype, int] = {}
         for source, dtype in tensors:
-            needed[(source.device, dtype)] = needed.get((source.device, dtype), 0) + source.numel()
-        for key, count in needed.items():
-            if key not in self._staging or self._staging[key].numel() < count:
-                self._staging[key] = torch.empty(count, dtype=key[1], device=key[0])
+            needed[dtype] = needed.get(dtype, 0) + source.numel()
+        for dtype, count in needed.items():
+            if dtype not in self._staging or self._staging[dtype].numel() < count:
+                self._staging[dtype] = torch.empty(count, dtype=dtype)
         offsets = dict.fromkeys(needed, 0)
         casts = []
         for source, dtype in tensors:
-            key, start = (source.device, dtype), offsets[(source.device, dtype)]
-            view = self._staging[key][start:start + source.numel()].view(source.shape)
+            start = offsets[dtype]
+            view = self._staging[dtype][start:start + source.numel()].view(source.shape)
             view.copy_(source.detach())
-            offsets[key] = start + source.numel()
+            offsets[dtype] = start + source.numel()
             casts.append(view)
         return casts
 

@@ -137,7 +137,6 @@ def test_shapes_and_dtypes_of_the_cast_path_hold_on_the_meta_device():
     sync = object.__new__(WeightSync)
     sync.trainer_params = dict(trainer.named_parameters())
     sync.engine = type("Engine", (), {"params": engine_params})()
-    sync._staging = {}
     for group in sync._targets():
         for name, engine_tensor, target in group:
             assert target.device.type == "meta" and target.dtype == torch.bfloat16 and target.shape == engine_tensor.shape, name
