@@ -285,7 +285,7 @@ class Node:
         sync_stats, delta_chunks = self.sync.sync(step.version, encode=self.publisher is not None, trainer_moved=moved)
         if moved or self._engine_mismatch is None:
             # An update's sync is checked bit for bit where a kernel or the codec wrote it (positions, a decoded delta);
-            # a tensor copied whole from the trainer's cast equals it by that copy (a CPU engine's every tensor: 0.17 s a
+            # a tensor copied whole from the trainer's cast equals it by that copy (a CPU engine's every tensor: 0.18-0.20 s a
             # round on a 2-core AMD EPYC to compare them again). A step that moved nothing leaves the engine as last checked.
             first = self._engine_mismatch is None
             self._engine_mismatch = self.sync.mismatched_elements(skip=() if first else sync_stats.copied)
