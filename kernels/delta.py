@@ -49,7 +49,7 @@ def mismatch_count(base: Tensor, new: Tensor) -> Tensor:
     # count_nonzero, not a bool .sum() (which accumulates in int64): over the embedded model's bf16 tensors at 1 thread
     # 0.067 s against 0.080 s, over one flat 135M-element tensor at 2 threads 0.07 s against 0.36 s (2-core AMD EPYC,
     # torch 2.13; `bench/sync_modes.py` prints the first). On an H100 either takes ~10 ms for the whole model (count_nonzero
-    # 11.7 ms, the sum 9.4). A round counts every tensor twice: its sync, then the check.
+    # 11.7 ms, the sum 9.4). A round's sync counts every tensor; its check counts again those not copied whole.
     return torch.count_nonzero(_bits(base.detach()) != _bits(new.detach()))
 
 

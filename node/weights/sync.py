@@ -222,13 +222,14 @@ class EngineWeights:
     def write_local(self, sparse: Sequence[TensorDelta], dense: Mapping[str, tuple[torch.Tensor, np.ndarray]]) -> None:
         """Write trusted changes (from this node's own trainer) to the engine and the mirror; no hash yet.
 
-        ``sparse`` lists changed positions; ``dense`` maps a tensor rewritten whole to its new
-        value on the engine's device and a host copy of its bits (flat). Nothing is validated and
-        the hash is stale until `commit`: never pass peer data here.
+        ``sparse`` lists changed positions the caller has already written on the engine's device
+        (from the diff it ran there: sending them back up would be a second transfer of the same
+        data); they are patched into the mirror here. ``dense`` maps a tensor rewritten whole to its
+        new value on the engine's device and a host copy of its bits (flat). Nothing is validated
+        and the hash is stale until `commit`: never pass peer data here.
         """
         for t in sparse:
             self.state[t.name].bits.reshape(-1)[t.indices] = t.values
-        self._push(sparse)
         with torch.no_grad():
             for name, (on_device, host_bits) in dense.items():
                 self.params[name].copy_(on_device.view_as(self.params[name]))
@@ -480,6 +481,7 @@ class WeightSync:
                         copied.append(name)
                     else:
                         indices, values = extract_delta(engine_tensor, target)
+                        write_delta(engine_tensor, indices, values)  # where the diff ran; the host copy is for the mirror
                         sparse_found.append((name, indices, values.view(_BITS[values.dtype][0])))
                 host = to_host_all([t for _, indices, values in sparse_found for t in (indices, values)]
                                    + [target.reshape(-1).view(_BITS[target.dtype][0]) for _, target in dense_targets])
