@@ -30,7 +30,9 @@ host code (numpy, sha256) and need every base bit, so `EngineWeights` keeps a ho
 engine's bits (on the CPU it is the engine's own storage, no copy). Diffing runs on the device;
 the sparse indices and values cross to the host in one batched transfer (`to_host`), a decoded
 delta is applied and hash-checked on the mirror first, and only a verified delta is written to
-the device, again in one transfer (`to_device`). A rejected delta never touches the device.
+the device, again in one transfer (`to_device`). A rejected delta never touches the device. A node
+without followers writes its own changes on the device where the diff found them, and patches the
+mirror from the copy that came down.
 """
 
 from __future__ import annotations
