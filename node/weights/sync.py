@@ -314,16 +314,16 @@ class WeightSync:
     def engine_params(self) -> dict[str, torch.Tensor]:
         return self.engine.params
 
-    def _targets(self, names: Collection[str] | None = None) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
-        """(name, engine tensor, trainer cast on the engine's device) in groups of at most `_STAGE_BYTES`; every tensor,
-        or those in `names`.
+    def _targets(self, skip: Collection[str] = ()) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """(name, engine tensor, trainer cast on the engine's device) in groups of at most `_STAGE_BYTES`; every tensor
+        but those in `skip`.
 
         Staged in groups so a large model never holds a full second copy on its device. On a CPU a group's casts are
         views of one staging buffer that the next group overwrites: use them before asking for the next.
         """
         group: list[tuple[str, torch.Tensor]] = []
         size = 0
-        items = [(name, tensor) for name, tensor in self.engine.params.items() if names is None or name in names]
+        items = [(name, tensor) for name, tensor in self.engine.params.items() if name not in skip]
         for index, (name, engine_tensor) in enumerate(items):
             group.append((name, engine_tensor))
             size += engine_tensor.numel() * engine_tensor.element_size()
@@ -512,7 +512,7 @@ class WeightSync:
         """
         counts = []
         with torch.no_grad():
-            for group in self._targets(set(self.engine.params) - set(skip)):
+            for group in self._targets(set(skip)):
                 counts += [mismatch_count(engine_tensor, target) for _, engine_tensor, target in group]
         if not counts:
             return 0
