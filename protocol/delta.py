@@ -1,4 +1,4 @@
-"""Sparse indexed weight delta, wire format v3: near the entropy bound, chunked, hash-bound to its base.
+"""Sparse indexed weight delta, wire format v4: near the entropy bound, chunked, hash-bound to its base.
 
 A delta moves a model from `base_version` (whose weights hash to `base_hash`) to `version`
 (hashing to `result_hash`). Per tensor it lists the flat (row-major) positions that changed and
@@ -7,11 +7,14 @@ bit-exact. The coding is conditioned on the base weights (see `delta_codes`): po
 magnitude class, values relative to the base with tables chosen by the base exponent. So a
 delta only decodes against the exact weights it was made from: the base hash is checked first,
 and the weights hash of the result (`weights_hash.state_hash`) must equal `result_hash` after applying.
+Format 4 is format 3's layout with v2 weights hashes (`weights_hash`): a node of either version
+refuses the other's deltas by their format, naming the side that is older (a format-3 node of
+before this message says "upgrade hivespec"), not as a base mismatch.
 
 Wire form: a list of chunks, each a msgpack map that is one gossip body (under the 4 MiB
 message cap) and decodes on its own given the base:
 
-    {"format": 3, "base_version": int, "version": int, "base_hash": bin32, "result_hash": bin32,
+    {"format": 4, "base_version": int, "version": int, "base_hash": bin32, "result_hash": bin32,
      "chunk": int, "chunks": int,
      "position_table": bin, "position_symbols": bin,
      "value_contexts": [[dtype, exponent, reference | nil], ...], "value_tables": [bin, ...],
@@ -48,7 +51,7 @@ from .entropy import CodingError, FrequencyTable, rans_decode
 from .limits import DEFAULT_LIMITS, Limits
 from .verdict import Reason, Verdict
 
-DELTA_FORMAT_VERSION = 3
+DELTA_FORMAT_VERSION = 4  # 4: format 3 with v2 weights hashes
 HASH_BYTES = 32
 # Wire dtype name -> dtype of the bit patterns carried for it.
 VALUE_DTYPES: Mapping[str, np.dtype] = {
@@ -193,7 +196,9 @@ def _header(m: dict, limits: Limits) -> DeltaHeader:
     if isinstance(fmt, bool) or not isinstance(fmt, int):
         raise Reject(Reason.BAD_TYPE, f"format must be int, got {type(fmt).__name__}")
     if fmt != DELTA_FORMAT_VERSION:
-        raise Reject(Reason.BAD_VERSION, f"delta format {fmt}, this node reads {DELTA_FORMAT_VERSION}; upgrade hivespec")
+        older = "its sender runs an older hivespec" if fmt < DELTA_FORMAT_VERSION else "this node runs an older hivespec"
+        raise Reject(Reason.BAD_VERSION, f"delta format {fmt}, this node reads {DELTA_FORMAT_VERSION}: {older}; "
+                                         "a leader and its followers must run the same version")
     base_version = _int(m["base_version"], "base_version", limits)
     version = _int(m["version"], "version", limits)
     if version <= base_version:

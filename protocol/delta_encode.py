@@ -1,4 +1,4 @@
-"""Encoding a sparse weight delta into wire format v3 chunks (see `delta` for the format).
+"""Encoding a sparse weight delta into wire format v4 chunks (see `delta` for the format).
 
 Per tensor the encoder plans pieces (flat ranges under a chunk's byte and decode-work limits),
 codes each piece's positions per magnitude class and its values (`delta_codes`), then groups

@@ -9,8 +9,9 @@ Hashing each piece on its own lets the pieces go to every core (hashlib lets go 
 whole stream through one sha256 (v1) took 0.24 s of a GPU node's 0.37-0.46-s sync after each
 step for SmolLM2-135M's bfloat16 weights (269 MB) on its 16-core Xeon host, and 0.14 of 0.35 s
 on a 2-core AMD EPYC. A node hashes its engine weights after every sync that moved one: a leader
-and its followers must agree on this function, so the domain string names its version and a
-node running v1 rejects a v2 delta as a base mismatch.
+and its followers must agree on this function, so the domain string names its version, and the
+deltas bound by v2 hashes are delta format 4 (`delta.DELTA_FORMAT_VERSION`): a node of the v1 days
+refuses them by their format.
 
 Pure host code over `State` (the codec's view of a model); at most `WINDOW_BYTES` of bit patterns
 wait for a core at once, so a state materialised tensor by tensor (`sync._PatchedState`) stays one

@@ -1,4 +1,4 @@
-"""Delta wire format v3: bit-exact round trips (hypothesis), conditioning on the base, chunking, and every malformed delta rejected."""
+"""Delta wire format v4: bit-exact round trips (hypothesis), conditioning on the base, chunking, and every malformed delta rejected."""
 
 import dataclasses
 from math import lgamma, log
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hivespec.protocol.codec import pack
 from hivespec.protocol.delta import (
+    DELTA_FORMAT_VERSION,
     PolicyHead,
     TensorBits,
     TensorDelta,
@@ -235,6 +236,16 @@ def test_base_hash_and_local_model_mismatches():
     check(chunks, Reason.BAD_SHAPE, base=reshaped, base_hash=state_hash(base))
     retyped = dict(base, **{"embed.weight": TensorBits("float16", base["embed.weight"].bits)})
     check(chunks, Reason.BAD_DTYPE, base=retyped, base_hash=state_hash(base))
+
+
+def test_a_delta_of_another_format_names_the_side_that_is_older():
+    """Format 4 changed the weights hash (v2), not the layout: a format-3 delta would fail as a base mismatch."""
+    base, delta, _ = make()
+    [chunk] = encode_delta(delta, base)
+    for fmt, older in ((DELTA_FORMAT_VERSION - 1, "its sender runs an older"), (DELTA_FORMAT_VERSION + 1, "this node runs an older")):
+        verdict, out = decode_delta([mutate_chunk(chunk, lambda c: c.update(format=fmt))], base=base, base_hash=delta.base_hash)
+        assert out is None and verdict.reason is Reason.BAD_VERSION
+        assert older in verdict.detail and "same version" in verdict.detail
 
 
 def piece_edit(key, value, index=0):
