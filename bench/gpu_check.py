@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE))  # the bench folder only (swarm_harness); the repo
 
 from swarm_harness import SwarmNode, prepare_model, start_swarm
 
+from hivespec.kernels.host_transfer import synchronize
 from hivespec.node.model.loader import EMBEDDED_MODEL, configure_threads, load_model, load_tokenizer
 
 
@@ -57,10 +58,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="tokens per completion in the engine part (default 128, quick 32)")
     return parser.parse_args(argv)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _engine_dtype(device: torch.device) -> torch.dtype:
@@ -176,10 +173,10 @@ def _engine_rates(model, tokenizer, device: torch.device, prompts: list[list[int
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(_ENGINE_REPEATS):
         for name, run in runs.items():
-            _sync(device)
+            synchronize(device)
             started = time.perf_counter()
             tokens[name] = run()
-            _sync(device)
+            synchronize(device)
             best[name] = min(best[name], time.perf_counter() - started)
     native_rate, generate_rate = tokens["native"] / best["native"], tokens["generate"] / best["generate"]
     return {"native_tokens_per_s": round(native_rate, 1), "generate_tokens_per_s": round(generate_rate, 1),
@@ -235,10 +232,10 @@ def trainer_part(device: torch.device, model_name: str, quick: bool) -> dict:
     trainer.step(samples)
     times = []
     for _ in range(2 if quick else 4):
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         stats = trainer.step(samples)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return {"step_seconds": round(min(times), 4), "tokens": stats.tokens, "samples": len(samples),
             "autocast": str(autocast).replace("torch.", "") if autocast else None, "share_prompts": sharing.describe()}
@@ -266,18 +263,18 @@ def delta_part(device: torch.device, model_name: str) -> dict:
     best_extract = best_apply = float("inf")
     changed = 0
     for _ in range(3):
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         found = [extract_delta(base, new) for base, new in pairs]
-        _sync(device)
+        synchronize(device)
         best_extract = min(best_extract, time.perf_counter() - started)
         changed = sum(i.numel() for i, _ in found)
         scratch = [base.clone() for base, _ in pairs]
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         for target, (indices, values) in zip(scratch, found, strict=True):
             write_delta(target, indices, values)
-        _sync(device)
+        synchronize(device)
         best_apply = min(best_apply, time.perf_counter() - started)
     stats, _ = sync.sync(1)
     exact = sync.mismatched_elements() == 0 and sync.engine.mirror_mismatches() == 0

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from hivespec.kernels.host_transfer import synchronize
 from hivespec.node.model.attention import decide_shared_prompts
 from hivespec.node.model.loader import configure_threads, load_model
 from hivespec.node.model.precision import cpu_facts
@@ -45,10 +46,6 @@ def ways(device: torch.device) -> dict[str, tuple[bool, bool]]:
     on its device (RESULT's `node_shares_prompts`, at the large group): on a 2-core EPYC it does, on an H100 it did not."""
     return {"before": (False, False), "eager_only": (False, True), "now": (True, device.type == "cpu")}
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, completion_tokens: int, seed: int) -> list[TrainSample]:
@@ -119,10 +116,10 @@ def main() -> None:
         for repeat in range(repeats + 1):  # the first is a warm-up
             for way, trainer in trainers.items():  # interleaved: every way sees the machine as it is
                 batch = on_policy(trainer, draft)
-                _sync(device)
+                synchronize(device)
                 mark = time.perf_counter()
                 stats = trainer.step(batch)
-                _sync(device)
+                synchronize(device)
                 seconds = time.perf_counter() - mark
                 assert stats.optimizer_steps == 1 and stats.kept_tokens == tokens, "every token must be trained on"
                 key = f"{kind}_{way}_s"

@@ -152,6 +152,13 @@ def to_device(tensors: Sequence[Tensor], device: torch.device | str, *, bucket_b
     return _move(tensors, device, bucket_bytes, host=False)
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the kernels queued on `device` (nothing to wait for on a CPU): what a timing must do before it reads a clock."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _simulating() -> bool:
     """A strict guard is active: CPU-to-CPU moves copy too, as they would across a bus."""
     return any(guard.strict for guard in _GUARDS.get())

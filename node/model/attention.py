@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from hivespec.kernels.host_transfer import synchronize
 from hivespec.node.model.precision import MARGIN, PROMPT_TOKENS, ModelShape, cached_measurement, cpu_facts, decode_batch
 
 if TYPE_CHECKING:
@@ -203,8 +204,7 @@ def _backward_timer(small: torch.nn.Module, autocast_dtype: torch.dtype | None, 
             hidden = forward(backbone)
         hidden.float().square().mean().backward()
         small.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
 
     return _using(small, implementation, step)
 

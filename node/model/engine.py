@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from hivespec.kernels.host_transfer import to_host
+from hivespec.kernels.host_transfer import synchronize, to_host
 from hivespec.kernels.sampling import sample_tokens
 from hivespec.kernels.speculative import verify_drafts
 
@@ -600,8 +600,7 @@ class TorchEngine:
             logits = self._forward(ids[:, context:end], mask[:, :end], positions[:, context:end], cache, keep=width)
             rows = torch.arange(batch * width, device=self._device)
             sample_tokens(logits.reshape(batch * width, -1), seed=0, sample_ids=rows, positions=rows, temperature=1.0, top_p=1.0)
-            if self._device.type == "cuda":
-                torch.cuda.synchronize(self._device)
+            synchronize(self._device)
             seconds = time.perf_counter() - start
             cache.crop(-width)
             return seconds
