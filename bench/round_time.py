@@ -202,14 +202,14 @@ def kernel_comparison(args: argparse.Namespace, batch: int, threads: int) -> dic
     """Part 1, at the precision auto picks here; the parent frees the model before the swarms start."""
     from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
     from hivespec.node.model.loader import configure_threads, load_model
-    from hivespec.node.model.precision import decode_batch, resolve_precision, train_rows, weight_sample
+    from hivespec.node.model.precision import resolve_precision, train_rows, weight_sample
     from hivespec.node.training.trainer import TrainSample
 
     configure_threads(threads)
     model = load_model()
     plan = resolve_precision(  # what a demo node decides (the same cache entries)
         model.config, engine_dtype="auto", autocast="auto", train_dtype="float32", device="cpu",
-        batch=decode_batch(1, batch, batch), rows=train_rows(8, args.max_new_tokens), threads=threads,
+        batch=batch, rows=train_rows(8, args.max_new_tokens), threads=threads,
         new_tokens=args.max_new_tokens, sequences=batch, learning_rate=args.learning_rate, weights=weight_sample(model),
         model=model,
     )

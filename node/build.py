@@ -33,7 +33,6 @@ from hivespec.node.model.loader import configure_threads, load_model, load_token
 from hivespec.node.model.precision import (
     DTYPES,
     PrecisionPlan,
-    decode_batch,
     default_cache_path,
     follower_engine_dtype,
     resolve_precision,
@@ -247,7 +246,7 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
         autocast=model.autocast,
         train_dtype=model.train_dtype,
         device=model.device,
-        batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+        batch=rollout.decode_batch,
         rows=train_rows(config.train.micro_batch_size, rollout.max_completion_length),
         threads=threads,
         new_tokens=rollout.max_completion_length,

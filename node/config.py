@@ -218,6 +218,11 @@ class RolloutConfig(_Section):
     top_p: float = _help("nucleus sampling mass", 1.0, gt=0, le=1, note="1 = no nucleus cut")
     max_batch_size: int = _help("sequences decoded together", 16, ge=1)
 
+    @property
+    def decode_batch(self) -> int:
+        """The engine's real decode batch: a round's sequences, at most ``max_batch_size``."""
+        return min(self.prompts_per_round * self.num_generations, self.max_batch_size)
+
 
 @dataclass
 class TrainConfig(_Section):

@@ -143,7 +143,7 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
     WARN where an explicit setting is one this device runs slower than the alternative.
     """
     from hivespec.node.model.loader import load_model
-    from hivespec.node.model.precision import decode_batch, resolve_precision, train_rows, weight_sample
+    from hivespec.node.model.precision import resolve_precision, train_rows, weight_sample
 
     model, rollout = config.model, config.rollout
     threads = model.threads or max(1, os.cpu_count() or 1)
@@ -156,7 +156,7 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
     architecture, weights = loaded.config, weight_sample(loaded)
     settings = {
         "train_dtype": model.train_dtype, "device": model.device, "threads": threads,
-        "batch": decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+        "batch": rollout.decode_batch,
         "rows": train_rows(config.train.micro_batch_size, rollout.max_completion_length), "cache": cache,
         "new_tokens": rollout.max_completion_length, "sequences": rollout.prompts_per_round * rollout.num_generations,
         "learning_rate": config.train.learning_rate, "weights": weights, "publish": config.sync.publish,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from hivespec.kernels.host_transfer import synchronize
-from hivespec.node.model.precision import MARGIN, PROMPT_TOKENS, ModelShape, cached_measurement, cpu_facts, decode_batch
+from hivespec.node.model.precision import MARGIN, PROMPT_TOKENS, ModelShape, cached_measurement, cpu_facts
 
 if TYPE_CHECKING:
     from hivespec.node.config import NodeConfig
@@ -383,7 +383,7 @@ def resolve_attention(
     engine = None
     if model.engine == "native":
         engine = decide_engine(attention, engine_model, device=model.device, threads=threads, cache=cache,
-                               batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size),
+                               batch=rollout.decode_batch,
                                context=PROMPT_TOKENS + rollout.max_completion_length // 2)
     trainer = decide_trainer(attention, trainer_model, device=model.device, threads=threads, cache=cache, rows=micro_batch_size,
                              tokens=PROMPT_TOKENS + rollout.max_completion_length, autocast_dtype=autocast_dtype)

@@ -513,11 +513,6 @@ def decide_trainer(
     return PrecisionChoice("trainer", torch.bfloat16 if bf16 else None, "cached" if cached else "measured", reason)
 
 
-def decode_batch(prompts_per_round: int, num_generations: int, max_batch_size: int) -> int:
-    """The engine's real decode batch: a round's sequences, at most ``max_batch_size``."""
-    return max(1, min(prompts_per_round * num_generations, max_batch_size))
-
-
 def train_rows(micro_batch_size: int, max_completion_length: int, prompt_tokens: int = PROMPT_TOKENS) -> int:
     """Tokens of one training micro batch: sequences times a typical prompt plus the longest completion."""
     return max(1, micro_batch_size * (prompt_tokens + max_completion_length))
@@ -543,7 +538,7 @@ def resolve_precision(
 ) -> PrecisionPlan:
     """Decide both roles for a model (its transformers config) on ``device``; see the module docstring.
 
-    ``batch`` is the engine's decode batch (`decode_batch`), ``rows`` the tokens of a training
+    ``batch`` is the engine's decode batch (`RolloutConfig.decode_batch`), ``rows`` the tokens of a training
     micro batch (`train_rows`), ``threads`` torch's intra-op threads (default: the current
     setting). With ``new_tokens`` (max completion length), ``sequences`` (per round) and
     ``learning_rate`` the engine's choice weighs a round's decoding plus its weight sync, measured
@@ -572,7 +567,7 @@ def follower_engine_dtype(config: Any, model_config: Any) -> torch.dtype:
     model, rollout = config.model, config.rollout
     choice = decide_engine(
         model.engine_dtype, ModelShape.of(model_config), device=model.device, threads=torch.get_num_threads(),
-        batch=decode_batch(rollout.prompts_per_round, rollout.num_generations, rollout.max_batch_size), cache=default_cache_path(),
+        batch=rollout.decode_batch, cache=default_cache_path(),
     )
     if choice.source != "explicit":
         log.warning("follower engine %s (model.engine_dtype auto: %s); it must equal the leader's engine dtype: "

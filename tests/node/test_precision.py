@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivespec.node.config import ConfigError, load_config
+from hivespec.node.config import ConfigError, RolloutConfig, load_config
 from hivespec.node.model.loader import load_tokenizer, tiny_config
 from hivespec.node.model.precision import (
     MARGIN,
     ModelShape,
     cpu_facts,
-    decode_batch,
     measure_decode,
     measure_training,
     measurement_key,
@@ -193,7 +192,10 @@ def test_a_slow_bf16_prefill_outweighs_a_tied_decode_step(tiny, tmp_path):
 
 
 def test_sizes_the_node_measures_at():
-    assert decode_batch(4, 4, 16) == 16 and decode_batch(1, 4, 16) == 4 and decode_batch(4, 8, 16) == 16
+    def batch(prompts, generations, most):
+        return RolloutConfig(prompts_per_round=prompts, num_generations=generations, max_batch_size=most).decode_batch
+
+    assert batch(4, 4, 16) == 16 and batch(1, 4, 16) == 4 and batch(4, 8, 16) == 16
     assert train_rows(8, 48) == 8 * (64 + 48)
 
 
@@ -226,7 +228,7 @@ def test_doctor_warns_when_an_explicit_dtype_is_the_slower_one_here(tiny, tmp_pa
     config = load_config("tiny", overrides={"model.engine_dtype": "bfloat16", "model.autocast": "true",
                                             "model.threads": str(THREADS), "rollout.prompts_per_round": "4",
                                             "rollout.max_completion_length": "48"}, environ={})
-    batch, rows = decode_batch(4, 4, 16), train_rows(8, 48)
+    batch, rows = 16, train_rows(8, 48)
     _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=batch, rows=rows,
                 sync=(1.0, 1.0), learning_rate=config.train.learning_rate)
     check, attention = check_precision(config, cache=cache)
@@ -247,7 +249,7 @@ def test_doctor_warns_when_sharing_a_prompt_is_set_where_it_is_the_slower_way(ti
     cache = tmp_path / "precision.json"
     config = load_config("tiny", overrides={"train.share_prompts": "true", "model.threads": str(THREADS),
                                             "rollout.max_completion_length": "48"}, environ={})
-    _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=decode_batch(4, 4, 16), rows=train_rows(8, 48),
+    _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=16, rows=train_rows(8, 48),
                 learning_rate=config.train.learning_rate)
     data = json.loads(cache.read_text())
     rows = max(SHARED_PROMPT_MIN_SAMPLES, min(config.rollout.num_generations, config.train.micro_batch_size))

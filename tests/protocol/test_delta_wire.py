@@ -243,7 +243,7 @@ def test_a_delta_of_another_format_names_the_side_that_is_older():
     base, delta, _ = make()
     [chunk] = encode_delta(delta, base)
     for fmt, older in ((DELTA_FORMAT_VERSION - 1, "its sender runs an older"), (DELTA_FORMAT_VERSION + 1, "this node runs an older")):
-        verdict, out = decode_delta([mutate_chunk(chunk, lambda c: c.update(format=fmt))], base=base, base_hash=delta.base_hash)
+        verdict, out = decode_delta([mutate_chunk(chunk, lambda c, fmt=fmt: c.update(format=fmt))], base=base, base_hash=delta.base_hash)
         assert out is None and verdict.reason is Reason.BAD_VERSION
         assert older in verdict.detail and "same version" in verdict.detail
 
