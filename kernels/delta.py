@@ -70,11 +70,15 @@ def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
         raise ValueError(f"indices span [{first}, {last}] but target has {target.numel()} elements")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise ValueError("indices must be strictly ascending (sorted, no repeats), as extract_delta makes them")
-    return write_delta(target, indices, values)
+    with torch.no_grad():
+        previous = _bits(target)[indices].view(target.dtype)
+    write_delta(target, indices, values)
+    return previous
 
 
-def write_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
-    """`apply_delta` without reading the indices: shapes, dtypes and devices are checked, never the data.
+def write_delta(target: Tensor, indices: Tensor, values: Tensor) -> None:
+    """`apply_delta` without reading the indices, and without keeping what it overwrote: shapes, dtypes and
+    devices are checked, never the data.
 
     For indices already validated on the host (the delta decoder checks range and order before
     anything is written), so a write stays asynchronous on a GPU. Out-of-range indices raise
@@ -82,10 +86,7 @@ def write_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:
     """
     _check_write(target, indices, values)
     with torch.no_grad():
-        bits = _bits(target)
-        previous = bits[indices]
-        bits[indices] = _bits(values)
-    return previous.view(target.dtype)
+        _bits(target)[indices] = _bits(values)
 
 
 def _check_write(target: Tensor, indices: Tensor, values: Tensor) -> None:
