@@ -7,9 +7,9 @@ bit-exact. The coding is conditioned on the base weights (see `delta_codes`): po
 magnitude class, values relative to the base with tables chosen by the base exponent. So a
 delta only decodes against the exact weights it was made from: the base hash is checked first,
 and the weights hash of the result (`weights_hash.state_hash`) must equal `result_hash` after applying.
-Format 4 is format 3's layout with v2 weights hashes (`weights_hash`): a node of either version
-refuses the other's deltas by their format, naming the side that is older (a format-3 node of
-before this message says "upgrade hivespec"), not as a base mismatch.
+Format 4 is format 3's layout with v2 weights hashes (`weights_hash`), so nodes of the two versions
+refuse each other's deltas by their format, not as a base mismatch: a format-3 node says "upgrade
+hivespec", and this one names the side that is older.
 
 Wire form: a list of chunks, each a msgpack map that is one gossip body (under the 4 MiB
 message cap) and decodes on its own given the base:
