@@ -59,7 +59,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-
 def _engine_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the device computes in it (CUDA with bf16, the policy of node/model/loader.py), else float32."""
     if device.type == "cuda":

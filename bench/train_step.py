@@ -47,7 +47,6 @@ def ways(device: torch.device) -> dict[str, tuple[bool, bool]]:
     return {"before": (False, False), "eager_only": (False, True), "now": (True, device.type == "cpu")}
 
 
-
 def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, completion_tokens: int, seed: int) -> list[TrainSample]:
     """`size` completions of one random prompt, sampled from the model; rewards alternate so every sample has an advantage."""
     generator = torch.Generator().manual_seed(seed)
