@@ -27,6 +27,12 @@ Counted over each phase's steady window, which starts once every node has publis
                         the same has no advantage and trains nothing; shared, it also trains on foreign samples)
   fast_trained_per_min  the fast node's samples trained with a gradient (own and foreign) per minute, shared and apart:
                         what a step's extra training buys
+  fast_rate_at_solo_rollout  fast_rate_vs_solo had the shared steps generated as long as the solo ones: the apart
+                        step's mean seconds over the shared step's with its rollout replaced by the apart one's.
+                        Arithmetic from the two phases' means, not a run: the answers' length follows what each
+                        phase's policy learned (62 to 167 tokens a step in runs of the same code), and this takes it
+                        out of the ratio, leaving what sharing itself costs the node (its gossip, the foreign
+                        training, the syncs after it)
   foreign_age_s         age of the foreign samples the steps took (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
   foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples taken
@@ -127,6 +133,15 @@ def step_profile(steps: list[dict]) -> dict:
     return profile
 
 
+def rate_at_solo_rollout(profiles: dict[str, dict]) -> float | None:
+    """The fast node's shared/apart step rate had its shared steps rolled out as long as its apart ones (see the docstring)."""
+    shared, apart = profiles.get("shared"), profiles.get("apart")
+    if not shared or not apart:
+        return None
+    shared_at_solo_rollout = shared["round"] - shared["rollout"] + apart["rollout"]
+    return round(apart["round"] / shared_at_solo_rollout, 3) if shared_at_solo_rollout > 0 else None
+
+
 def trained_per_min(steps: list[dict], seconds: float) -> float:
     """Samples trained with a gradient (own and foreign) per minute of a phase's steady window."""
     return round(sum(e["trained_samples"] for e in steps) / (seconds / 60), 2) if seconds > 0 else 0.0
@@ -193,6 +208,7 @@ def main() -> int:
         "fast_steps_per_min": {"shared": round(rate_shared, 2), "apart": round(rate_apart, 2)},
         "fast_trained_per_min": {"shared": trained_per_min(steps["fast"], seconds),
                                  "apart": trained_per_min(apart_steps["fast"], apart_seconds)},
+        "fast_rate_at_solo_rollout": rate_at_solo_rollout(profiles),
         "fast_step": profiles,
         "steps": {name: len(s) for name, s in steps.items()},
         "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
