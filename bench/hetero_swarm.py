@@ -30,7 +30,7 @@ Counted over each phase's steady window, which starts once every node has publis
   fast_rate_at_solo_rollout  fast_rate_vs_solo had the shared steps generated as long as the solo ones: the apart
                         step's mean seconds over the shared step's with its rollout replaced by the apart one's.
                         Arithmetic from the two phases' means, not a run: the answers' length follows what each
-                        phase's policy learned (62 to 167 tokens a step in runs of the same code), and this takes it
+                        phase's policy learned (95 and 167 tokens a step in two runs of the same code), and this takes it
                         out of the ratio, leaving what sharing itself costs the node (its gossip, the foreign
                         training, the syncs after it)
   foreign_age_s         age of the foreign samples the steps took (s since their author signed them), median and p95
