@@ -104,7 +104,7 @@ def test_mix_is_balanced_informative_first_and_drops_stale_versions():
     )
     chosen = pool.select(round_index=6, own_count=6, policy_version=74, now=NOW)  # budget: 6 foreign samples
     assert sorted({p.rollout.prompt_id for p in chosen}) == ["a-mixed", "b-mixed", "c-other-round"]
-    assert [p.rollout.prompt_id for p in pool.pending] == ["a-flat", "a-flat"]
+    assert pool.pending == ()  # a-flat was never queued: this trainer does not run flat samples
 
 
 def test_fresher_groups_go_first():
@@ -138,13 +138,14 @@ def test_restore_reads_the_checkpointed_pool_and_what_was_journaled_after_it():
             for p in saved.pending]
     store.add_rollouts(rows)
     entries, mark = ForeignPool.entries(saved.pending), store.journal_high_water()
-    later = _pending("peer-b", "b", [0.0], round=4)[0]
-    store.add_rollouts([StoredRollout.from_rollout(later[2], author="peer-b", round=4, policy_version=9, own=False, received_at=2.0)])
+    later = _pending("peer-b", "b", [0.0, 1.0], round=4)
+    store.add_rollouts([StoredRollout.from_rollout(item[2], author="peer-b", round=4, policy_version=9, own=False, received_at=2.0)
+                        for item in later])
     restored = _pool([])
     restored.restore(entries, mark, store)
     store.close()
     assert [(p.author, p.round, p.rollout.prompt_id, p.rollout.reward) for p in restored.pending] == [
-        ("peer-a", 3, "a", 1.0), ("peer-a", 3, "a", 0.0), ("peer-b", 4, "b", 0.0)
+        ("peer-a", 3, "a", 1.0), ("peer-a", 3, "a", 0.0), ("peer-b", 4, "b", 0.0), ("peer-b", 4, "b", 1.0)
     ]
 
 
@@ -199,14 +200,33 @@ def test_an_informative_group_of_any_author_goes_before_a_flat_one():
     # informative group (it carries a gradient), and peer-a's flat one only fills a budget left over, for a
     # trainer that runs flat samples for their statistics (train.flat_sample_stats).
     for round_index in (0, 1):
-        pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0], age=5) + _pending("peer-b", "b-mixed", [1.0, 0.0], age=100), fraction=1 / 3)
+        pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0], age=5) + _pending("peer-b", "b-mixed", [1.0, 0.0], age=100), fraction=1 / 3,
+                     take_flat=True)
         chosen = pool.select(round_index=round_index, own_count=4, policy_version=74, now=NOW)  # budget 2: one group
         assert [p.rollout.prompt_id for p in chosen] == ["b-mixed", "b-mixed"]
     for take_flat, taken in ((True, ["b-mixed", "b-mixed", "a-flat", "a-flat"]), (False, ["b-mixed", "b-mixed"])):
         pool = _pool(_pending("peer-a", "a-flat", [0.0, 0.0]) + _pending("peer-b", "b-mixed", [1.0, 0.0]), take_flat=take_flat)
         chosen = pool.select(round_index=0, own_count=4, policy_version=74, now=NOW)  # budget 4: room for both groups
         assert [p.rollout.prompt_id for p in chosen] == taken
-    assert [p.rollout.prompt_id for p in pool.pending] == ["a-flat", "a-flat"]  # a trainer that does not run it leaves it
+    assert pool.pending == ()  # a trainer that does not run a flat group never queues it
+
+
+def test_a_flat_group_is_queued_only_for_a_trainer_that_runs_it():
+    flat, mixed = _pending("peer-a", "a-flat", [1.0, 1.0]), _pending("peer-a", "a-mixed", [1.0, 0.0])
+    for take_flat, queued in ((False, ["a-mixed"] * 2), (True, ["a-flat"] * 2 + ["a-mixed"] * 2)):
+        pool = _pool(flat + mixed, take_flat=take_flat)
+        assert [p.rollout.prompt_id for p in pool.pending] == queued
+        assert pool.room(own_count=8, policy_version=74, now=NOW) == 6  # only informative samples fill a step either way
+    # A restore (here: all of it journaled after the checkpoint) leaves flat groups out the same way.
+    store = RolloutStore(":memory:")
+    mark = store.journal_high_water()
+    store.add_rollouts([StoredRollout.from_rollout(rollout, author=author, round=round_index, policy_version=version, own=False,
+                                                   received_at=born) for author, round_index, rollout, version, born in flat + mixed])
+    for take_flat, queued in ((False, ["a-mixed"] * 2), (True, ["a-flat"] * 2 + ["a-mixed"] * 2)):
+        pool = _pool([], take_flat=take_flat)
+        pool.restore([], mark, store)
+        assert [p.rollout.prompt_id for p in pool.pending] == queued
+    store.close()
 
 
 @pytest.mark.parametrize(("fraction", "own", "budget"), [(0.5, 8, 8), (1 / 3, 4, 2), (1 / 3, 5, 2), (0.6, 8, 12), (0.2, 8, 2), (0.0, 8, 0)])
