@@ -1,7 +1,8 @@
 """The pool of admitted foreign rollouts waiting to be trained on, and which of them a step takes.
 
 Owns four moves: `admit` queues what intake accepted, with each rollout's GRPO advantage over
-its author's whole group (a group without a reward spread only where a step would take it: `take_flat`); `room` says how many informative samples the next step could still take
+its author's whole group (a group without a reward spread only where a step would take it:
+`take_flat`); `room` says how many informative samples the next step could still take
 (what the exchange fetches for, see `exchange.batches_to_fetch`); `select` takes a step's
 SAPO-style share (prompt groups, balanced over authors, informative and fresh first; a group
 larger than what is left of the budget gives its most informative samples, keeping their
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -83,15 +84,15 @@ class ForeignPool:
         rollouts = list(rollouts)
         advantages = group_advantages([r.reward for r in rollouts], [r.prompt_id for r in rollouts])
         queued = [PendingRollout(author, round_index, r, policy_version, born, a) for r, a in zip(rollouts, advantages, strict=True)]
-        self._pending.extend(self._takeable(queued, key=lambda p: p.rollout.prompt_id))
+        self._pending.extend(self._takeable(queued))
         return sum(1 for p in queued if p.informative)
 
-    def _takeable(self, items: list[PendingRollout], *, key: Callable[[PendingRollout], str]) -> list[PendingRollout]:
-        """`items` less the groups (by `key`) without an informative sample, unless a step takes those (`take_flat`)."""
+    def _takeable(self, items: list[PendingRollout]) -> list[PendingRollout]:
+        """`items` less the groups (`_group`) without an informative sample, unless a step takes those (`take_flat`)."""
         if self.take_flat:
             return items
-        informative = {key(p) for p in items if p.informative}
-        return [p for p in items if key(p) in informative]
+        informative = {_group(p) for p in items if p.informative}
+        return [p for p in items if _group(p) in informative]
 
     def budget(self, own_count: int) -> int:
         """Foreign samples a step of `own_count` own ones takes at most (`foreign_fraction` of the step)."""
@@ -189,10 +190,15 @@ class ForeignPool:
                 pending.append(PendingRollout(row.author, row.round, rollout, row.policy_version, row.received_at))
                 saved_advantage.append(None)
         # Advantages not in the checkpoint: over each author's group of the prompt as restored.
-        computed = group_advantages([p.rollout.reward for p in pending], [f"{p.author}/{p.rollout.prompt_id}" for p in pending])
+        computed = group_advantages([p.rollout.reward for p in pending], [_group(p) for p in pending])
         for item, saved, fresh in zip(pending, saved_advantage, computed, strict=True):
             item.advantage = float(saved) if saved is not None else fresh
-        self._pending = self._takeable(pending, key=lambda p: f"{p.author}/{p.rollout.prompt_id}")
+        self._pending = self._takeable(pending)
+
+
+def _group(item: PendingRollout) -> str:
+    """The GRPO group a pending rollout belongs to: its author's prompt."""
+    return f"{item.author}/{item.rollout.prompt_id}"
 
 
 def _informative_group(items: Sequence[PendingRollout]) -> bool:
