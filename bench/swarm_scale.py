@@ -61,7 +61,8 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
   k_fill                     batches fetched per step / K: below 1 where fewer than K fresh unfetched batches existed
                              (a fast node in a small swarm of slow ones); k_fill_ceiling what it could have been with
                              every batch the others published in sight (each node replayed step by step: K a step, one
-                             an author, each batch once, oldest first): the swarm's supply, the floor of flat_bodies
+                             an author and then further ones, each batch once, oldest first): the swarm's supply,
+                             the floor of flat_bodies
 
     python bench/swarm_scale.py            # N = 8 16 32 64 loopback + N = 16 shaped
     python bench/swarm_scale.py --quick    # N = 8 16 loopback
@@ -757,9 +758,10 @@ def _fill_ceiling(nodes: list[dict], measure_from: float, until: float) -> float
     """What k_fill could have been with every batch of the swarm in sight: its supply bound.
 
     Each node is replayed step by step against every batch the others published (stored before the step began and
-    younger than MAX_AGE_S), taking K a step, one an author, each batch once, oldest first (the order that leaves the
-    most for later steps). Below 1, the swarm made fewer fresh batches than its fast nodes asked for; k_fill below
-    the ceiling is what the index and the sampling left on the table.
+    younger than MAX_AGE_S), taking K a step as the sampling does (one an author, then authors' further batches where
+    that leaves slots), each batch once, oldest first (the order that leaves the most for later steps). Below 1, the
+    swarm made fewer fresh batches than its fast nodes asked for; k_fill below the ceiling is what the index and the
+    sampling left on the table.
     """
     published = sorted((s["t"] + s["publish_s"], s["t"], node["index"], seq)
                        for node in nodes for seq, s in enumerate(node["steps"], 1))
@@ -769,14 +771,16 @@ def _fill_ceiling(nodes: list[dict], measure_from: float, until: float) -> float
         taken: set[tuple[int, int]] = set()
         for step in node["steps"]:
             t = step["t"]
-            oldest: dict[int, tuple[float, int]] = {}  # author -> (born, seq) of the oldest batch of theirs we could take
+            seen: set[int] = set()
+            first, further = [], []  # (born, author, seq): each author's oldest batch we could take, and the rest
             for landed, born, author, seq in published[bisect.bisect_left(landings, t - MAX_AGE_S):]:
                 if landed >= t:
                     break
-                if author != node["index"] and t - born <= MAX_AGE_S and (author, seq) not in taken and author not in oldest:
-                    oldest[author] = (born, seq)
-            chosen = sorted(oldest.items(), key=lambda pair: pair[1])[:K]
-            taken.update((author, seq) for author, (_, seq) in chosen)
+                if author != node["index"] and t - born <= MAX_AGE_S and (author, seq) not in taken:
+                    (further if author in seen else first).append((born, author, seq))
+                    seen.add(author)
+            chosen = (sorted(first) + sorted(further))[:K]
+            taken.update((author, seq) for _, author, seq in chosen)
             if measure_from <= t < until:
                 windowed += 1
                 possible += len(chosen)

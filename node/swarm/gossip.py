@@ -385,8 +385,8 @@ class Gossip:
     ) -> list[Fetched]:
         """Fetch up to `k` fresh batches we have not fetched before, chosen from the index (`RolloutGossip.sample`).
 
-        At most `swarm.max_batches_per_peer` per author; only batches younger than `max_age_s`
-        whose policy version `version_ok` accepts. Returns what arrived within `timeout`.
+        At most `swarm.max_batches_per_peer` per author while other authors have fresh batches left; only batches
+        younger than `max_age_s` whose policy version `version_ok` accepts. Returns what arrived within `timeout`.
         """
         self._require_started()
         return self._call(self.rollouts.sample(k, max_age_s, timeout, version_ok), timeout + _GRACE_S)

@@ -43,7 +43,9 @@ first l bits of sha256(its peer id).
   fetched, young enough, a policy version we accept), at most `per_author` from one author, drawn
   without replacement with weight level_weight(l) x trust x freshness, where trust mixes the author's peer
   score with a floor of `explore` (a newcomer with no score is still drawn, so every honest peer
-  gets heard over time, and a few loud identities cannot crowd out the rest).
+  gets heard over time, and a few loud identities cannot crowd out the rest). Slots the quota leaves
+  empty, where fewer than K authors have a fresh batch (a small swarm), go to authors' further batches
+  in the same draw's order: with no other author left there is nobody to crowd out.
 
 Pure functions over plain data (`first_open` over the reads it is given): `rollouts.py` does the DHT reads and
 writes, `fetching.py` the downloads.
@@ -251,7 +253,8 @@ def choose_claims(
     rng: random.Random,
     version_ok: Callable[[int], bool] | None = None,
 ) -> list[Candidate]:
-    """Up to `k` candidates, at most `per_author` each, drawn without replacement (see the module docstring).
+    """Up to `k` candidates drawn without replacement: at most `per_author` of one author, then, where that leaves
+    slots empty, authors' further claims in the draw's order (see the module docstring).
 
     `trust(author)` is in [0, 1] (0.5 for a peer we never heard from); a candidate older than
     `max_age_s`, born in the future by more than a bucket's slack, or whose version `version_ok`
@@ -270,16 +273,19 @@ def choose_claims(
         keyed.append((math.log(rng.random() or 1e-300) / weight, candidate))
     keyed.sort(key=lambda pair: pair[0], reverse=True)
     chosen: list[Candidate] = []
+    beyond_quota: list[Candidate] = []
     taken: dict[str, int] = {}
     for _, candidate in keyed:
         author = candidate.item.author
         if taken.get(author, 0) >= per_author:
+            beyond_quota.append(candidate)
             continue
         taken[author] = taken.get(author, 0) + 1
         chosen.append(candidate)
         if len(chosen) >= k:
-            break
-    return chosen
+            return chosen
+    # Every author with a fresh batch has its quota and K is not reached: nobody is left to crowd out.
+    return chosen + beyond_quota[:k - len(chosen)]
 
 
 def trust_from_score(score: float) -> float:

@@ -17,7 +17,8 @@ our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.h
   walk of the swarm (the previous bucket too where the current offers fewer than 2K batches: a
   small swarm, or a bucket's first seconds),
   then at most K fresh batches by peer score with exploration (`index.choose_claims`), at most
-  `max_batches_per_peer` per author, among those some holder can serve us (`Fetcher.fetchable`),
+  `max_batches_per_peer` per author (then further ones for slots that leaves empty), among those some
+  holder can serve us (`Fetcher.fetchable`),
   each fetched from any of its holders.
 - **Relaying** (`relay`): a fetched batch signed by its announced author joins our record, so any
   holder serves it and the author's upload stays bounded as its readers spread it.

@@ -77,15 +77,18 @@ def test_a_step_fetches_what_the_pool_has_room_for(swarm: list[Gossip]) -> None:
         exchanges[author].publish(author, round_index=seed // 2, rollouts=_group(tasks, tokenizer, seed), policy_version=seed // 2)
     ours = exchanges[reader]
     assert ours.collect(reader, 0, 0, need=0) == [] and reader.stats()["bodies_fetched"] == 0  # room for nothing: no download
-    # Nothing fetched yet, so the yield per batch is unknown: up to K (one a step from each of the two authors).
+    # Nothing fetched yet, so the yield per batch is unknown: up to K = 4 (one of each author's, then a second of each:
+    # with two authors in sight nobody is crowded out).
     first = ours.collect(reader, 0, 0, need=ours.pool.room(own_count=4, policy_version=0))
-    assert [a.outcome for a in first] == ["accept", "accept"] and ours.informative_per_batch == 2.0
-    assert ours.pool.room(own_count=4, policy_version=0) == 0  # 4 informative samples pending fill a step of 4 own
+    assert [a.outcome for a in first] == ["accept"] * 4 and ours.informative_per_batch == 2.0
+    assert ours.pool.room(own_count=4, policy_version=0) == 0  # 8 informative samples pending fill a step of 4 own
     assert ours.collect(reader, 1, 0, need=ours.pool.room(own_count=4, policy_version=0)) == []
-    # Room for 2 more at 2 a batch: one batch, though each author has one more to give.
-    ours.pool.select(1, own_count=2, policy_version=0)  # a step of 2 own samples took 2 foreign ones
+    # Room for 2 more at 2 a batch: one batch, though each author has a new one to give.
+    for seed, author in enumerate(authors, start=4):
+        exchanges[author].publish(author, round_index=2, rollouts=_group(tasks, tokenizer, seed), policy_version=2)
+    ours.pool.select(1, own_count=6, policy_version=0)  # a step of 6 own samples took 6 foreign ones
     assert ours.pool.room(own_count=4, policy_version=0) == 2
     second = ours.collect(reader, 1, 0, need=2)
-    assert len(second) == 1 and second[0].outcome == "accept" and reader.stats()["bodies_fetched"] == 3
+    assert len(second) == 1 and second[0].outcome == "accept" and reader.stats()["bodies_fetched"] == 5
     # need=None (or a swarm that waits for expected_peers) fetches up to K, as before: the last batch.
-    assert len(ours.collect(reader, 2, 0)) == 1 and reader.stats()["bodies_fetched"] == 4
+    assert len(ours.collect(reader, 2, 0)) == 1 and reader.stats()["bodies_fetched"] == 6

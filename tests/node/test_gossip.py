@@ -113,27 +113,29 @@ def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
 
 
 def test_rollouts_are_found_by_recency_and_sampled_at_most_k_and_one_per_author(swarm: list[Gossip]) -> None:
-    """No round numbers: each author's newest batches are in the current bucket's index; a step takes at most K."""
+    """No round numbers: each author's newest batches are in the current bucket's index; a step takes at most K,
+    one an author while another author has a batch left, and never a batch fetched before."""
     author, other, reader = swarm
     batches = {}
     for node in (author, other):
-        for version in (3, 4):  # two batches each: the reader takes one per author per step
+        for version in (3, 4):  # two batches each
             body = seal(node.identity, Kind.ROLLOUTS, version, os.urandom(20_000))
             node.publish_rollouts(body, version=version)
             batches[hashlib.sha256(body).digest()] = (node.identity.peer_id, version, body)
-    first = reader.sample_rollouts(k=4, max_age_s=120, timeout=20)
+    first = reader.sample_rollouts(k=2, max_age_s=120, timeout=20)
     assert sorted(f.author_peer_id for f in first) == sorted([author.identity.peer_id, other.identity.peer_id])
     for f in first:
         assert batches[f.sha256] == (f.author_peer_id, f.version, f.body) and time.time() - f.born < 60
-    second = reader.sample_rollouts(k=1, max_age_s=120, timeout=20)  # K = 1: one more, never one fetched before
-    assert len(second) == 1 and second[0].sha256 not in {f.sha256 for f in first}
     # A version window and an age limit the reader can tell from the index cost no download at all.
     fetched = reader.stats()["bodies_fetched"]
     assert reader.sample_rollouts(k=4, max_age_s=120, timeout=10, version_ok=lambda v: v > 4) == []
     assert reader.sample_rollouts(k=4, max_age_s=1e-3, timeout=10) == []
     assert reader.stats()["bodies_fetched"] == fetched
-    last = reader.sample_rollouts(k=4, max_age_s=120, timeout=20)
-    assert len(last) == 1 and len({f.sha256 for f in first + second + last}) == 4
+    # K = 4 with one batch left per author: both, the quota filled and nobody else to leave room for.
+    rest = reader.sample_rollouts(k=4, max_age_s=120, timeout=20)
+    assert sorted(f.author_peer_id for f in rest) == sorted([author.identity.peer_id, other.identity.peer_id])
+    assert len({f.sha256 for f in first + rest}) == 4
+    assert reader.sample_rollouts(k=4, max_age_s=120, timeout=10) == []
 
 
 def _settle_in_bucket(node: Gossip, *, settled: float | None = None) -> None:
