@@ -283,7 +283,7 @@ class LightNode:
             before = self.gossip.stats().get("sample_chosen", 0)
             clock = time.monotonic()
             try:
-                fetched = self.gossip.sample_rollouts(k=K, max_age_s=MAX_AGE_S, timeout=STEP_TIMEOUT_S)
+                fetched = self.gossip.sample_rollouts(k=K, max_age_s=MAX_AGE_S, timeout=STEP_TIMEOUT_S, fill=True)
             except GossipError as exc:
                 self.errors[f"sample: {str(exc)[:80]}"] += 1
                 fetched = []

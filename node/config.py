@@ -310,7 +310,8 @@ class SwarmConfig(_Section):
         "(bounds a node's download and verification work, whatever the swarm's size)", 4, ge=1)
     max_batches_per_peer: int = _help(
         "batches a step takes from one author at most while other authors have fresh ones (a few loud peers cannot "
-        "crowd out the rest); slots of K that leaves empty go to authors' further batches", 1, ge=1)
+        "crowd out the rest); slots of K that leaves empty go to authors' further batches, except in a step that waits "
+        "for expected_peers (an author's second batch is the one its next step waits for)", 1, ge=1)
     index_bucket_s: float = _help(
         "seconds per index bucket: announcements are found by recency (the current and previous buckets' keys), "
         "never by round number", 30.0, gt=0)

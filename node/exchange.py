@@ -127,6 +127,8 @@ class RoundExchange:
                 self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' new batches, {left:.0f}s left")
             fetched = gossip.sample_rollouts(
                 k=budget, max_age_s=self.intake.staleness_seconds, version_ok=self.intake.version_window(policy_version),
+                # A step that waits for each peer's next batch takes one an author: a second would be the next step's.
+                fill=not swarm.expected_peers,
                 # short while waiting: a stop is seen within a second or two
                 timeout=min(swarm.request_timeout, max(1.0, left)) if swarm.expected_peers else swarm.request_timeout,
             )

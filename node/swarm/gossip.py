@@ -381,15 +381,16 @@ class Gossip:
         self._call(self.rollouts.publish(item, wire), self.request_timeout * 3 + _GRACE_S)
 
     def sample_rollouts(
-        self, *, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None = None
+        self, *, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None = None, fill: bool = False,
     ) -> list[Fetched]:
         """Fetch up to `k` fresh batches we have not fetched before, chosen from the index (`RolloutGossip.sample`).
 
-        At most `swarm.max_batches_per_peer` per author while other authors have fresh batches left; only batches
-        younger than `max_age_s` whose policy version `version_ok` accepts. Returns what arrived within `timeout`.
+        At most `swarm.max_batches_per_peer` per author (with `fill`, authors' further batches take the slots that
+        leaves empty); only batches younger than `max_age_s` whose policy version `version_ok` accepts. Returns what
+        arrived within `timeout`.
         """
         self._require_started()
-        return self._call(self.rollouts.sample(k, max_age_s, timeout, version_ok), timeout + _GRACE_S)
+        return self._call(self.rollouts.sample(k, max_age_s, timeout, version_ok, fill=fill), timeout + _GRACE_S)
 
     # ----- slots: the weight topics (slots.py) -----------------------------------------------
 

@@ -43,9 +43,11 @@ first l bits of sha256(its peer id).
   fetched, young enough, a policy version we accept), at most `per_author` from one author, drawn
   without replacement with weight level_weight(l) x trust x freshness, where trust mixes the author's peer
   score with a floor of `explore` (a newcomer with no score is still drawn, so every honest peer
-  gets heard over time, and a few loud identities cannot crowd out the rest). Slots the quota leaves
-  empty, where fewer than K authors have a fresh batch (a small swarm), go to authors' further batches
-  in the same draw's order: with no other author left there is nobody to crowd out.
+  gets heard over time, and a few loud identities cannot crowd out the rest). With `fill`, slots the
+  quota leaves empty, where fewer than K authors have a fresh batch (a small swarm), go to authors'
+  further batches in the same draw's order: with no other author left there is nobody to crowd out. A
+  step that waits for each peer's next batch (`swarm.expected_peers`) leaves it off: an author's
+  second batch would be the one its next step waits for.
 
 Pure functions over plain data (`first_open` over the reads it is given): `rollouts.py` does the DHT reads and
 writes, `fetching.py` the downloads.
@@ -252,9 +254,10 @@ def choose_claims(
     explore: float,
     rng: random.Random,
     version_ok: Callable[[int], bool] | None = None,
+    fill: bool = False,
 ) -> list[Candidate]:
-    """Up to `k` candidates drawn without replacement: at most `per_author` of one author, then, where that leaves
-    slots empty, authors' further claims in the draw's order (see the module docstring).
+    """Up to `k` candidates drawn without replacement, at most `per_author` of one author; with `fill`, where that
+    leaves slots empty, authors' further claims in the draw's order (see the module docstring).
 
     `trust(author)` is in [0, 1] (0.5 for a peer we never heard from); a candidate older than
     `max_age_s`, born in the future by more than a bucket's slack, or whose version `version_ok`
@@ -284,8 +287,9 @@ def choose_claims(
         chosen.append(candidate)
         if len(chosen) >= k:
             return chosen
-    # Every author with a fresh batch has its quota and K is not reached: nobody is left to crowd out.
-    return chosen + beyond_quota[:k - len(chosen)]
+    if fill:  # every author with a fresh batch has its quota and K is not reached: nobody is left to crowd out
+        chosen += beyond_quota[:k - len(chosen)]
+    return chosen
 
 
 def trust_from_score(score: float) -> float:

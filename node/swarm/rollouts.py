@@ -17,8 +17,8 @@ our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.h
   walk of the swarm (the previous bucket too where the current offers fewer than 2K batches: a
   small swarm, or a bucket's first seconds),
   then at most K fresh batches by peer score with exploration (`index.choose_claims`), at most
-  `max_batches_per_peer` per author (then further ones for slots that leaves empty), among those some
-  holder can serve us (`Fetcher.fetchable`),
+  `max_batches_per_peer` per author (with `fill`, then further ones for slots that leaves empty), among
+  those some holder can serve us (`Fetcher.fetchable`),
   each fetched from any of its holders.
 - **Relaying** (`relay`): a fetched batch signed by its announced author joins our record, so any
   holder serves it and the author's upload stays bounded as its readers spread it.
@@ -168,8 +168,11 @@ class RolloutGossip(Machinery):
 
     # ----- theirs ----------------------------------------------------------------------------
 
-    async def sample(self, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None) -> list[Fetched]:
-        """Fetch up to `k` fresh batches we have not fetched before, chosen from the index; what arrived within `timeout`."""
+    async def sample(self, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None, *,
+                     fill: bool = False) -> list[Fetched]:
+        """Fetch up to `k` fresh batches we have not fetched before, chosen from the index; what arrived within `timeout`.
+
+        `fill`: see `index.choose_claims`."""
         deadline = time.monotonic() + timeout
         now = time.time()
         bucket = bucket_of(now, self.config.index_bucket_s)
@@ -187,7 +190,7 @@ class RolloutGossip(Machinery):
         chosen = choose_claims(
             fetchable, k=k, per_author=self.config.max_batches_per_peer, now=now, max_age_s=max_age_s,
             trust=(lambda author: trust_from_score(peers.score(author))) if peers is not None else (lambda _author: 0.5),
-            explore=_EXPLORE, rng=self._rng, version_ok=version_ok,
+            explore=_EXPLORE, rng=self._rng, version_ok=version_ok, fill=fill,
         )
         self.stats["sample_candidates"] += len(candidates)
         self.stats["sample_chosen"] += len(chosen)

@@ -92,3 +92,19 @@ def test_a_step_fetches_what_the_pool_has_room_for(swarm: list[Gossip]) -> None:
     assert len(second) == 1 and second[0].outcome == "accept" and reader.stats()["bodies_fetched"] == 5
     # need=None (or a swarm that waits for expected_peers) fetches up to K, as before: the last batch.
     assert len(ours.collect(reader, 2, 0)) == 1 and reader.stats()["bodies_fetched"] == 6
+
+
+def test_a_step_that_waits_for_its_peers_takes_one_batch_an_author(swarm: list[Gossip]) -> None:
+    """With `swarm.expected_peers` a step waits for each peer's next batch; an author's second batch is the one the next
+    step waits for, so a step takes one an author even with K to spare (the demo's equal nodes, one running ahead)."""
+    tokenizer, tasks = load_tokenizer("smollm2-135m-instruct"), TaskSource()
+    *authors, reader = swarm
+    waiting = SwarmConfig(swarm="test-exchange", request_timeout=5.0, expected_peers=2, round_timeout=20.0)
+    exchanges = {node: _exchange(node.identity, tasks, tokenizer, waiting) for node in swarm}
+    for seed, author in enumerate(authors * 2, start=10):  # two new batches each: the author ran a step ahead
+        exchanges[author].publish(author, round_index=seed // 2, rollouts=_group(tasks, tokenizer, seed), policy_version=5)
+    ours = exchanges[reader]
+    for step in (5, 6):  # each step one of each author's, whatever room the pool has
+        admissions = ours.collect(reader, step, 5)
+        assert sorted(a.author for a in admissions) == sorted(a.identity.peer_id for a in authors)
+        assert all(a.outcome == "accept" for a in admissions)

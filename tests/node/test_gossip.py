@@ -114,7 +114,7 @@ def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
 
 def test_rollouts_are_found_by_recency_and_sampled_at_most_k_and_one_per_author(swarm: list[Gossip]) -> None:
     """No round numbers: each author's newest batches are in the current bucket's index; a step takes at most K,
-    one an author while another author has a batch left, and never a batch fetched before."""
+    one an author (with `fill`, further ones where no other author has a batch left), never one fetched before."""
     author, other, reader = swarm
     batches = {}
     for node in (author, other):
@@ -122,7 +122,7 @@ def test_rollouts_are_found_by_recency_and_sampled_at_most_k_and_one_per_author(
             body = seal(node.identity, Kind.ROLLOUTS, version, os.urandom(20_000))
             node.publish_rollouts(body, version=version)
             batches[hashlib.sha256(body).digest()] = (node.identity.peer_id, version, body)
-    first = reader.sample_rollouts(k=2, max_age_s=120, timeout=20)
+    first = reader.sample_rollouts(k=4, max_age_s=120, timeout=20)  # without fill: one an author, whatever K
     assert sorted(f.author_peer_id for f in first) == sorted([author.identity.peer_id, other.identity.peer_id])
     for f in first:
         assert batches[f.sha256] == (f.author_peer_id, f.version, f.body) and time.time() - f.born < 60
@@ -131,11 +131,11 @@ def test_rollouts_are_found_by_recency_and_sampled_at_most_k_and_one_per_author(
     assert reader.sample_rollouts(k=4, max_age_s=120, timeout=10, version_ok=lambda v: v > 4) == []
     assert reader.sample_rollouts(k=4, max_age_s=1e-3, timeout=10) == []
     assert reader.stats()["bodies_fetched"] == fetched
-    # K = 4 with one batch left per author: both, the quota filled and nobody else to leave room for.
-    rest = reader.sample_rollouts(k=4, max_age_s=120, timeout=20)
+    # With fill, K = 4 and one batch left per author: both, the quota filled and nobody else to leave room for.
+    rest = reader.sample_rollouts(k=4, max_age_s=120, timeout=20, fill=True)
     assert sorted(f.author_peer_id for f in rest) == sorted([author.identity.peer_id, other.identity.peer_id])
     assert len({f.sha256 for f in first + rest}) == 4
-    assert reader.sample_rollouts(k=4, max_age_s=120, timeout=10) == []
+    assert reader.sample_rollouts(k=4, max_age_s=120, timeout=10, fill=True) == []
 
 
 def _settle_in_bucket(node: Gossip, *, settled: float | None = None) -> None:

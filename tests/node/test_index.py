@@ -275,19 +275,21 @@ def test_choose_claims_keeps_the_per_author_quota_and_skips_what_is_too_old() ->
 
 
 def test_choose_claims_fills_k_from_authors_further_batches_only_when_no_other_author_is_left() -> None:
-    """A small swarm: two authors with three fresh batches each. K = 2 takes one of each; K = 4 takes one of each
-    and two more from whoever the draw favours; K = 8 takes all six (and never the stale one)."""
+    """A small swarm: two authors with three fresh batches each. With `fill`, K = 2 takes one of each; K = 4 takes one
+    of each and two more from whoever the draw favours; K = 8 takes all six (and never the stale one). Without it
+    (a step waiting for each peer's next batch), one of each whatever K."""
     now = 1_000.0
     claims = [Candidate(AnnouncedBody(author, bytes([n, i]) * 16, 100, now - 1 - i, 1))
               for n, author in enumerate(("a", "b")) for i in range(3)]
     claims.append(Candidate(AnnouncedBody("c", bytes([9]) * 32, 100, now - 500, 1)))
 
-    def draw(k: int, seed: int) -> list[str]:
+    def draw(k: int, seed: int, fill: bool = True) -> list[str]:
         return [c.item.author for c in choose_claims(claims, k=k, per_author=1, now=now, max_age_s=240,
-                                                     trust=lambda _a: 0.5, explore=0.25, rng=random.Random(seed))]
+                                                     trust=lambda _a: 0.5, explore=0.25, rng=random.Random(seed), fill=fill)]
 
     for seed in range(20):
         assert sorted(draw(2, seed)) == ["a", "b"]
         four = draw(4, seed)
         assert len(four) == 4 and sorted(four[:2]) == ["a", "b"]  # the quota's picks first
         assert sorted(draw(8, seed)) == ["a"] * 3 + ["b"] * 3
+        assert sorted(draw(8, seed, fill=False)) == ["a", "b"]
