@@ -121,7 +121,7 @@ class RoundExchange:
         interval = _POLL_MIN_S
         while True:
             if self.check is not None:
-                self.check("waiting for peers' new batches")
+                self.check("waiting for peers' new batches" if swarm.expected_peers else "fetching peers' batches")
             left = max(0.0, deadline - time.monotonic())
             if self.progress is not None and swarm.expected_peers:
                 self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' new batches, {left:.0f}s left")

@@ -248,8 +248,11 @@ class Node:
         try:
             self.exchange.publish(self.gossip, round_index, own, self.trainer.version)
             self._calibrate()
-            self.progress.phase("waiting for peers", f"round {round_index}")
             need = self.pool.room(len(own), self.trainer.version, now=time.time())
+            if self.config.swarm.expected_peers:
+                self.progress.phase("waiting for peers", f"round {round_index}")
+            else:  # a public node waits for nobody: it fetches what its next step has room for, if anything
+                self.progress.phase("fetching peers' batches", f"round {round_index}: room for {need} foreign samples")
             admissions = self.exchange.collect(self.gossip, round_index, self.trainer.version, need=need)
         except GossipError as exc:  # the supervisor rebuilds gossip at the next round; train solo now
             log.error("round %d: gossip failed (%s); training on own rollouts this round", round_index, exc)

@@ -85,6 +85,10 @@ def test_sigterm_while_waiting_for_peers_stops_within_seconds_saves_and_resumes(
     assert "resumed from" in (home / "node.log").read_text()
     rounds = [e["round"] for e in _events(events) if e["event"] == "round"]
     assert rounds == [0, 1, 2]
+    # Resumed without expected_peers, it waits for nobody, and its phase says what it does instead.
+    resumed = [e for e in _events(events) if e["event"] == "phase" and e["detail"].startswith("round 2")]
+    assert {"fetching peers' batches", "training"} <= {e["phase"] for e in resumed}, resumed
+    assert "waiting for peers" not in {e["phase"] for e in resumed}, resumed
 
 
 @pytest.mark.slow  # ~40-90 s: a demo of two tiny nodes
