@@ -6,6 +6,8 @@ bench/base_rates.py), with the same per-node seeds, so each node draws the same 
 makes the same number of rollouts per round in both:
 - shared: one swarm; every node waits for the others' batches each round (expected_peers N-1)
   and trains on its own rollouts plus admitted foreign ones, SAPO-style (train.foreign_fraction);
+  with --no-wait it waits for nobody (expected_peers 0, the public preset's rule: a step fetches what
+  its pool has room for, from what its peers published lately, and trains on what it has);
 - solo: every node in a swarm of its own (no peers, nothing to wait for), foreign_fraction 0.
 A share of the questions (tasks.heldout_fraction, split by a hash of the question text) is never
 drawn for training; after the last round every node's checkpoint is scored on the same held-out
@@ -83,6 +85,7 @@ class Settings:
     foreign_fraction: float
     heldout_fraction: float
     engine_dtype: str
+    wait: bool = True  # the shared condition's steps wait for every peer's new batch (expected_peers N-1)
 
 
 class BenchNode(SwarmNode):
@@ -111,7 +114,7 @@ def node_sets(
         f"model.engine_dtype={engine_dtype}",
         f"speculation.enabled={'true' if speculation else 'false'}",
         f"swarm.swarm={'svs-shared' if shared else f'svs-solo-{index}'}",
-        f"swarm.expected_peers={s.nodes - 1 if shared else 0}",
+        f"swarm.expected_peers={s.nodes - 1 if shared and s.wait else 0}",
         "swarm.bootstrap_timeout=0" if not shared or index == 0 else "swarm.bootstrap_timeout=20",
         "swarm.round_timeout=600",
         "status.enabled=false",
@@ -342,6 +345,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the demo preset's completion cap")
     parser.add_argument("--lr", type=float, default=2.0e-5, help="learning rate (the demo preset's)")
     parser.add_argument("--foreign-fraction", type=float, default=0.5, help="shared condition's train.foreign_fraction")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="shared nodes wait for nobody (expected_peers 0, as on the public preset), not for each peer's new batch")
     parser.add_argument("--heldout-fraction", type=float, default=0.25, help="share of questions kept out of training")
     parser.add_argument("--heldout", type=int, default=None, help="held-out questions scored (default 32, quick 8)")
     parser.add_argument("--heldout-samples", type=int, default=1, help="completions per held-out question")
@@ -376,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_threads()  # the parent scores checkpoints while no node runs: all cores
 
     s = Settings(args.nodes, args.rounds, args.prompts, args.generations, args.max_new_tokens, args.lr,
-                 args.foreign_fraction, args.heldout_fraction, args.engine_dtype)
+                 args.foreign_fraction, args.heldout_fraction, args.engine_dtype, wait=not args.no_wait)
     root = Path(args.workdir or time.strftime("runs/swarm-vs-solo-%Y%m%d-%H%M%S"))
     root.mkdir(parents=True, exist_ok=True)
     progress = root / "progress.log"
@@ -510,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"round 0 (untrained) identical in both conditions for every node: {paired}")
     diff, diff_se = paired_difference(shared_curve[:rounds], solo_curve[:rounds])
+    shared_events = [e for events in summary["shared"]["rounds"].values() for e in events]
+    foreign_used = sum(e["foreign_used"] for e in shared_events) / max(1, len(shared_events))
+    print(f"shared nodes {'waited for each peer' if s.wait else 'waited for nobody'}; foreign samples trained a node-round: {foreign_used:.2f}")
     print(f"cumulative reward: shared {shared_cum[-1]:.3f}, solo {solo_cum[-1]:.3f}, ratio {ratio} +- {ratio_se:.4f}; "
           f"per-round shared - solo {diff:+.4f} +- {diff_se:.4f} (standard errors over rounds)")
     print(f"held-out accuracy (+- standard error over {len(heldout)} questions): base {heldout_base:.3f} +- {heldout_base_se:.3f}, "
@@ -541,6 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "heldout_questions": len(heldout),
         "heldout_disjoint": disjoint,
         "round0_paired": paired,
+        "shared_waits": s.wait,
+        "foreign_used_per_node_round": round(foreign_used, 2),
         "round_difference": round(diff, 4),
         "round_difference_se": round(diff_se, 4),
         "seconds": round(time.monotonic() - bench_started),

@@ -101,3 +101,15 @@ def test_heldout_standard_errors_are_over_questions():
     assert svs.question_means([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]]) == [0.5, 0.0, 1.0]
     with pytest.raises(ValueError):
         svs.question_means([[1.0, 0.0], [1.0]])  # nodes scored on different question lists
+
+
+def test_only_the_shared_condition_waits_and_no_wait_waits_for_nobody():
+    """The shared nodes wait for their N-1 peers' new batches unless --no-wait (the public preset's rule); solo nodes never."""
+    def expected(settings: svs.Settings, shared: bool) -> list[str]:
+        sets = svs.node_sets(settings, index=1, shared=shared, speculation=False, engine_dtype="bfloat16", checkpoint=True)
+        return [s for s in sets if s.startswith("swarm.expected_peers=")]
+
+    waits = svs.Settings(3, 24, 2, 4, 48, 2e-5, 0.5, 0.25, "bfloat16")
+    public = svs.Settings(3, 24, 2, 4, 48, 2e-5, 0.5, 0.25, "bfloat16", wait=False)
+    assert expected(waits, True) == ["swarm.expected_peers=2"]
+    assert expected(public, True) == expected(public, False) == expected(waits, False) == ["swarm.expected_peers=0"]
