@@ -293,3 +293,22 @@ def test_choose_claims_fills_k_from_authors_further_batches_only_when_no_other_a
         assert len(four) == 4 and sorted(four[:2]) == ["a", "b"]  # the quota's picks first
         assert sorted(draw(8, seed)) == ["a"] * 3 + ["b"] * 3
         assert sorted(draw(8, seed, fill=False)) == ["a", "b"]
+
+
+def test_the_fill_never_lets_a_loud_trusted_author_crowd_out_a_quiet_one() -> None:
+    """A loud author (eight fresh batches, the best score) beside two quiet ones (one batch each, a poor score): with
+    `fill`, K = 4 takes each quiet author's batch first and gives the loud one the two slots left, whatever the draw;
+    K = 2 takes two authors, never two of the loud one's."""
+    now = 1_000.0
+    claims = [Candidate(AnnouncedBody("loud", bytes([1, i]) * 16, 100, now - 1 - i, 1)) for i in range(8)]
+    claims += [Candidate(AnnouncedBody(author, bytes([n, 9]) * 16, 100, now - 30, 1)) for n, author in enumerate(("q1", "q2"), 2)]
+    trust = {"loud": 1.0, "q1": 0.05, "q2": 0.05}
+
+    def draw(k: int, seed: int) -> list[str]:
+        return [c.item.author for c in choose_claims(claims, k=k, per_author=1, now=now, max_age_s=240,
+                                                     trust=trust.__getitem__, explore=0.25, rng=random.Random(seed), fill=True)]
+
+    for seed in range(50):
+        assert sorted(draw(4, seed)) == ["loud", "loud", "q1", "q2"]
+        two = draw(2, seed)
+        assert len(set(two)) == 2
