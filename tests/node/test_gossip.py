@@ -114,8 +114,12 @@ def test_topics_are_separate_key_spaces(swarm: list[Gossip]) -> None:
 
 def test_rollouts_are_found_by_recency_and_sampled_at_most_k_and_one_per_author(swarm: list[Gossip]) -> None:
     """No round numbers: each author's newest batches are in the current bucket's index; a step takes at most K,
-    one an author (with `fill`, further ones where no other author has a batch left), never one fetched before."""
-    author, other, reader = swarm
+    one an author (with `fill`, further ones where no other author has a batch left), never one fetched before.
+
+    The reader is the node the others bootstrapped from, so both authors' stores reach its copy of the key: an index
+    read stops at the first copy holding a fresh record (its own first), and a copy that missed one author's store (a
+    routing table still filling, a store timed out on a loaded machine) is a read that samples, not the test's subject."""
+    reader, author, other = swarm
     batches = {}
     for node in (author, other):
         for version in (3, 4):  # two batches each
