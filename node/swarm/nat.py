@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,17 +119,37 @@ async def start_p2pd(
         "identity_path": identity_path,
     }
     if not relays:
-        return await P2P.create(**kwargs)
+        return await _SessionP2P.create(**kwargs)
     return await _RelayedP2P.create(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private", **kwargs)
 
 
-class _RelayedP2P(P2P):
-    """P2P whose p2pd takes its trusted relays as static relays instead of waiting for discovery."""
+# Run by the interpreter that runs us, which then becomes p2pd (same pid: hivemind's handle on its child still holds).
+_OWN_SESSION = "import os, sys; os.setsid(); os.execv(sys.argv[1], sys.argv[1:])"
+
+
+class _SessionP2P(P2P):
+    """P2P whose p2pd runs in a session of its own, still our child.
+
+    hivemind starts p2pd in our process group, so a terminal's Ctrl-C (SIGINT to the whole foreground
+    group) stopped p2pd at once while the node went on to finish its round at the next safe point:
+    that round's batch could not be published, p2pd printed an error on the way out, and the node's
+    shutdown then waited 10 s on the dead daemon. Now the signal reaches the node alone, and the node
+    stops p2pd when it shuts down (a p2pd whose node died without that exits at its idle timeout).
+    """
 
     @staticmethod
     def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:  # static as in P2P: testable without a daemon
+        command = P2P._make_process_args(*args, **kwargs)
+        return [sys.executable, "-I", "-S", "-c", _OWN_SESSION, *command] if hasattr(os, "setsid") else command
+
+
+class _RelayedP2P(_SessionP2P):
+    """P2P whose p2pd takes its trusted relays as static relays instead of waiting for discovery."""
+
+    @staticmethod
+    def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
         kwargs["relayDiscovery"] = False
-        return P2P._make_process_args(*args, **kwargs)
+        return _SessionP2P._make_process_args(*args, **kwargs)
 
 
 # ----- the reachability check -----------------------------------------------------------------

@@ -7,6 +7,9 @@ import asyncio
 import gc
 import hashlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -626,6 +629,69 @@ def test_shutdown_is_clean_and_idempotent() -> None:
     assert len(gossip_threads()) == threads_before
     with pytest.raises(GossipError, match="start"):
         first.publish_rollouts(b"y", version=0)
+
+
+# A node in a process of its own: gossip up, its p2pd's pid and process groups printed, then on SIGINT (once) whether p2pd
+# is still alive, a shutdown, and whether that shutdown cut a stage short. With an argument it waits to be killed.
+_CTRL_C_NODE = """
+import logging, os, signal, sys, time
+import psutil
+from hivespec.node.config import SwarmConfig
+from hivespec.node.swarm.gossip import Gossip
+from hivespec.protocol.identity import Identity
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+node = Gossip(Identity.generate(), SwarmConfig(swarm="test-ctrl-c", bootstrap_timeout=1.0, request_timeout=5.0))
+node.start()
+p2pd = node._p2p._child.pid
+print("p2pd", p2pd, os.getpgid(p2pd), os.getpgid(0), flush=True)
+interrupted = []
+signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+while not interrupted:
+    time.sleep(0.05)
+time.sleep(0.5)
+print("alive", psutil.Process(p2pd).status() != psutil.STATUS_ZOMBIE, flush=True)
+node.shutdown()
+print("stopped", flush=True)
+"""
+
+
+def _start_node_process(*args: str) -> tuple[subprocess.Popen, int, int, int]:
+    """A gossip node in a child process of its own session (like a shell's job): (process, p2pd pid, its group, the node's)."""
+    child = subprocess.Popen([sys.executable, "-c", _CTRL_C_NODE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    _, pid, group, own_group = child.stdout.readline().split()
+    return child, int(pid), int(group), int(own_group)
+
+
+@pytest.mark.skipif(not hasattr(os, "setsid"), reason="process sessions are POSIX")
+def test_ctrl_c_reaches_the_node_and_not_its_p2pd_which_the_node_then_stops_cleanly() -> None:
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group. p2pd runs in a session of its own, so it
+    outlives the signal and the node's shutdown stops it cleanly; in the node's group it died at once, printed an error,
+    and left the shutdown waiting for it (`nat._SessionP2P`)."""
+    child, p2pd, group, own_group = _start_node_process()
+    try:
+        assert group != own_group and psutil.Process(p2pd).ppid() == child.pid  # its own group, still our child
+        os.killpg(own_group, signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err[-3000:]
+    assert out.split() == ["alive", "True", "stopped"], err[-3000:]
+    assert "cut short" not in err and "[ERROR]" not in err, err[-3000:]
+    assert not psutil.pid_exists(p2pd) or psutil.Process(p2pd).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.skipif(not hasattr(os, "setsid"), reason="process sessions are POSIX")
+def test_a_p2pd_whose_node_was_killed_does_not_outlive_it_for_long() -> None:
+    """Outside the node's group p2pd gets no signal its node gets; killed outright (SIGKILL), the node leaves p2pd to
+    notice its client gone, which it does within its idle timeout (30 s)."""
+    child, p2pd, _, _ = _start_node_process("wait")
+    child.kill()
+    child.wait(timeout=10)
+    give_up = time.monotonic() + 40
+    while psutil.pid_exists(p2pd) and psutil.Process(p2pd).status() != psutil.STATUS_ZOMBIE and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(p2pd) or psutil.Process(p2pd).status() == psutil.STATUS_ZOMBIE
 
 
 def test_shutdown_is_bounded_when_a_task_will_not_stop(caplog: pytest.LogCaptureFixture) -> None:
