@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hivespec.node.config import InputError, NodeConfig, describe, load_config, node_home, parse_override
-from hivespec.node.report import format_bytes, format_report_line
+from hivespec.node.report import REPORT_HEADER, format_bytes, format_report_line
 from hivespec.protocol.errors import UserError, one_line
 
 
@@ -103,7 +103,10 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(f"precision: {node.precision.describe()}", flush=True)
         if node.attention:
             print(f"attention: {'; '.join(node.attention)}", flush=True)
-        _warn_if_unreachable("join", config, node.gossip.status())
+        status = node.gossip.status()
+        print(_swarm_line(config, status, bool(node.gossip.bootstrap)), flush=True)
+        _warn_if_unreachable("join", config, status)
+        print(REPORT_HEADER, flush=True)
 
         def on_report(report) -> None:
             if events:
@@ -149,6 +152,16 @@ def _stop_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     if str(os.getppid()) != parent:  # the parent died before the line above: stop now
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _swarm_line(config: NodeConfig, status: dict, had_peers: bool) -> str:
+    """Where a joining node stands in its swarm: joined (through whom, peers known), waiting on its peers, or the first."""
+    swarm = f"swarm {config.swarm.swarm!r}"
+    if not status["solo"]:
+        return f"{swarm}: joined via {status['joined_via'] or '-'}; {status['known_peers']} peer(s) known"
+    if had_peers:
+        return f"{swarm}: no peer answered yet; training alone and retrying in the background"
+    return f"{swarm}: no initial peers, so this node starts it and trains alone; others join with --initial-peer ADDRESS (above)"
 
 
 def _warn_if_unreachable(command: str, config: NodeConfig, status: dict) -> None:

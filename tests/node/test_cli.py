@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hivespec.node.config import load_config
+
 HIVESPEC = str(Path(sys.executable).with_name("hivespec"))
 
 
@@ -45,3 +47,14 @@ def test_config_prints_resolved_values_and_documents_every_key():
     assert json.loads(resolved.stdout)["rollout"]["num_generations"] == 6
     keys = _run("config", "--keys").stdout
     assert "train.tis_clip" in keys and "truncated importance sampling" in keys
+
+
+def test_the_swarm_line_says_whether_a_node_joined_waits_for_its_peers_or_starts_the_swarm():
+    from hivespec.node.cli import _swarm_line
+
+    config = load_config("public")
+    joined = {"solo": False, "joined_via": "config /ip4/10.0.0.1/tcp/31337/p2p/QmX", "known_peers": 3}
+    assert _swarm_line(config, joined, True) == "swarm 'public': joined via config /ip4/10.0.0.1/tcp/31337/p2p/QmX; 3 peer(s) known"
+    alone = {"solo": True, "joined_via": "", "known_peers": 0}
+    assert "no peer answered yet; training alone and retrying" in _swarm_line(config, alone, True)
+    assert "no initial peers" in _swarm_line(config, alone, False) and "--initial-peer" in _swarm_line(config, alone, False)

@@ -19,6 +19,7 @@ import torch
 
 from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
 from hivespec.node.model.loader import load_model
+from hivespec.node.report import REPORT_HEADER
 from hivespec.node.status.board import RoundStopped, RunControl
 from hivespec.node.training.checkpoint import CheckpointManager
 from hivespec.node.training.store import RolloutStore
@@ -68,6 +69,9 @@ def test_sigterm_while_waiting_for_peers_stops_within_seconds_saves_and_resumes(
     assert "stopping at the next safe point of round 1 and saving a checkpoint" in log
     assert "stopped in round 1 while waiting for peers' new batches; nothing of round 1 was trained" in log
     assert "saved (resumes at round 1)" in log
+    # What a user reads first: where the node stands in its swarm, and the rows' header.
+    assert "no initial peers, so this node starts it" in log
+    assert REPORT_HEADER in log.splitlines()
     assert [e["event"] for e in _events(events)][-2:] == ["stopped", "done"]
     phases = [e["phase"] for e in _events(events) if e["event"] == "phase"]
     distinct = [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]]  # loading reports twice (model, precision)
