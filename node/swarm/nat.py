@@ -134,13 +134,13 @@ class _SessionP2P(P2P):
     group) stopped p2pd at once while the node went on to finish its round at the next safe point:
     that round's batch could not be published, p2pd printed an error on the way out, and the node's
     shutdown then waited 10 s on the dead daemon. Now the signal reaches the node alone, and the node
-    stops p2pd when it shuts down (a p2pd whose node died without that exits at its idle timeout).
+    stops p2pd when it shuts down (a p2pd whose node was killed exits once its client is gone).
     """
 
     @staticmethod
     def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:  # static as in P2P: testable without a daemon
         command = P2P._make_process_args(*args, **kwargs)
-        return [sys.executable, "-I", "-S", "-c", _OWN_SESSION, *command] if hasattr(os, "setsid") else command
+        return [sys.executable, "-I", "-S", "-c", _OWN_SESSION, *command] if hasattr(os, "setsid") and sys.executable else command
 
 
 class _RelayedP2P(_SessionP2P):
