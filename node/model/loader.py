@@ -41,6 +41,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 from hivespec.node.hub import Snapshot, looks_like_repo_id, resolve_snapshot
 from hivespec.node.model.device import check_device
@@ -297,9 +298,10 @@ def load_model(
     else:
         folder = _resolve_folder(source, revision, trust_remote_code)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(folder), local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code
-            )
+            with _no_progress_bar():
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(folder), local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code
+                )
         except ValueError as error:
             raise ModelSourceError(_remote_code_hint(source, error)) from None
         if folder.parent.name == "snapshots":  # a hub snapshot: the folder name is its commit
@@ -309,6 +311,19 @@ def load_model(
     model.eval()
     log.info("loaded model %s (%s, %s) in %.2f s", source, dtype, device, time.perf_counter() - started)
     return model
+
+
+@contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """Without transformers' per-tensor "Loading weights" bar: a local folder loads in a fraction of a second, and the bar
+    only wrote a line of carriage returns into every node's log ahead of the node's own "loaded model" line."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> str:

@@ -68,12 +68,17 @@ def test_tiny_model_dtype_is_rounding_of_fp32() -> None:
     assert torch.equal(fp32.model.embed_tokens.weight.to(torch.bfloat16), bf16.model.embed_tokens.weight)
 
 
-def test_local_folder_round_trip(tmp_path: Path, tokenizer) -> None:
+def test_local_folder_round_trip(tmp_path: Path, tokenizer, capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers.utils import logging as hf_logging
+
     model = load_model(TINY_MODEL, seed=5)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
+    capfd.readouterr()
     loaded = load_model(str(tmp_path))
     assert _same_weights(model, loaded)
+    # No per-tensor progress bar in a node's log for a sub-second load, and transformers' own setting left as it was.
+    assert "Loading weights" not in capfd.readouterr().err and hf_logging.is_progress_bar_enabled()
     assert model_fingerprint(loaded.config, load_tokenizer(str(tmp_path))) == model_fingerprint(model.config, tokenizer)
 
 
