@@ -131,8 +131,8 @@ class _SessionP2P(P2P):
     """P2P whose p2pd runs in a session of its own, still our child.
 
     hivemind starts p2pd in our process group, so a terminal's Ctrl-C (SIGINT to the whole foreground
-    group) stopped p2pd at once while the node went on to finish its round at the next safe point:
-    that round's batch could not be published, p2pd printed an error on the way out, and the node's
+    group) stopped p2pd at once while the node went on to its round's next safe point: whatever it
+    still did over gossip until then failed, p2pd printed an error on the way out, and the node's
     shutdown then waited 10 s on the dead daemon. Now the signal reaches the node alone, and the node
     stops p2pd when it shuts down (a p2pd whose node was killed exits once its client is gone).
     """
