@@ -104,7 +104,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         if node.attention:
             print(f"attention: {'; '.join(node.attention)}", flush=True)
         status = node.gossip.status()
-        print(_swarm_line(config, status, bool(node.gossip.bootstrap)), flush=True)
+        line = _swarm_line(config, status, bool(node.gossip.bootstrap))
+        if line is not None:
+            print(line, flush=True)
         _warn_if_unreachable("join", config, status)
         print(REPORT_HEADER, flush=True)
 
@@ -154,12 +156,16 @@ def _stop_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _swarm_line(config: NodeConfig, status: dict, had_peers: bool) -> str:
-    """Where a joining node stands in its swarm: joined (through whom, peers known), waiting on its peers, or the first."""
+def _swarm_line(config: NodeConfig, status: dict, had_peers: bool) -> str | None:
+    """Where a joining node stands in its swarm: joined (through whom, peers known), waiting on its peers, or the first.
+
+    None where the user named bootstrap peers and none answered: `_warn_if_unreachable` says so, with the addresses."""
     swarm = f"swarm {config.swarm.swarm!r}"
     if not status["solo"]:
         return f"{swarm}: joined via {status['joined_via'] or '-'}; {status['known_peers']} peer(s) known"
-    if had_peers:
+    if config.swarm.initial_peers:
+        return None
+    if had_peers:  # from the environment, a peers file or the peer cache
         return f"{swarm}: no peer answered yet; training alone and retrying in the background"
     return f"{swarm}: no initial peers, so this node starts it and trains alone; others join with --initial-peer ADDRESS (above)"
 

@@ -58,3 +58,7 @@ def test_the_swarm_line_says_whether_a_node_joined_waits_for_its_peers_or_starts
     alone = {"solo": True, "joined_via": "", "known_peers": 0}
     assert "no peer answered yet; training alone and retrying" in _swarm_line(config, alone, True)
     assert "no initial peers" in _swarm_line(config, alone, False) and "--initial-peer" in _swarm_line(config, alone, False)
+
+    # Peers the user named that did not answer: the stderr warning names them, and the swarm line does not say it twice.
+    named = load_config("public", overrides={"swarm.initial_peers": '["/ip4/10.0.0.1/tcp/31337/p2p/QmX"]'})
+    assert named.swarm.initial_peers and _swarm_line(named, alone, True) is None
