@@ -405,15 +405,18 @@ def _tcp_target(maddr: str) -> tuple[str, int] | None:
 
 async def _network_checks(config: NodeConfig, timeout: float) -> list[Check]:
     from hivemind.dht.node import DHTNode
-    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p import PeerID
     from hivemind.proto import dht_pb2
     from hivemind.utils import get_dht_time
     from hivemind.utils.multiaddr import Multiaddr
 
+    from hivespec.node.swarm.nat import start_p2pd
+
     checks = []
     started = time.perf_counter()
-    try:
-        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=timeout)
+    try:  # started as a node starts it (in a session of its own), so this checks that path too
+        p2p = await start_p2pd(host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=None, use_relay=True,
+                               nat_port_map=False, relays=(), identity_path=None, startup_timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - every failure here is the finding
         return [Check("p2pd", "fail", f"does not start ({type(exc).__name__}: {exc}); reinstall hivemind "
                       "(pip install --force-reinstall hivemind==1.1.12) and check that /tmp is writable")]
