@@ -7,10 +7,16 @@ signalling NaN, any of which would let engine and trainer weights drift apart si
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["apply_delta", "extract_delta", "mismatch_count", "write_delta"]
+from hivespec.kernels.host_transfer import readable_on_host
+
+__all__ = ["apply_delta", "extract_delta", "mismatch_count", "mismatch_counts", "write_delta"]
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -43,14 +49,54 @@ def extract_delta(base: Tensor, new: Tensor) -> tuple[Tensor, Tensor]:
 
 def mismatch_count(base: Tensor, new: Tensor) -> Tensor:
     """Number of elements whose bits differ, as a 0-d int64 tensor on their device (reading it syncs)."""
-    if base.shape != new.shape or base.dtype != new.dtype or base.device != new.device:
-        raise ValueError(f"base and new must match in shape, dtype and device, got {tuple(base.shape)} {base.dtype} "
-                         f"{base.device} and {tuple(new.shape)} {new.dtype} {new.device}")
-    # count_nonzero, not a bool .sum() (which accumulates in int64): over the embedded model's bf16 tensors at 1 thread
-    # 0.067 s against 0.080 s, over one flat 135M-element tensor at 2 threads 0.07 s against 0.36 s (2-core AMD EPYC,
-    # torch 2.13; `bench/sync_modes.py` prints the first). On an H100 either takes ~10 ms for the whole model (count_nonzero
-    # 11.7 ms, the sum 9.4). A round's sync counts every tensor; its check counts again those not copied whole.
-    return torch.count_nonzero(_bits(base.detach()) != _bits(new.detach()))
+    return mismatch_counts([(base, new)])[0]
+
+
+def mismatch_counts(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    """`mismatch_count` of each (base, new) pair: one 0-d int64 tensor each, on the pair's device.
+
+    CPU pairs are compared by numpy, in pieces of `_PIECE` elements spread over torch's intra-op threads (numpy lets
+    go of the GIL): over the embedded model's bf16 tensors numpy's compare and count took 0.05-0.07 s where torch's
+    `count_nonzero(a != b)` took 0.12-0.19 s at 1 thread and 0.11 s at 2 (2-core Intel Xeon, AMX; `bench/sync_modes.py`
+    prints both side by side). A round's sync counts every tensor; its check counts again those not copied whole. On a
+    GPU it is torch's `count_nonzero` (~10 ms for the whole model on an H100), not a bool `.sum()`, which accumulates in
+    int64 (0.36 s against 0.07 s over one flat 135M-element tensor at 2 threads, 2-core AMD EPYC).
+    """
+    for base, new in pairs:
+        if base.shape != new.shape or base.dtype != new.dtype or base.device != new.device:
+            raise ValueError(f"base and new must match in shape, dtype and device, got {tuple(base.shape)} {base.dtype} "
+                             f"{base.device} and {tuple(new.shape)} {new.dtype} {new.device}")
+    counts: list[Tensor | None] = [None] * len(pairs)
+    on_host = [i for i, (base, new) in enumerate(pairs) if readable_on_host(base) and readable_on_host(new)]
+    for i, count in zip(on_host, _count_on_host([pairs[i] for i in on_host]), strict=True):
+        counts[i] = torch.tensor(count, dtype=torch.int64)
+    for i, (base, new) in enumerate(pairs):
+        if counts[i] is None:  # on a device (or a CPU tensor a strict guard counts as one): torch's kernel, no host read
+            counts[i] = torch.count_nonzero(_bits(base.detach()) != _bits(new.detach()))
+    return [c for c in counts if c is not None]
+
+
+_PIECE = 1 << 22  # elements of a CPU tensor compared on their own (8 MiB of bf16 bits)
+
+
+def _count_on_host(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[int]:
+    views = [(_bits(base.detach()).numpy(), _bits(new.detach()).numpy()) for base, new in pairs]
+    pieces = [(owner, start) for owner, (a, _) in enumerate(views) for start in range(0, a.size, _PIECE)]
+
+    def count(piece: tuple[int, int]) -> int:
+        (a, b), start = views[piece[0]], piece[1]
+        return int(np.count_nonzero(a[start:start + _PIECE] != b[start:start + _PIECE]))
+
+    threads = min(torch.get_num_threads(), len(pieces))
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="mismatch-count") as pool:
+            found = list(pool.map(count, pieces))
+    else:
+        found = [count(piece) for piece in pieces]
+    totals = [0] * len(views)
+    for (owner, _), n in zip(pieces, found, strict=True):
+        totals[owner] += n
+    return totals
 
 
 def apply_delta(target: Tensor, indices: Tensor, values: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["HostTransferError", "HostTransferGuard", "to_device", "to_host"]
+__all__ = ["HostTransferError", "HostTransferGuard", "readable_on_host", "to_device", "to_host"]
 
 _ALIGN = 16  # bytes: every dtype's view of a packed segment starts aligned
 _BUCKET_BYTES = 256 << 20  # at most this much device memory is staged for one copy
@@ -157,6 +157,12 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def readable_on_host(tensor: Tensor) -> bool:
+    """Whether a host kernel (numpy's) may read `tensor`'s data as it is: a CPU tensor, unless an active guard counts it
+    as device data (a strict guard simulating a GPU, where only what came out of `to_host` is host data)."""
+    return tensor.device.type == "cpu" and not any(guard._is_device_data(tensor) for guard in _GUARDS.get())
 
 
 def _simulating() -> bool:

@@ -20,7 +20,9 @@ AVX2-only AMD EPYC, writing bfloat16 positions); 0.37 s instead of 3.6 s for a b
 whole-tensor copies (1 thread, AMD EPYC with AVX-512 and avx512_bf16), and 0.19 s since the casts
 are written into a buffer kept between syncs and the weights hash runs on every core (with the
 round's check, 0.53 -> 0.19 s; on an H100's host the sync took 0.37-0.46 s, 0.18-0.27 s with the
-hash on every core). A step that moved no weight is synced without a look at the tensors.
+hash on every core). Counting changed elements with numpy's compare (`kernels.delta.mismatch_counts`) took the
+sync of a bfloat16 engine from 0.48 to 0.35 s at 1 thread, 0.34 to 0.24 s at 2 (2-core Intel Xeon with AMX, side by
+side). A step that moved no weight is synced without a look at the tensors.
 
 `EngineWeights` is that receiving side on its own (also used by `node/weights/follower.py`): a set of
 engine tensors viewed as the codec's `State`, with the version and hash of what they hold.
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hivespec.kernels.delta import extract_delta, mismatch_count, write_delta
+from hivespec.kernels.delta import extract_delta, mismatch_counts, write_delta
 from hivespec.kernels.host_transfer import to_device, to_host
 from hivespec.protocol.delta import (
     TensorBits,
@@ -198,7 +200,7 @@ class EngineWeights:
         for device, names in by_device.items():
             mirror = [torch.from_numpy(self.state[n].bits).view(self.params[n].dtype) for n in names]
             moved = to_device(mirror, device)
-            counts.append(torch.stack([mismatch_count(self.params[n].detach(), m) for n, m in zip(names, moved, strict=True)]).sum())
+            counts.append(torch.stack(mismatch_counts([(self.params[n].detach(), m) for n, m in zip(names, moved, strict=True)])).sum())
         return sum(int(count) for count in to_host_all(counts))
 
     def mirrors_engine(self, name: str) -> bool:
@@ -468,7 +470,7 @@ class WeightSync:
         changed, written, copied = 0, [], []
         with torch.no_grad():
             for group in self._targets():
-                counts = to_host_all([mismatch_count(engine_tensor, target) for _, engine_tensor, target in group])
+                counts = to_host_all(mismatch_counts([(engine_tensor, target) for _, engine_tensor, target in group]))
                 sparse_found: list[tuple[str, torch.Tensor, torch.Tensor]] = []
                 dense_targets: list[tuple[str, torch.Tensor]] = []
                 for (name, engine_tensor, target), count in zip(group, counts, strict=True):
@@ -513,7 +515,7 @@ class WeightSync:
         counts = []
         with torch.no_grad():
             for group in self._targets(set(skip)):
-                counts += [mismatch_count(engine_tensor, target) for _, engine_tensor, target in group]
+                counts += mismatch_counts([(engine_tensor, target) for _, engine_tensor, target in group])
         if not counts:
             return 0
         return sum(int(c) for c in to_host_all([torch.stack([c for c in counts if c.device == d]).sum()

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from hivespec.kernels.host_transfer import HostTransferError, HostTransferGuard, to_device, to_host
+from hivespec.kernels.delta import mismatch_counts
+from hivespec.kernels.host_transfer import HostTransferError, HostTransferGuard, readable_on_host, to_device, to_host
 
 
 def _mixed():
@@ -78,6 +79,20 @@ def test_a_lenient_guard_watches_only_non_cpu_tensors():
         with pytest.raises(HostTransferError):
             torch.empty(3, device="meta").to("cpu")
     assert guard.transfers == 0
+
+
+def test_a_host_kernel_reads_cpu_tensors_except_where_a_strict_guard_counts_them_as_device_data():
+    """`readable_on_host` picks numpy's count in `mismatch_counts`: never for what a strict guard treats as a GPU's."""
+    a, b = torch.zeros(6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16)
+    assert readable_on_host(a) and not readable_on_host(torch.zeros(2, device="meta"))
+    with HostTransferGuard(strict=False):
+        assert readable_on_host(a)
+    with HostTransferGuard():
+        assert not readable_on_host(a)
+        host = to_host([a])[0]
+        assert readable_on_host(host)
+        counts = mismatch_counts([(a, b)])  # torch's kernel on the "device": no host read, so no HostTransferError
+        assert int(to_host(counts)[0]) == 6
 
 
 def test_moving_tensors_of_two_devices_at_once_is_refused():

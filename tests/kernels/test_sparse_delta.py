@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hivespec.kernels.delta import apply_delta, extract_delta, mismatch_count
+from hivespec.kernels import delta as delta_kernels
+from hivespec.kernels.delta import apply_delta, extract_delta, mismatch_count, mismatch_counts
 
 torch.set_num_threads(1)
 
@@ -48,6 +49,35 @@ def test_signed_zero_and_nan_payloads_are_bit_exact(dtype):
     count = mismatch_count(base, new)
     assert count.dtype == torch.int64 and count.dim() == 0 and int(count) == 3  # -0.0 vs 0.0 and NaN payloads count
     assert int(mismatch_count(new, new.clone())) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_counts_on_the_host_agree_with_torch_across_pieces_threads_and_layouts(monkeypatch, threads):
+    """`mismatch_counts` compares CPU tensors with numpy in pieces spread over torch's threads: every tensor's count
+    must be torch's, for pieces that split a tensor unevenly, a non-contiguous tensor and every dtype width."""
+    monkeypatch.setattr(delta_kernels, "_PIECE", 1000)  # the 37 x 53 tensors below span two pieces, the last one short
+    gen = torch.Generator().manual_seed(threads)
+    pairs = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8):
+        base = (torch.randn(37, 53, generator=gen) * 50).to(dtype)
+        new = base.clone()
+        new[torch.rand(base.shape, generator=gen) < 0.3] += 1
+        pairs.append((base, new))
+    base = torch.randn(53, 37, generator=gen).T  # non-contiguous: compared in row-major order
+    new = base.clone()
+    new[::3, ::2] = 7.0
+    pairs += [(base, new), (torch.zeros(0), torch.zeros(0)), (torch.zeros(5), torch.zeros(5))]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        counts = mismatch_counts(pairs)
+    finally:
+        torch.set_num_threads(previous)
+    expected = [int(torch.count_nonzero(a.reshape(-1) != b.reshape(-1))) for a, b in pairs]
+    assert [int(c) for c in counts] == expected and expected[0] > 0 and expected[-1] == 0
+    assert all(c.dtype == torch.int64 and c.dim() == 0 for c in counts)
+    with pytest.raises(ValueError, match="must match"):
+        mismatch_counts([(torch.zeros(3), torch.zeros(4))])
 
 
 def test_apply_into_parameter_that_requires_grad():
