@@ -7,9 +7,10 @@ gossip for fresh batches (younger than ``train.staleness_seconds``, and within
 returns at once: a node never waits for another. It fetches what the next step can train on and no
 more (`batches_to_fetch`): enough batches for the informative samples the pool still has room for
 (`ForeignPool.room`), at the informative samples per batch seen lately, at most
-``max_foreign_batches``; none while the pool holds enough. (Fetching K every step, a node whose
-peers' batches are as large as its foreign budget downloaded and verified K times what it trained
-on, and the surplus aged out of the pool.) Only a small swarm of equal nodes may set
+``max_foreign_batches``; none while the pool holds enough; again at once for what is still missing
+where a batch brought less than that (its groups all had one reward), within the same K. (Fetching
+K every step, a node whose peers' batches are as large as its foreign budget downloaded and
+verified K times what it trained on, and the surplus aged out of the pool.) Only a small swarm of equal nodes may set
 ``expected_peers``: then a step fetches up to K and waits, at most ``round_timeout``, until that
 many authors had a new batch accepted. Each body goes through intake, its sender is scored, and what passes
 feeds the drafter and waits in the foreign pool. Owns the envelope sequence number; never trains
@@ -104,13 +105,15 @@ class RoundExchange:
 
     def collect(self, gossip: Gossip, round_index: int, policy_version: int, *, need: int | None = None) -> list[Admission]:
         """Admit fresh peers' batches: enough for `need` more informative samples (None: as many as allowed), at most
-        ``max_foreign_batches``, waiting only where ``expected_peers`` asks (then up to K, whatever the need).
+        ``max_foreign_batches``, waiting only where ``expected_peers`` asks (then up to K, whatever the need). Without
+        the wait, where the batches fetched brought fewer informative samples than `need`, it fetches again at once
+        for the rest, within K, until nothing new is in sight.
 
         An author whose batches were all refused does not count toward ``expected_peers``, so a
         peer sending junk cannot end the wait before the honest peers' batches arrive.
         """
         swarm = self.swarm
-        budget = swarm.max_foreign_batches
+        budget = cap = swarm.max_foreign_batches  # this pass's batches; the call's, K
         if need is not None and not swarm.expected_peers:
             budget = batches_to_fetch(need, self.informative_per_batch, budget)
             if budget == 0:
@@ -119,6 +122,7 @@ class RoundExchange:
         admissions: list[Admission] = []
         useful: set[str] = set()
         interval = _POLL_MIN_S
+        short = need  # informative samples the step still has room for, as far as this call has filled it
         while True:
             if self.check is not None:
                 self.check("waiting for peers' new batches" if swarm.expected_peers else "fetching peers' batches")
@@ -133,19 +137,33 @@ class RoundExchange:
                 timeout=min(swarm.request_timeout, max(1.0, left)) if swarm.expected_peers else swarm.request_timeout,
             )
             budget -= len(fetched)
+            cap -= len(fetched)
             for item in fetched:
-                admission = self._admit(round_index, item, policy_version)
+                admission, informative = self._admit(round_index, item, policy_version)
                 admissions.append(admission)
                 if admission.outcome == "accept":
                     useful.add(item.author_peer_id)
+                if short is not None:
+                    short -= informative
+            if not swarm.expected_peers:
+                # Nobody to wait for, but where what came had fewer informative samples than the step has room for (a
+                # batch whose groups all had one reward), fetch more at once, within K: in a hetero run the fast node
+                # had fetched one batch, all flat, and trained on nothing foreign that step.
+                if not fetched or short is None or short <= 0:
+                    return admissions
+                budget = batches_to_fetch(short, self.informative_per_batch, cap)
+                if budget <= 0:
+                    return admissions
+                continue
             if len(useful) >= swarm.expected_peers or budget <= 0 or time.monotonic() >= deadline:
                 return admissions
             if not fetched:  # nothing new yet: poll again, backing off
                 time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
                 interval = min(2 * interval, _POLL_MAX_S)
 
-    def _admit(self, round_index: int, item: Fetched, policy_version: int) -> Admission:
-        """Run one fetched body through intake; score its sender, feed the drafter, pool what passed."""
+    def _admit(self, round_index: int, item: Fetched, policy_version: int) -> tuple[Admission, int]:
+        """Run one fetched body through intake; score its sender, feed the drafter, pool what passed. Returns the
+        admission and how many informative samples it brought to the pool."""
         admission = self.intake.admit(item.author_peer_id, item.body, current_version=policy_version)
         if self.on_admission is not None:
             self.on_admission(admission, item.body)
@@ -159,4 +177,4 @@ class RoundExchange:
                                           born=admission.born)
         last = self.informative_per_batch
         self.informative_per_batch = informative if last is None else last + _YIELD_MEMORY * (informative - last)
-        return admission
+        return admission, informative

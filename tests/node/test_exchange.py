@@ -35,12 +35,13 @@ def _exchange(identity: Identity, tasks: TaskSource, tokenizer, swarm: SwarmConf
                          swarm=swarm)
 
 
-def _group(tasks: TaskSource, tokenizer, seed: int) -> list[Rollout]:
-    """Two completions of one prompt, one right and one wrong: an informative group (rewards the reader's verifier agrees with)."""
+def _group(tasks: TaskSource, tokenizer, seed: int, *, flat: bool = False) -> list[Rollout]:
+    """Two completions of one prompt, one right and one wrong: an informative group (rewards the reader's verifier agrees
+    with); `flat`: both wrong, a group with one reward (no gradient)."""
     task = tasks.prompts(seed=seed, round=0, count=1)[0]
     prompt = np.asarray(tasks.chat_prompt_ids(tokenizer, task), dtype=np.uint32)
     rollouts = []
-    for index, text in enumerate((str(task.answer), str(task.answer) + "1")):
+    for index, text in enumerate((str(task.answer) + "2" if flat else str(task.answer), str(task.answer) + "1")):
         completion = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
         rollouts.append(Rollout(
             prompt_id=task.prompt_id, sample_index=index, seed=seed, prompt_ids=prompt,
@@ -48,7 +49,7 @@ def _group(tasks: TaskSource, tokenizer, seed: int) -> list[Rollout]:
             behaviour_logprobs=np.full(len(completion), -0.5, dtype=np.float32),
             reward=tasks.reward(task, text), finish_reason="stop",
         ))
-    assert sorted(r.reward for r in rollouts) == [0.0, 1.0]
+    assert sorted(r.reward for r in rollouts) == ([0.0, 0.0] if flat else [0.0, 1.0])
     return rollouts
 
 
@@ -92,6 +93,34 @@ def test_a_step_fetches_what_the_pool_has_room_for(swarm: list[Gossip]) -> None:
     assert len(second) == 1 and second[0].outcome == "accept" and reader.stats()["bodies_fetched"] == 5
     # need=None (or a swarm that waits for expected_peers) fetches up to K, as before: the last batch.
     assert len(ours.collect(reader, 2, 0)) == 1 and reader.stats()["bodies_fetched"] == 6
+
+
+def test_a_step_whose_batch_was_flat_fetches_again_at_once_within_k(swarm: list[Gossip]) -> None:
+    """A step that waits for nobody fetches for its pool's room at the yield seen lately; where the batch it got had no
+    informative sample (every group one reward), it fetches again in the same call, within K, instead of training on
+    nothing foreign. Each trial: one author's new batch is flat, the other's informative, and the step has room for 2
+    at 2 a batch (one batch): whichever the sampling takes first, the step ends with its room filled."""
+    tokenizer, tasks = load_tokenizer("smollm2-135m-instruct"), TaskSource()
+    *authors, reader = swarm
+    public = SwarmConfig(swarm="test-exchange", request_timeout=5.0)
+    exchanges = {node: _exchange(node.identity, tasks, tokenizer, public) for node in swarm}
+    ours = exchanges[reader]
+    for trial in range(6):
+        flat_author, informative_author = authors if trial % 2 else authors[::-1]
+        exchanges[flat_author].publish(flat_author, round_index=trial, rollouts=_group(tasks, tokenizer, 100 + trial, flat=True),
+                                       policy_version=trial)
+        exchanges[informative_author].publish(informative_author, round_index=trial,
+                                              rollouts=_group(tasks, tokenizer, 200 + trial), policy_version=trial)
+        ours.informative_per_batch = 2.0  # the yield seen lately: one batch for a room of 2
+        assert ours.pool.room(own_count=2, policy_version=trial) == 2
+        admissions = ours.collect(reader, trial, trial, need=2)
+        assert 1 <= len(admissions) <= public.max_foreign_batches and all(a.outcome == "accept" for a in admissions)
+        assert ours.pool.room(own_count=2, policy_version=trial) == 0  # the room was filled, flat batch first or not
+        # What this trial left unfetched (the flat batch, where the informative one came first) and the pool, emptied:
+        # each trial starts from one new batch of each kind.
+        ours.collect(reader, trial, trial)
+        ours.pool.select(trial, own_count=100, policy_version=trial)
+        assert len(ours.pool) == 0
 
 
 def test_a_step_that_waits_for_its_peers_takes_one_batch_an_author(swarm: list[Gossip]) -> None:
