@@ -57,7 +57,7 @@ def mismatch_counts(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
 
     CPU pairs are compared by numpy, in pieces of `_PIECE` elements spread over torch's intra-op threads (numpy lets
     go of the GIL): over the embedded model's bf16 tensors numpy's compare and count took 0.05-0.07 s where torch's
-    `count_nonzero(a != b)` took 0.12-0.19 s at 1 thread and 0.11 s at 2 (2-core Intel Xeon, AMX; `bench/sync_modes.py`
+    `count_nonzero(a != b)` took 0.12-0.26 s at 1 thread and 0.11 s at 2 (2-core Intel Xeon, AMX; `bench/sync_modes.py`
     prints both side by side). A round's sync counts every tensor; its check counts again those not copied whole. On a
     GPU it is torch's `count_nonzero` (~10 ms for the whole model on an H100), not a bool `.sum()`, which accumulates in
     int64 (0.36 s against 0.07 s over one flat 135M-element tensor at 2 threads, 2-core AMD EPYC).
