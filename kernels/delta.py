@@ -80,7 +80,8 @@ _PIECE = 1 << 22  # elements of a CPU tensor compared on their own (8 MiB of bf1
 
 
 def _count_on_host(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[int]:
-    views = [(_bits(base.detach()).numpy(), _bits(new.detach()).numpy()) for base, new in pairs]
+    """Changed elements of each pair, every tensor `readable_on_host` (the caller checked): numpy views, no copy."""
+    views = [(_bits(base.detach()).numpy(), _bits(new.detach()).numpy()) for base, new in pairs]  # host data
     pieces = [(owner, start) for owner, (a, _) in enumerate(views) for start in range(0, a.size, _PIECE)]
 
     def count(piece: tuple[int, int]) -> int:
