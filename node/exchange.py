@@ -113,31 +113,29 @@ class RoundExchange:
         peer sending junk cannot end the wait before the honest peers' batches arrive.
         """
         swarm = self.swarm
-        budget = cap = swarm.max_foreign_batches  # this pass's batches; the call's, K
-        if need is not None and not swarm.expected_peers:
-            budget = batches_to_fetch(need, self.informative_per_batch, budget)
-            if budget == 0:
-                return []
+        left = swarm.max_foreign_batches  # K, less what this call fetched
+        short = None if swarm.expected_peers else need  # informative samples still wanted, as far as this call filled them
         deadline = time.monotonic() + (swarm.round_timeout if swarm.expected_peers else 0.0)
         admissions: list[Admission] = []
         useful: set[str] = set()
         interval = _POLL_MIN_S
-        short = need  # informative samples the step still has room for, as far as this call has filled it
         while True:
+            k = left if short is None else batches_to_fetch(short, self.informative_per_batch, left)
+            if k <= 0:
+                return admissions
             if self.check is not None:
                 self.check("waiting for peers' new batches" if swarm.expected_peers else "fetching peers' batches")
-            left = max(0.0, deadline - time.monotonic())
+            remaining = max(0.0, deadline - time.monotonic())
             if self.progress is not None and swarm.expected_peers:
-                self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' new batches, {left:.0f}s left")
+                self.progress("waiting for peers", f"round {round_index}: {len(useful)}/{swarm.expected_peers} peers' new batches, {remaining:.0f}s left")
             fetched = gossip.sample_rollouts(
-                k=budget, max_age_s=self.intake.staleness_seconds, version_ok=self.intake.version_window(policy_version),
+                k=k, max_age_s=self.intake.staleness_seconds, version_ok=self.intake.version_window(policy_version),
                 # A step that waits for each peer's next batch takes one an author: a second would be the next step's.
                 fill=not swarm.expected_peers,
                 # short while waiting: a stop is seen within a second or two
-                timeout=min(swarm.request_timeout, max(1.0, left)) if swarm.expected_peers else swarm.request_timeout,
+                timeout=min(swarm.request_timeout, max(1.0, remaining)) if swarm.expected_peers else swarm.request_timeout,
             )
-            budget -= len(fetched)
-            cap -= len(fetched)
+            left -= len(fetched)
             for item in fetched:
                 admission, informative = self._admit(round_index, item, policy_version)
                 admissions.append(admission)
@@ -147,15 +145,12 @@ class RoundExchange:
                     short -= informative
             if not swarm.expected_peers:
                 # Nobody to wait for, but where what came had fewer informative samples than the step has room for (a
-                # batch whose groups all had one reward), fetch more at once, within K: in a hetero run the fast node
-                # had fetched one batch, all flat, and trained on nothing foreign that step.
+                # batch whose groups all had one reward), fetch more at once for the rest (the loop's next `k`), within
+                # K: in a hetero run the fast node had fetched one batch, all flat, and trained on nothing foreign.
                 if not fetched or short is None or short <= 0:
                     return admissions
-                budget = batches_to_fetch(short, self.informative_per_batch, cap)
-                if budget <= 0:
-                    return admissions
                 continue
-            if len(useful) >= swarm.expected_peers or budget <= 0 or time.monotonic() >= deadline:
+            if len(useful) >= swarm.expected_peers or left <= 0 or time.monotonic() >= deadline:
                 return admissions
             if not fetched:  # nothing new yet: poll again, backing off
                 time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
