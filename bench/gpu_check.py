@@ -225,7 +225,7 @@ def trainer_part(device: torch.device, model_name: str, quick: bool) -> dict:
     completion_tokens = 32 if quick else 96
     samples = _train_samples(tokenizer, model, device, 16, completion_tokens)
     autocast = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    sharing = decide_shared_prompts("auto", model, device=str(device), rows=4, prompt_tokens=64, completion_tokens=completion_tokens,
+    sharing = decide_shared_prompts("auto", model, device=str(device), rows=4, packed=8, prompt_tokens=64, completion_tokens=completion_tokens,
                                     autocast_dtype=autocast, eager=False, threads=torch.get_num_threads(), cache=None)
     trainer = Trainer(model, learning_rate=1e-6, micro_batch_size=8, autocast_dtype=autocast, share_prompts=sharing.share)
     trainer.step(samples)

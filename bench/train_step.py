@@ -8,7 +8,10 @@ model's eager attention where every layer's attention probabilities fit `EAGER_A
 (`hivespec.node.model.attention`).
 This times one step on the embedded model both ways, interleaved in one process, for groups of
 --small (the hetero bench's fast node: 2 completions of 1 prompt) and --large samples (the
-`public` preset: 8 completions of each prompt), and says what eager attention costs in accuracy:
+`public` preset: 8 completions of each prompt), and for a round of --round-groups groups of --large
+(micro batches of max(8, --large), as a node's: whole rows of several prompts fill a micro batch, a
+shared one holds one prompt's samples; `--large 4` is the demo's round of 4 x 4). It says whether the
+node's start-up decision (`decide_shared_prompts`) agrees with the round measured here, and what eager attention costs in accuracy:
 the mean |log-prob error| of the trainer's bf16-autocast log-probs against float32, with SDPA and
 with eager attention.
 
@@ -20,8 +23,11 @@ behaviour log-probs are set to the trainer's own before each step (weights 1: ev
     python bench/train_step.py --quick --device cuda   # on a GPU: "now" keeps the model's own attention there
 
 Ends with ``RESULT {json}``: best seconds per group size and way (`small_before_s`, `small_now_s`,
-`large_before_s`, `large_now_s`), `small_speedup`, `large_speedup`, the split of each speedup
-(`eager_only_s`: eager attention without the shared prompt), `logp_error` (sdpa, eager) and the machine.
+`large_before_s`, `large_now_s`, `round_*`), `small_speedup`, `large_speedup`, `round_speedup`, the split of each
+speedup (`eager_only_s`: eager attention without the shared prompt), `round_shared_vs_whole` (the round's step with
+the prompt once over every row whole, both on the node's attention), `node_shares_prompts` and `decision_agrees`
+(it shares where that ratio is below 1 and keeps rows whole where it is above MARGIN; between, either is right),
+`logp_error` (sdpa, eager) and the machine.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch
 from hivespec.kernels.host_transfer import synchronize
 from hivespec.node.model.attention import decide_shared_prompts
 from hivespec.node.model.loader import configure_threads, load_model
-from hivespec.node.model.precision import cpu_facts
+from hivespec.node.model.precision import MARGIN, cpu_facts
 from hivespec.node.training.trainer import Trainer, TrainSample
 
 
@@ -47,7 +53,8 @@ def ways(device: torch.device) -> dict[str, tuple[bool, bool]]:
     return {"before": (False, False), "eager_only": (False, True), "now": (True, device.type == "cpu")}
 
 
-def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, completion_tokens: int, seed: int) -> list[TrainSample]:
+def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, completion_tokens: int, seed: int,
+                  name: str = "g") -> list[TrainSample]:
     """`size` completions of one random prompt, sampled from the model; rewards alternate so every sample has an advantage."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=generator)
@@ -62,7 +69,7 @@ def sampled_group(model: torch.nn.Module, size: int, prompt_tokens: int, complet
         completion = out[row, prompt_tokens:].tolist()
         if model.config.eos_token_id in completion:  # generate pads a finished row with eos
             completion = completion[: completion.index(model.config.eos_token_id) + 1]
-        group.append(TrainSample(prompt.tolist(), completion, [0.0] * len(completion), float(row % 2), "g"))
+        group.append(TrainSample(prompt.tolist(), completion, [0.0] * len(completion), float(row % 2), name))
     return group
 
 
@@ -92,6 +99,7 @@ def main() -> None:
     parser.add_argument("--completion-tokens", type=int, default=96, help="at most this many tokens a completion (the presets' max_completion_length)")
     parser.add_argument("--small", type=int, default=2, help="samples of a small group")
     parser.add_argument("--large", type=int, default=8, help="samples of a large group")
+    parser.add_argument("--round-groups", type=int, default=4, help="groups of --large samples in a round (the presets' prompts_per_round)")
     args = parser.parse_args()
     configure_threads(args.threads)
     device = torch.device(args.device)
@@ -101,10 +109,13 @@ def main() -> None:
     cpu = cpu_facts()["cpu"]
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {where}, {cpu}, "
           f"torch {torch.__version__}, trainer autocast bfloat16", flush=True)
-    trainers = {way: Trainer(model, learning_rate=1e-6, micro_batch_size=max(8, args.large), autocast_dtype=torch.bfloat16,
+    micro_batch_size = max(8, args.large)
+    trainers = {way: Trainer(model, learning_rate=1e-6, micro_batch_size=micro_batch_size, autocast_dtype=torch.bfloat16,
                              share_prompts=share, eager_attention=eager) for way, (share, eager) in ways(device).items()}
     groups = {kind: sampled_group(model, size, args.prompt_tokens, args.completion_tokens, seed=size)
               for kind, size in (("small", args.small), ("large", args.large))}
+    groups["round"] = [sample for g in range(args.round_groups)
+                       for sample in sampled_group(model, args.large, args.prompt_tokens, args.completion_tokens, seed=100 + g, name=f"g{g}")]
     # On the loaded weights, before the timed steps move them (each way's trainer steps the same model).
     errors = logp_error(model, groups["large"])
     print(f"mean |log-prob error| against float32, bf16 autocast: sdpa {errors['sdpa']}, eager {errors['eager']}", flush=True)
@@ -124,19 +135,28 @@ def main() -> None:
                 key = f"{kind}_{way}_s"
                 if repeat:
                     best[key] = min(best.get(key, float("inf")), seconds)
-        print(f"{kind} group of {size} ({tokens} completion tokens): " + ", ".join(f"{way} {best[f'{kind}_{way}_s']:.3f} s" for way in trainers),
+        print(f"{kind} ({size} samples, {tokens} completion tokens): " + ", ".join(f"{way} {best[f'{kind}_{way}_s']:.3f} s" for way in trainers),
               flush=True)
-    sharing = decide_shared_prompts("auto", model, device=str(device), rows=args.large, prompt_tokens=args.prompt_tokens,
+    sharing = decide_shared_prompts("auto", model, device=str(device), rows=args.large, packed=micro_batch_size, prompt_tokens=args.prompt_tokens,
                                     completion_tokens=args.completion_tokens, autocast_dtype=torch.bfloat16,
                                     eager=device.type == "cpu", threads=args.threads, cache=None)
     print(sharing.describe(), flush=True)
+    # The shared prompt alone: "now" and the whole way on the same attention (eager on a CPU, the model's own on a GPU).
+    whole = "eager_only" if device.type == "cpu" else "before"
+    ratio = best["round_now_s"] / best[f"round_{whole}_s"]
+    agrees = ratio < 1 if sharing.share else ratio > MARGIN
+    print(f"a round of {args.round_groups} x {args.large}: the prompt once {ratio:.3f}x of every row whole; the node "
+          f"{'shares' if sharing.share else 'keeps rows whole'}: {'agrees' if agrees else 'DISAGREES'}", flush=True)
     result = {
         **{key: round(value, 3) for key, value in best.items()},
         "small_speedup": round(best["small_before_s"] / best["small_now_s"], 2),
         "large_speedup": round(best["large_before_s"] / best["large_now_s"], 2),
+        "round_speedup": round(best["round_before_s"] / best["round_now_s"], 2),
+        "round_shared_vs_whole": round(ratio, 3),
         "logp_error": errors,
         "node_shares_prompts": sharing.share,
-        "groups": {"small": args.small, "large": args.large},
+        "decision_agrees": agrees,
+        "groups": {"small": args.small, "large": args.large, "round": [args.round_groups, args.large], "micro_batch": micro_batch_size},
         "repeats": repeats, "threads": args.threads, "cpu": cpu, "device": where if device.type == "cuda" else "cpu",
         "tokens": {"prompt": args.prompt_tokens, "completion_max": args.completion_tokens},
     }

@@ -30,7 +30,9 @@ every row but one, for one more forward: on the 2-core EPYC 8 completions of a 6
 trained in 2.75 s instead of 4.06 (with eager attention), while on an H100, where a 135M model's
 step is kernel launches, the same step took 0.204 s instead of 0.124. So ``train.share_prompts:
 auto`` decides by measurement too (`decide_shared_prompts`: a forward and backward of 1- and 2-layer
-copies both ways, on this device, at a group's rows, taken to the model's depth).
+copies both ways, on this device, taken to the model's depth and compared per sample: a group's rows with
+the prompt once against a full micro batch of whole rows, since whole rows of several prompts fill a micro
+batch and a shared one holds one prompt's).
 """
 
 from __future__ import annotations
@@ -236,23 +238,30 @@ _SHARING_BUDGET_S = 1.5
 
 
 def measure_shared_prompt(
-    model: torch.nn.Module, rows: int, prompt_tokens: int, completion_tokens: int, autocast_dtype: torch.dtype | None,
-    implementation: str | None, *, budget_s: float = _SHARING_BUDGET_S,
+    model: torch.nn.Module, rows: int, packed: int, prompt_tokens: int, completion_tokens: int,
+    autocast_dtype: torch.dtype | None, eager: bool, *, budget_s: float = _SHARING_BUDGET_S,
 ) -> dict[str, float]:
-    """Seconds of a forward and backward of `rows` completions of one prompt through fresh copies of `model`'s
-    architecture with 1 and 2 layers (`SHARING_RUNS`): every row whole, and the prompt once (`hidden_states`), under
-    `autocast_dtype` with attention `implementation` (None: the model's own). Two depths, because the shared way's
-    costs outside the layers (a second embedding lookup, the keys' repeat) weigh on a 2-layer copy as they do not
-    on the whole model: `predicted_seconds` takes the cost per layer from their difference."""
+    """Seconds of a forward and backward through fresh copies of `model`'s architecture with 1 and 2 layers
+    (`SHARING_RUNS`), each way as a round's micro batches run it: every row whole, `packed` rows of a
+    `prompt_tokens + completion_tokens` sequence (whole rows fill a micro batch whatever their prompts), and the
+    prompt once, `rows` completions of one prompt (`hidden_states`; a shared micro batch holds one prompt's samples),
+    under `autocast_dtype`, each with the attention its micro batch runs (`eager`: where the trainer may run eager). Two
+    depths, because the shared way's costs outside the layers (a second embedding lookup, the keys' repeat) weigh on a
+    2-layer copy as they do not on the whole model: `predicted_seconds` takes the cost per layer from their difference."""
+    kernel = MicroBatchAttention.for_model(model, eager=eager)
+    whole_kernel = kernel.choose(packed, prompt_tokens + completion_tokens, prompt_tokens + completion_tokens)
+    shared_kernel = kernel.choose(rows, completion_tokens, prompt_tokens + completion_tokens)
     runs = {}
     for layers in (1, 2):
         small = _training_copy(model, layers)
-        whole = _random_ids(small, rows, prompt_tokens + completion_tokens)
-        prompt, completions = whole[:1, :prompt_tokens], whole[:, prompt_tokens:]
-        mask = torch.ones_like(whole)
-        mask[1:, prompt_tokens + completion_tokens * 3 // 4 :] = 0  # completions of unequal lengths, padded
-        runs[f"whole-{layers}"] = _backward_timer(small, autocast_dtype, implementation, lambda b, w=whole, m=mask: hidden_states(b, w, m))
-        runs[f"shared-{layers}"] = _backward_timer(small, autocast_dtype, implementation,
+        whole = _random_ids(small, packed, prompt_tokens + completion_tokens)
+        whole_mask = torch.ones_like(whole)
+        whole_mask[1:, prompt_tokens + completion_tokens * 3 // 4 :] = 0  # completions of unequal lengths, padded
+        group = whole[:rows]
+        prompt, completions, mask = group[:1, :prompt_tokens], group[:, prompt_tokens:], whole_mask[:rows]
+        runs[f"whole-{layers}"] = _backward_timer(small, autocast_dtype, whole_kernel,
+                                                  lambda b, w=whole, m=whole_mask: hidden_states(b, w, m))
+        runs[f"shared-{layers}"] = _backward_timer(small, autocast_dtype, shared_kernel,
                                                    lambda b, c=completions, m=mask, p=prompt: hidden_states(b, c, m, p))
     return _alternate(runs, budget_s)
 
@@ -329,31 +338,39 @@ class SharingChoice:
 
 
 def decide_shared_prompts(
-    requested: bool | Literal["auto"], model: torch.nn.Module, *, device: str, rows: int, prompt_tokens: int,
+    requested: bool | Literal["auto"], model: torch.nn.Module, *, device: str, rows: int, packed: int, prompt_tokens: int,
     completion_tokens: int, autocast_dtype: torch.dtype | None, eager: bool, threads: int, cache: Path | None,
 ) -> SharingChoice:
-    """Whether the trainer shares a group's prompt (see the module docstring): measured on this device at `rows`
-    samples of one prompt (at least SHARED_PROMPT_MIN_SAMPLES) with the attention a micro batch of them runs;
-    shared where it takes at most MARGIN of every row whole's time. `model` is the trainer's."""
+    """Whether the trainer shares a group's prompt (see the module docstring), measured on this device per sample as a
+    round's micro batches run: `rows` samples of one prompt (at least SHARED_PROMPT_MIN_SAMPLES) a micro batch with
+    the prompt once, against `packed` (at least `rows`) whole rows of any prompts a micro batch. Shared where a sample
+    takes at most MARGIN of a whole row's time. `model` is the trainer's; `eager`: the trainer may run eager attention.
+
+    Per sample, because a shared micro batch holds one prompt's samples and whole rows fill the micro batch: with
+    groups of 4 and micro batches of 8, a round runs twice as many micro batches the shared way. On the 2-core Xeon
+    (AMX) a group's step alone measured the prompt once at 0.935x of every row whole, and the node that chose it
+    ran its demo in 252-289 s against 204 s."""
     if requested != "auto":
         return SharingChoice(bool(requested), "explicit", "train.share_prompts in the config")
     rows = max(rows, SHARED_PROMPT_MIN_SAMPLES)
-    implementation = MicroBatchAttention.for_model(model, eager=eager).choose(rows, completion_tokens, prompt_tokens + completion_tokens)
+    packed = max(packed, rows)
     autocast = str(autocast_dtype).removeprefix("torch.") if autocast_dtype is not None else "off"
+    attention = "eager" if MicroBatchAttention.for_model(model, eager=eager).cells_per_token_pair else "own"
     place = torch.device(device)
     machine = torch.cuda.get_device_name(place) if place.type == "cuda" else cpu_facts()["cpu"]
     shape = ModelShape.of(model.config)
     seconds, cached = cached_measurement(
-        f"shared-prompt-{place.type}-{machine}-{autocast}-{implementation or 'own'}-{prompt_tokens}-{completion_tokens}",
+        f"shared-prompt-{place.type}-{machine}-{autocast}-{attention}-{prompt_tokens}-{completion_tokens}-packed{packed}",
         shape, rows, threads, cache, names=SHARING_RUNS,
-        measure=lambda: measure_shared_prompt(model, rows, prompt_tokens, completion_tokens, autocast_dtype, implementation),
+        measure=lambda: measure_shared_prompt(model, rows, packed, prompt_tokens, completion_tokens, autocast_dtype, eager),
     )
     layers = shape.layers
-    whole, shared = (predicted_seconds(seconds, way, layers) for way in ("whole", "shared"))
+    whole = predicted_seconds(seconds, "whole", layers) / packed
+    shared = predicted_seconds(seconds, "shared", layers) / rows
     where = machine if place.type == "cuda" else f"{threads} thread(s); {machine}"
-    reason = (f"forward+backward of {rows} completions of {completion_tokens} tokens on one {prompt_tokens}-token prompt, "
-              f"autocast {autocast}, timed through 1 and 2 layers and taken to {layers}: every row whole {whole * 1e3:.0f} ms, "
-              f"the prompt once {shared * 1e3:.0f} ms; {where}")
+    reason = (f"forward+backward per sample of {completion_tokens}-token completions of {prompt_tokens}-token prompts, "
+              f"autocast {autocast}, timed through 1 and 2 layers and taken to {layers}: every row whole in micro batches "
+              f"of {packed} {whole * 1e3:.0f} ms, the prompt once for {rows} of a prompt {shared * 1e3:.0f} ms; {where}")
     return SharingChoice(shared <= MARGIN * whole, "cached" if cached else "measured", reason)
 
 
@@ -375,7 +392,7 @@ def resolve_attention(
 ) -> AttentionPlan:
     """Every choice of a node (see the module docstring), as `build_node` and `hivespec doctor` ask for them: the
     native engine's attention on its model (`engine_model`, not switched here; none for vLLM), the trainer's at a micro
-    batch, and the shared prompt at a group of the node's completions. `requested` (model.attention,
+    batch, and the shared prompt at a group of the node's completions against a micro batch of whole rows. `requested` (model.attention,
     train.share_prompts) replaces the config's: doctor asks what "auto" would pick."""
     model, rollout = config.model, config.rollout
     attention, share_prompts = requested or (model.attention, config.train.share_prompts)
@@ -388,6 +405,6 @@ def resolve_attention(
     trainer = decide_trainer(attention, trainer_model, device=model.device, threads=threads, cache=cache, rows=micro_batch_size,
                              tokens=PROMPT_TOKENS + rollout.max_completion_length, autocast_dtype=autocast_dtype)
     sharing = decide_shared_prompts(share_prompts, trainer_model, device=model.device, threads=threads, cache=cache,
-                                    rows=min(rollout.num_generations, micro_batch_size), prompt_tokens=PROMPT_TOKENS,
+                                    rows=min(rollout.num_generations, micro_batch_size), packed=micro_batch_size, prompt_tokens=PROMPT_TOKENS,
                                     completion_tokens=rollout.max_completion_length, autocast_dtype=autocast_dtype, eager=trainer.eager)
     return AttentionPlan(engine, trainer, sharing)

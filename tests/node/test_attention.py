@@ -85,8 +85,8 @@ def test_auto_follows_the_measured_numbers(tiny, tmp_path, engine, trainer, engi
     assert [c.eager for c in choices] == [engine_eager, trainer_eager]
 
 
-def _sharing(model, cache, requested="auto", rows=2):
-    return attention.decide_shared_prompts(requested, model, device="cpu", rows=rows, prompt_tokens=8, completion_tokens=6,
+def _sharing(model, cache, requested="auto", rows=2, packed=4):
+    return attention.decide_shared_prompts(requested, model, device="cpu", rows=rows, packed=packed, prompt_tokens=8, completion_tokens=6,
                                            autocast_dtype=None, eager=False, threads=THREADS, cache=cache)
 
 
@@ -97,7 +97,9 @@ def test_sharing_a_prompt_is_explicit_or_measured_once_at_a_group_of_at_least_fo
         assert choice.share is requested and choice.source == "explicit"
     assert not cache.exists()
     first = _sharing(tiny, cache)
-    assert first.source == "measured" and f"{attention.SHARED_PROMPT_MIN_SAMPLES} completions" in first.reason  # 2 rows: measured at 4
+    # 2 rows of a prompt: measured at 4, and whole rows in micro batches of at least as many
+    assert first.source == "measured" and f"the prompt once for {attention.SHARED_PROMPT_MIN_SAMPLES} of a prompt" in first.reason
+    assert "micro batches of 4" in first.reason
     (entry,) = json.loads(cache.read_text()).values()
     assert min(entry[name] for name in attention.SHARING_RUNS) > 0
     second = _sharing(tiny, cache)
@@ -105,23 +107,28 @@ def test_sharing_a_prompt_is_explicit_or_measured_once_at_a_group_of_at_least_fo
 
 
 @pytest.mark.parametrize(
-    ("timings", "share"),
+    ("timings", "packed", "share"),
     [
         # (1 layer, 2 layers) per way. The 2-core EPYC, 8 completions of a 64-token prompt, bf16 autocast: at 2 layers
         # the prompt once costs 0.92x; taken to 30 layers, 0.68x.
-        (((0.123, 0.232), (0.140, 0.212)), True),
-        (((0.060, 0.062), (0.110, 0.113)), False),  # a GPU: one more forward costs more than the tokens it saves
-        (((0.100, 0.200), (0.095, 0.190)), False),  # within the margin: every row whole
-        (((0.100, 0.095), (0.050, 0.049)), True),  # noise below the cost of a layer: taken as 0 per layer
+        (((0.123, 0.232), (0.140, 0.212)), 4, True),
+        (((0.060, 0.062), (0.110, 0.113)), 4, False),  # a GPU: one more forward costs more than the tokens it saves
+        (((0.100, 0.200), (0.095, 0.190)), 4, False),  # within the margin: every row whole
+        (((0.100, 0.095), (0.050, 0.049)), 4, True),  # noise below the cost of a layer: taken as 0 per layer
+        # Per sample: 8 whole rows a micro batch in 1.6x the time of 4 (whole-*: 8 rows), against the prompt once for 4
+        # at 0.85x of 4 whole rows: faster for one group, slower for a round (twice the micro batches).
+        (((0.160, 0.320), (0.085, 0.170)), 8, False),
+        (((0.160, 0.320), (0.060, 0.120)), 8, True),  # 4 shared at 0.6x of 4 whole: 0.75x of a whole row's time
     ],
 )
-def test_sharing_follows_the_numbers_taken_to_the_models_depth(tiny, tmp_path, timings, share):
+def test_sharing_follows_the_numbers_per_sample_taken_to_the_models_depth(tiny, tmp_path, timings, packed, share):
     cache = tmp_path / "precision.json"
     tiny.config.num_hidden_layers = 30  # the depth the timings are taken to (nothing runs it: the cache answers)
-    key = measurement_key(f"shared-prompt-cpu-{cpu_facts()['cpu']}-off-own-8-6", ModelShape.of(tiny.config), 4, THREADS, cpu_facts())
+    name = f"shared-prompt-cpu-{cpu_facts()['cpu']}-off-own-8-6-packed{packed}"
+    key = measurement_key(name, ModelShape.of(tiny.config), 4, THREADS, cpu_facts())
     (w1, w2), (s1, s2) = timings
     cache.write_text(json.dumps({key: {"whole-1": w1, "whole-2": w2, "shared-1": s1, "shared-2": s2}}))
-    choice = _sharing(tiny, cache)
+    choice = _sharing(tiny, cache, packed=packed)
     assert choice.source == "cached" and choice.share is share
     assert attention.predicted_seconds({"x-1": 0.123, "x-2": 0.232}, "x", 30) == pytest.approx(0.123 + 29 * 0.109)
 
