@@ -19,6 +19,7 @@ and never touches the engine. Gossip is passed per call: the supervisor may rebu
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from hivespec.node.training.store import RolloutStore
     from hivespec.protocol.identity import Identity
 
+log = logging.getLogger(__name__)
 
 _POLL_MIN_S, _POLL_MAX_S = 0.2, 1.0  # while expected_peers' batches are awaited, index reads back off
 _YIELD_MEMORY = 0.3  # weight of the latest fetched batch in the informative-samples-per-batch average
@@ -149,6 +151,8 @@ class RoundExchange:
                 # K: in a hetero run the fast node had fetched one batch, all flat, and trained on nothing foreign.
                 if not fetched or short is None or short <= 0:
                     return admissions
+                log.info("round %d: the batches fetched left room for %d informative foreign samples; fetching again "
+                         "(%d of %d batches left this step)", round_index, short, left, swarm.max_foreign_batches)
                 continue
             if len(useful) >= swarm.expected_peers or left <= 0 or time.monotonic() >= deadline:
                 return admissions

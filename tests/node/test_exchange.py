@@ -1,5 +1,6 @@
 """A step's exchange with a live swarm (real hivemind DHT and p2pd on loopback): it fetches what the pool has room for."""
 
+import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -95,7 +96,7 @@ def test_a_step_fetches_what_the_pool_has_room_for(swarm: list[Gossip]) -> None:
     assert len(ours.collect(reader, 2, 0)) == 1 and reader.stats()["bodies_fetched"] == 6
 
 
-def test_a_step_whose_batch_was_flat_fetches_again_at_once_within_k(swarm: list[Gossip]) -> None:
+def test_a_step_whose_batch_was_flat_fetches_again_at_once_within_k(swarm: list[Gossip], caplog: pytest.LogCaptureFixture) -> None:
     """A step that waits for nobody fetches for its pool's room at the yield seen lately; where the batch it got had no
     informative sample (every group one reward), it fetches again in the same call, within K, instead of training on
     nothing foreign. Each trial: one author's new batch is flat, the other's informative, and the step has room for 2
@@ -113,9 +114,15 @@ def test_a_step_whose_batch_was_flat_fetches_again_at_once_within_k(swarm: list[
                                               rollouts=_group(tasks, tokenizer, 200 + trial), policy_version=trial)
         ours.informative_per_batch = 2.0  # the yield seen lately: one batch for a room of 2
         assert ours.pool.room(own_count=2, policy_version=trial) == 2
-        admissions = ours.collect(reader, trial, trial, need=2)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hivespec.node.exchange"):
+            admissions = ours.collect(reader, trial, trial, need=2)
         assert 1 <= len(admissions) <= public.max_foreign_batches and all(a.outcome == "accept" for a in admissions)
         assert ours.pool.room(own_count=2, policy_version=trial) == 0  # the room was filled, flat batch first or not
+        # The log says when a step fetched again (the flat batch came first), and only then.
+        again = [r.getMessage() for r in caplog.records if "fetching again" in r.getMessage()]
+        assert len(again) == len(admissions) - 1
+        assert all(f"round {trial}: the batches fetched left room for 2 informative" in m for m in again)
         # What this trial left unfetched (the flat batch, where the informative one came first) and the pool, emptied:
         # each trial starts from one new batch of each kind.
         ours.collect(reader, trial, trial)
