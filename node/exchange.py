@@ -149,7 +149,7 @@ class RoundExchange:
                 # Nobody to wait for, but where what came had fewer informative samples than the step has room for (a
                 # batch whose groups all had one reward), fetch more at once for the rest (the loop's next `k`), within
                 # K: in a hetero run the fast node had fetched one batch, all flat, and trained on nothing foreign.
-                if not fetched or short is None or short <= 0:
+                if not fetched or short is None or short <= 0 or left <= 0:
                     return admissions
                 log.info("round %d: the batches fetched left room for %d informative foreign samples; fetching again "
                          "(%d of %d batches left this step)", round_index, short, left, swarm.max_foreign_batches)
