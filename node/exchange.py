@@ -125,6 +125,9 @@ class RoundExchange:
             k = left if short is None else batches_to_fetch(short, self.informative_per_batch, left)
             if k <= 0:
                 return admissions
+            if admissions and short is not None:  # a pass after one whose batches fell short (below)
+                log.info("round %d: the batches fetched left room for %d informative foreign samples; fetching again "
+                         "(%d of %d batches left this step)", round_index, short, left, swarm.max_foreign_batches)
             if self.check is not None:
                 self.check("waiting for peers' new batches" if swarm.expected_peers else "fetching peers' batches")
             remaining = max(0.0, deadline - time.monotonic())
@@ -149,10 +152,8 @@ class RoundExchange:
                 # Nobody to wait for, but where what came had fewer informative samples than the step has room for (a
                 # batch whose groups all had one reward), fetch more at once for the rest (the loop's next `k`), within
                 # K: in a hetero run the fast node had fetched one batch, all flat, and trained on nothing foreign.
-                if not fetched or short is None or short <= 0 or left <= 0:
+                if not fetched or short is None or short <= 0:
                     return admissions
-                log.info("round %d: the batches fetched left room for %d informative foreign samples; fetching again "
-                         "(%d of %d batches left this step)", round_index, short, left, swarm.max_foreign_batches)
                 continue
             if len(useful) >= swarm.expected_peers or left <= 0 or time.monotonic() >= deadline:
                 return admissions
