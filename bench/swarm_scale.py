@@ -106,7 +106,7 @@ UNCLEAN = ("Traceback", "Task was destroyed", "was never retrieved", "gossip shu
 COUNTERS = ("bytes_in", "bytes_out", "bodies_served", "bodies_fetched", "bodies_fetched_from_relay", "dht_gets", "dht_stores",
             "dht_get_timeouts", "records_read", "index_keys_read", "sample_candidates", "sample_chosen", "fetch_failures",
             "peer_hangups", "reannounced", "relay_records", "published", "announce_store_failed", "bad_records", "bad_bodies",
-            "dht_key_full_refused", "unfetchable_skipped", "circuit_retries")
+            "dht_key_full_refused", "unfetchable_skipped", "circuit_retries", "false_informative_claims")
 RPCS = ("call_find", "call_store", "call_ping")
 SERVED = {"rpc_find": "find_bytes", "rpc_store": "store_bytes", "rpc_ping": "ping_bytes"}  # handler -> its counter
 RPC_COUNTS = (*RPCS, "find_records", *SERVED.values(), "finds_served", "records_served")
@@ -230,12 +230,15 @@ class LightNode:
 
     def __init__(self, index: int, plan: dict, config: object) -> None:
         from hivespec.node.swarm.gossip import Gossip
+        from hivespec.protocol.advantages import informative_samples
         from hivespec.protocol.identity import Identity
 
         self.index, self.period, self.first_size = index, plan["period"], plan["first_size"]
         self.identity = Identity.generate()
         self.gossip = Gossip(self.identity, config)
         self._batches = [_batch_body(size, index)[1] for size in SIZES]
+        # Announced with each batch, as a node's exchange does: a reader's fetch checks it against the body before relaying.
+        self._informative = [informative_samples(batch.rollouts) for batch in self._batches]
         self.steps: list[dict] = []
         self.errors: Counter = Counter()
 
@@ -245,8 +248,11 @@ class LightNode:
         from hivespec.protocol.envelope import Kind, seal
         from hivespec.protocol.rollout import encode_batch
 
-        batch = self._batches[(self.first_size + seq) % len(SIZES)]  # the sizes alternate step by step
+        batch = self._batches[self._size_of(seq)]
         return seal(self.identity, Kind.ROLLOUTS, seq, encode_batch(dataclasses.replace(batch, round=seq, policy_version=seq)))
+
+    def _size_of(self, seq: int) -> int:
+        return (self.first_size + seq) % len(SIZES)  # the sizes alternate step by step
 
     def counters(self) -> dict:
         stats = self.gossip.stats()
@@ -276,7 +282,7 @@ class LightNode:
             body = self.body(seq)
             clock = time.monotonic()
             try:
-                self.gossip.publish_rollouts(body, version=seq)
+                self.gossip.publish_rollouts(body, version=seq, informative=self._informative[self._size_of(seq)])
             except GossipError as exc:
                 self.errors[f"publish: {str(exc)[:80]}"] += 1
             publish_s = time.monotonic() - clock
@@ -855,6 +861,7 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         "authors_heard_share": round(sum(1 for node in nodes if heard[node["index"]]) / n, 3),
         "age_p50_s": _percentile(ages, 0.5), "age_p95_s": _percentile(ages, 0.95),
         "bad_bodies": sum(s["bad"] for s in steps) + delta["bad_bodies"], "fetch_failures": delta["fetch_failures"],
+        "false_informative_claims": delta["false_informative_claims"],  # an honest swarm's: 0 (each is a holder's lie)
         # Behind NAT: candidates no holder could serve us (not chosen), and streams re-asked after a circuit reset.
         "unfetchable_per_step": round(delta["unfetchable_skipped"] / node_steps, 2), "circuit_retries": delta["circuit_retries"],
         "dht_get_timeouts": delta["dht_get_timeouts"], "peer_hangups": delta["peer_hangups"],

@@ -8,7 +8,8 @@ returns at once: a node never waits for another. It fetches what the next step c
 more (`batches_to_fetch`): enough batches for the informative samples the pool still has room for
 (`ForeignPool.room`), at the informative samples per batch seen lately, at most
 ``max_foreign_batches``; none while the pool holds enough; again at once for what is still missing
-where a batch brought less than that (its groups all had one reward), within the same K. (Fetching
+where the batches brought less than that, within the same K; never a batch whose record says none of
+its samples carries a gradient (`publish` announces that count, and a reader's fetch checks it). (Fetching
 K every step, a node whose peers' batches are as large as its foreign budget downloaded and
 verified K times what it trained on, and the surplus aged out of the pool.) Only a small swarm of equal nodes may set
 ``expected_peers``: then a step fetches up to K and waits, at most ``round_timeout``, until that
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hivespec.node.training.store import StoredRollout
+from hivespec.protocol.advantages import informative_samples
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
 
@@ -93,7 +95,8 @@ class RoundExchange:
         self.informative_per_batch: float | None = None  # moving average over fetched batches (a refused one brings 0)
 
     def publish(self, gossip: Gossip, round_index: int, rollouts: Sequence[Rollout], policy_version: int) -> None:
-        """Journal our round's rollouts, then sign the batch and offer it to the swarm."""
+        """Journal our round's rollouts, then sign the batch and offer it to the swarm, saying how many of its samples
+        carry a gradient (readers fetching for room to train skip a batch that has none)."""
         batch = RolloutBatch(round=round_index, policy_version=policy_version, fingerprint=self.fingerprint, rollouts=tuple(rollouts))
         self._seq += 1
         body = seal(self.identity, Kind.ROLLOUTS, self._seq, encode_batch(batch))
@@ -103,7 +106,8 @@ class RoundExchange:
                                        own=True, received_at=now)
             for r in rollouts
         ])
-        gossip.publish_rollouts(body, version=policy_version)  # journaled first: a crash here loses nothing we made
+        # journaled first: a crash here loses nothing we made
+        gossip.publish_rollouts(body, version=policy_version, informative=informative_samples(rollouts))
 
     def collect(self, gossip: Gossip, round_index: int, policy_version: int, *, need: int | None = None) -> list[Admission]:
         """Admit fresh peers' batches: enough for `need` more informative samples (None: as many as allowed), at most
@@ -137,6 +141,9 @@ class RoundExchange:
                 k=k, max_age_s=self.intake.staleness_seconds, version_ok=self.intake.version_window(policy_version),
                 # A step that waits for each peer's next batch takes one an author: a second would be the next step's.
                 fill=not swarm.expected_peers,
+                # Fetching for room to train: a batch its record calls flat would bring nothing to train (the pool keeps
+                # no flat group unless the trainer takes them for its statistics).
+                informative_only=short is not None and not self.pool.take_flat,
                 # short while waiting: a stop is seen within a second or two
                 timeout=min(swarm.request_timeout, max(1.0, remaining)) if swarm.expected_peers else swarm.request_timeout,
             )
@@ -149,9 +156,10 @@ class RoundExchange:
                 if short is not None:
                     short -= informative
             if not swarm.expected_peers:
-                # Nobody to wait for, but where what came had fewer informative samples than the step has room for (a
-                # batch whose groups all had one reward), fetch more at once for the rest (the loop's next `k`), within
-                # K: in a hetero run the fast node had fetched one batch, all flat, and trained on nothing foreign.
+                # Nobody to wait for, but where what came had fewer informative samples than the step has room for (fewer
+                # a batch than seen lately, or a batch from a holder that did not say), fetch more at once for the rest
+                # (the loop's next `k`), within K: in a hetero run the fast node had fetched one batch, all flat, and
+                # trained on nothing foreign.
                 if not fetched or short is None or short <= 0:
                     return admissions
                 continue

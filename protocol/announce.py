@@ -9,10 +9,13 @@ One record per holder per DHT key, stored under subkey = the holder's peer id an
      "maddrs": [str],     # the holder's multiaddrs, at most MAX_MADDRS
      "items": [{"author": str, "sha256": bin32, "size": int,          # 1..MAX_ITEMS bodies
                 "born": float,      # when its author sealed it (unix s): readers pick by recency
-                "version": int}]}   # the author's policy version then (-1: not a policy's output)
+                "version": int,     # the author's policy version then (-1: not a policy's output)
+                "informative": int}]}  # its samples with a GRPO gradient (`rollout.informative_samples`); -1: not said
 
 A holder is the author of its first item or a peer that fetched and verified the body and now
-serves it too, so a body outlives its author. Binding the key and the expiration into the signed
+serves it too, so a body outlives its author. `informative` is a count any holder can check
+against the body (the batch's rewards, which every reader recomputes): a relay copies the claim
+only once the body it fetched bears it out, so a false one is its record's signer's lie. Binding the key and the expiration into the signed
 bytes is what hivemind's own `RSASignatureValidator` does (it signs key, subkey, value and
 expiration): without it anyone could copy a valid record under another slot or re-store it with
 a far-future expiration, which the DHT would prefer over the owner's newer record.
@@ -38,18 +41,22 @@ MAX_MADDRS = 8
 MAX_KEY_LEN = 256
 MAX_MADDR_LEN = 256
 _KEYS = frozenset({"key", "expires", "p2p", "maddrs", "items"})
-_ITEM_KEYS = frozenset({"author", "sha256", "size", "born", "version"})
+_ITEM_KEYS = frozenset({"author", "sha256", "size", "born", "version", "informative"})
 MAX_VERSION = 2**53
+MAX_INFORMATIVE = 2**16  # above any batch's rollouts (limits.max_rollouts_per_batch)
 _PEER_ID = re.compile(rf"{PEER_ID_PREFIX}[0-9a-f]{{16}}")
 _BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
 @dataclass(frozen=True)
 class AnnouncedBody:
-    """One body a holder serves: its author's peer id, sha256, size in bytes, when the author made it and from which policy.
+    """One body a holder serves: its author's peer id, sha256, size in bytes, when the author made it, from which
+    policy, and how many of its samples carry a gradient.
 
-    `born` and `version` are the holder's claim (an author's own, or copied by a relay); intake
-    checks the signed envelope's timestamp and the batch's version, so a lie here wastes one fetch.
+    `born`, `version` and `informative` are the holder's claim (an author's own, or copied by a relay); intake
+    checks the signed envelope's timestamp and the batch's version, and the fetcher the informative count
+    (`rollouts.RolloutGossip`), so a lie here wastes one fetch and costs its holder's score. `informative`
+    is -1 where the holder does not say (a body that is not a rollout batch).
     """
 
     author: str
@@ -57,6 +64,7 @@ class AnnouncedBody:
     size: int
     born: float = 0.0
     version: int = -1
+    informative: int = -1
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,8 @@ def encode_announce(announce: Announce) -> bytes:
             "p2p": announce.p2p,
             "maddrs": list(announce.maddrs[:MAX_MADDRS]),
             "items": [
-                {"author": i.author, "sha256": i.sha256, "size": int(i.size), "born": float(i.born), "version": int(i.version)}
+                {"author": i.author, "sha256": i.sha256, "size": int(i.size), "born": float(i.born), "version": int(i.version),
+                 "informative": int(i.informative)}
                 for i in announce.items
             ],
         }
@@ -133,7 +142,8 @@ def _text(value: object, what: str, max_len: int) -> str:
 
 def _item(obj: object, max_body_bytes: int) -> AnnouncedBody:
     m = check_keys(obj, _ITEM_KEYS, "announce item")
-    author, digest, size, born, version = m["author"], m["sha256"], m["size"], m["born"], m["version"]
+    author, digest, size, born, version, informative = (m["author"], m["sha256"], m["size"], m["born"], m["version"],
+                                                        m["informative"])
     if not isinstance(author, str) or not _PEER_ID.fullmatch(author):
         raise Reject(Reason.BAD_VALUE, f"item author {author!r:.40} is not a hivespec peer id")
     if not isinstance(digest, bytes) or len(digest) != 32:
@@ -144,7 +154,9 @@ def _item(obj: object, max_body_bytes: int) -> AnnouncedBody:
         raise Reject(Reason.BAD_VALUE, f"item born {born!r:.40} is not a finite time")
     if isinstance(version, bool) or not isinstance(version, int) or not -1 <= version < MAX_VERSION:
         raise Reject(Reason.BAD_VALUE, f"item version {version!r:.40} outside -1..2^53")
-    return AnnouncedBody(author, digest, size, born, version)
+    if isinstance(informative, bool) or not isinstance(informative, int) or not -1 <= informative <= MAX_INFORMATIVE:
+        raise Reject(Reason.BAD_VALUE, f"item informative {informative!r:.40} outside -1..{MAX_INFORMATIVE}")
+    return AnnouncedBody(author, digest, size, born, version, informative)
 
 
 def is_peer_id(value: object) -> bool:

@@ -30,7 +30,7 @@ from hivespec.node.swarm.nat import RELAYED_BODY_LIMIT, is_circuit
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder
 from hivespec.node.swarm.transfer import BadBody, download
-from hivespec.protocol.envelope import open_envelope
+from hivespec.protocol.envelope import Envelope, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.private import PrivateSwarm
 
@@ -177,12 +177,13 @@ class Fetcher:
             self._inflight.discard(claim)
         return None
 
-    def signed_by_author(self, body: bytes, author: str) -> bool:
-        """Whether we may vouch for a fetched body enough to serve it: its envelope is signed by its announced author."""
+    def signed_by_author(self, body: bytes, author: str) -> Envelope | None:
+        """A fetched body's envelope where we may vouch for the body enough to serve it (it is signed by its announced
+        author, not graylisted), else None."""
         if self.peers is not None and self.peers.graylisted(author):
-            return False
+            return None
         verdict, envelope = open_envelope(body, limits=self.limits)
-        return verdict.ok and envelope is not None and envelope.peer_id == author
+        return envelope if verdict.ok and envelope is not None and envelope.peer_id == author else None
 
     async def _download(self, holder: Holder, digest: bytes, size: int, deadline: float) -> bytes:
         """One holder's body within `request_timeout` and `deadline`; a NATed holder's is asked twice if the stream is cut.

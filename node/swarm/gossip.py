@@ -368,8 +368,9 @@ class Gossip:
 
     # ----- rollouts, by recency (rollouts.py) ------------------------------------------------
 
-    def publish_rollouts(self, body: bytes, *, version: int, born: float | None = None) -> None:
-        """Offer `body` (a sealed rollout batch from policy `version`) and announce it in the current bucket's index.
+    def publish_rollouts(self, body: bytes, *, version: int, informative: int = -1, born: float | None = None) -> None:
+        """Offer `body` (a sealed rollout batch from policy `version`) and announce it in the current bucket's index, with
+        how many of its samples carry a gradient (`protocol.advantages.informative_samples`; -1: not said).
 
         Raises ValueError if the body is larger than max_body_bytes, GossipError if the DHT store
         does not finish within request_timeout.
@@ -377,20 +378,22 @@ class Gossip:
         self._require_started()
         rollouts = self.rollouts
         item, wire = rollouts.own_body(self._check_size(body), context=rollouts.context, born=time.time() if born is None else born,
-                                       version=version)
+                                       version=version, informative=informative)
         self._call(self.rollouts.publish(item, wire), self.request_timeout * 3 + _GRACE_S)
 
     def sample_rollouts(
         self, *, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None = None, fill: bool = False,
+        informative_only: bool = False,
     ) -> list[Fetched]:
         """Fetch up to `k` fresh batches we have not fetched before, chosen from the index (`RolloutGossip.sample`).
 
         At most `swarm.max_batches_per_peer` per author (with `fill`, authors' further batches take the slots that
-        leaves empty); only batches younger than `max_age_s` whose policy version `version_ok` accepts. Returns what
-        arrived within `timeout`.
+        leaves empty); only batches younger than `max_age_s` whose policy version `version_ok` accepts, and with
+        `informative_only` none whose record says no sample of it carries a gradient. Returns what arrived within `timeout`.
         """
         self._require_started()
-        return self._call(self.rollouts.sample(k, max_age_s, timeout, version_ok, fill=fill), timeout + _GRACE_S)
+        return self._call(self.rollouts.sample(k, max_age_s, timeout, version_ok, fill=fill, informative_only=informative_only),
+                          timeout + _GRACE_S)
 
     # ----- slots: the weight topics (slots.py) -----------------------------------------------
 

@@ -47,7 +47,10 @@ first l bits of sha256(its peer id).
   quota leaves empty, where fewer than K authors have a fresh batch (a small swarm), go to authors'
   further batches in the same draw's order: with no other author left there is nobody to crowd out. A
   step that waits for each peer's next batch (`swarm.expected_peers`) leaves it off: an author's
-  second batch would be the one its next step waits for.
+  second batch would be the one its next step waits for. With `informative_only`, a batch whose
+  record says none of its samples carries a gradient (every group one reward) is not drawn: a step
+  fetching for room in its pool would train on nothing of it (a slow node's step had spent its K
+  on four such batches). The count is the holder's claim, checked on fetch (`rollouts.py`).
 
 Pure functions over plain data (`first_open` over the reads it is given): `rollouts.py` does the DHT reads and
 writes, `fetching.py` the downloads.
@@ -255,19 +258,23 @@ def choose_claims(
     rng: random.Random,
     version_ok: Callable[[int], bool] | None = None,
     fill: bool = False,
+    informative_only: bool = False,
 ) -> list[Candidate]:
     """Up to `k` candidates drawn without replacement, at most `per_author` of one author; with `fill`, where that
     leaves slots empty, authors' further claims in the draw's order (see the module docstring).
 
     `trust(author)` is in [0, 1] (0.5 for a peer we never heard from); a candidate older than
-    `max_age_s`, born in the future by more than a bucket's slack, or whose version `version_ok`
-    refuses, is never chosen. Efraimidis-Spirakis keys (u^(1/w)) give a weighted sample in one sort.
+    `max_age_s`, born in the future by more than a bucket's slack, whose version `version_ok`
+    refuses, or, with `informative_only`, announced with no informative sample, is never chosen
+    (one that does not say, -1, may be). Efraimidis-Spirakis keys (u^(1/w)) give a weighted sample in one sort.
     """
     keyed = []
     for candidate in candidates:
         item = candidate.item
         age = now - item.born
         if not -60.0 <= age <= max_age_s or (version_ok is not None and not version_ok(item.version)):
+            continue
+        if informative_only and item.informative == 0:
             continue
         freshness = max(0.05, 1.0 - max(age, 0.0) / max_age_s)
         weight = candidate.weight * (explore + (1.0 - explore) * min(max(trust(item.author), 0.0), 1.0)) * freshness

@@ -37,13 +37,13 @@ class Machinery:
     request_timeout: float  # seconds one DHT request or body download may take
     spawn: Callable[[Coroutine[Any, Any, Any]], None]  # starts a background task on gossip's loop
 
-    def own_body(self, body: bytes, *, context: str, born: float, version: int) -> tuple[AnnouncedBody, bytes]:
+    def own_body(self, body: bytes, *, context: str, born: float, version: int, informative: int = -1) -> tuple[AnnouncedBody, bytes]:
         """Our announcement of `body` and the bytes we serve for it (AEAD-sealed under `context` in a private swarm).
 
         Any thread: it touches no loop state.
         """
         wire = self.private.seal_body(body, context=context) if self.private is not None else body
-        return AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), born, version), wire
+        return AnnouncedBody(self.identity.peer_id, hashlib.sha256(wire).digest(), len(wire), born, version, informative), wire
 
     def serve_own(self, item: AnnouncedBody, wire: bytes) -> None:
         """Serve our own body from now on, and never fetch it back from a peer that relays it."""

@@ -17,11 +17,16 @@ our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.h
   walk of the swarm (the previous bucket too where the current offers fewer than 2K batches: a
   small swarm, or a bucket's first seconds),
   then at most K fresh batches by peer score with exploration (`index.choose_claims`), at most
-  `max_batches_per_peer` per author (with `fill`, then further ones for slots that leaves empty), among
+  `max_batches_per_peer` per author (with `fill`, then further ones for slots that leaves empty;
+  with `informative_only`, none announced with no sample that carries a gradient), among
   those some holder can serve us (`Fetcher.fetchable`),
   each fetched from any of its holders.
 - **Relaying** (`relay`): a fetched batch signed by its announced author joins our record, so any
-  holder serves it and the author's upload stays bounded as its readers spread it.
+  holder serves it and the author's upload stays bounded as its readers spread it, once the body
+  bears out the informative count its record announced (`claim_holds`; we copy the claim). A holder
+  whose count the body belies is scored down (a reject): the count is a function of the body, so
+  every record that announced it lied, and a node that lists flat batches as informative would
+  otherwise spend its readers' K.
 
 Loop-thread state: only gossip's event loop calls these (`Gossip` is the thread-safe front).
 """
@@ -55,8 +60,12 @@ from hivespec.node.swarm.index import (
 )
 from hivespec.node.swarm.machinery import Machinery
 from hivespec.node.swarm.records import Holder
+from hivespec.protocol.advantages import informative_samples
 from hivespec.protocol.announce import MAX_ITEMS, AnnouncedBody
+from hivespec.protocol.envelope import Envelope
 from hivespec.protocol.keys import MAX_INDEX_LEVEL, rollout_index_key
+from hivespec.protocol.limits import Limits
+from hivespec.protocol.rollout import decode_batch
 
 if TYPE_CHECKING:
     from hivespec.node.config import SwarmConfig
@@ -169,10 +178,10 @@ class RolloutGossip(Machinery):
     # ----- theirs ----------------------------------------------------------------------------
 
     async def sample(self, k: int, max_age_s: float, timeout: float, version_ok: Callable[[int], bool] | None, *,
-                     fill: bool = False) -> list[Fetched]:
+                     fill: bool = False, informative_only: bool = False) -> list[Fetched]:
         """Fetch up to `k` fresh batches we have not fetched before, chosen from the index; what arrived within `timeout`.
 
-        `fill`: see `index.choose_claims`."""
+        `fill`, `informative_only`: see `index.choose_claims`."""
         deadline = time.monotonic() + timeout
         now = time.time()
         bucket = bucket_of(now, self.config.index_bucket_s)
@@ -190,8 +199,10 @@ class RolloutGossip(Machinery):
         chosen = choose_claims(
             fetchable, k=k, per_author=self.config.max_batches_per_peer, now=now, max_age_s=max_age_s,
             trust=(lambda author: trust_from_score(peers.score(author))) if peers is not None else (lambda _author: 0.5),
-            explore=_EXPLORE, rng=self._rng, version_ok=version_ok, fill=fill,
+            explore=_EXPLORE, rng=self._rng, version_ok=version_ok, fill=fill, informative_only=informative_only,
         )
+        if informative_only:
+            self.stats["flat_skipped"] += sum(1 for c in fetchable if c.item.informative == 0)
         self.stats["sample_candidates"] += len(candidates)
         self.stats["sample_chosen"] += len(chosen)
         if not chosen:
@@ -268,7 +279,14 @@ class RolloutGossip(Machinery):
             return None
         holder, wire, body = got
         item = candidate.item
-        if self.fetcher.signed_by_author(body, item.author):
+        envelope = self.fetcher.signed_by_author(body, item.author)
+        if envelope is not None and not claim_holds(envelope, item.informative, self.fetcher.limits):
+            self.stats["false_informative_claims"] += 1
+            logger.debug("%s announced %d informative samples its body does not hold", item.sha256.hex()[:12], item.informative)
+            if self.peers is not None:
+                for liar in candidate.holders:  # each signed a record with this count for these bytes
+                    self.peers.record(liar.peer, "reject", "false informative count")
+        elif envelope is not None:
             self.bodies.keep(item.sha256, wire)
             self._remember(item)
             self.spawn(self.relay(item, urgent=urgent))
@@ -299,3 +317,12 @@ class RolloutGossip(Machinery):
         self._announced[item.sha256] = item
         while len(self._announced) > _ANNOUNCED_KEPT or (self._announced and next(iter(self._announced)) not in self.bodies):
             self._announced.popitem(last=False)
+
+
+def claim_holds(envelope: Envelope, informative: int, limits: Limits) -> bool:
+    """Whether a fetched rollout envelope bears out the `informative` count announced for it: it is a batch with at least
+    that many samples that carry a gradient (`informative_samples`, from the rewards it carries). -1 claims nothing."""
+    if informative < 0:
+        return True
+    _, batch = decode_batch(envelope.body, limits=limits)
+    return batch is not None and informative_samples(batch.rollouts) >= informative

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from hivespec.node.training.advantages import group_advantages
+from hivespec.protocol.advantages import group_advantages
 from hivespec.protocol.rollout import Rollout, decode_rollout, rollout_content_hash
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from hivespec.kernels.importance import (
 )
 from hivespec.kernels.logprobs import token_logprobs
 from hivespec.node.model.attention import SHARED_PROMPT_MIN_SAMPLES, MicroBatchAttention, hidden_states, running
-from hivespec.node.training.advantages import group_advantages
+from hivespec.protocol.advantages import group_advantages
 
 if TYPE_CHECKING:
     from hivespec.node.config import TrainConfig

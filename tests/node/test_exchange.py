@@ -96,36 +96,56 @@ def test_a_step_fetches_what_the_pool_has_room_for(swarm: list[Gossip]) -> None:
     assert len(ours.collect(reader, 2, 0)) == 1 and reader.stats()["bodies_fetched"] == 6
 
 
-def test_a_step_whose_batch_was_flat_fetches_again_at_once_within_k(swarm: list[Gossip], caplog: pytest.LogCaptureFixture) -> None:
-    """A step that waits for nobody fetches for its pool's room at the yield seen lately; where the batch it got had no
-    informative sample (every group one reward), it fetches again in the same call, within K, instead of training on
-    nothing foreign. Each trial: one author's new batch is flat, the other's informative, and the step has room for 2
-    at 2 a batch (one batch): whichever the sampling takes first, the step ends with its room filled."""
+def test_a_step_whose_batches_fell_short_fetches_again_at_once_within_k(swarm: list[Gossip], caplog: pytest.LogCaptureFixture) -> None:
+    """A step that waits for nobody fetches for its pool's room at the yield seen lately; where the batches it got held
+    fewer informative samples than that (here 2 where 4 a batch were seen), it fetches again in the same call, within
+    K, instead of training on less than it has room for, and says so in its log."""
     tokenizer, tasks = load_tokenizer("smollm2-135m-instruct"), TaskSource()
     *authors, reader = swarm
     public = SwarmConfig(swarm="test-exchange", request_timeout=5.0)
     exchanges = {node: _exchange(node.identity, tasks, tokenizer, public) for node in swarm}
     ours = exchanges[reader]
-    for trial in range(6):
+    for trial in range(4):
+        for seed, author in enumerate(authors, start=300 + 10 * trial):
+            exchanges[author].publish(author, round_index=trial, rollouts=_group(tasks, tokenizer, seed), policy_version=trial)
+        ours.informative_per_batch = 4.0  # the yield seen lately: one batch for a room of 4
+        assert ours.pool.room(own_count=4, policy_version=trial) == 4
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hivespec.node.exchange"):
+            admissions = ours.collect(reader, trial, trial, need=4)
+        assert len(admissions) == 2 and all(a.outcome == "accept" for a in admissions)
+        assert ours.pool.room(own_count=4, policy_version=trial) == 0  # the room was filled by the second pass
+        again = [r.getMessage() for r in caplog.records if "fetching again" in r.getMessage()]
+        line = (f"round {trial}: the batches fetched left room for 2 informative foreign samples; fetching again "
+                f"(3 of {public.max_foreign_batches} batches left this step)")
+        assert again == [line]
+        ours.pool.select(trial, own_count=100, policy_version=trial)
+        assert len(ours.pool) == 0
+
+
+def test_a_step_fetching_to_train_skips_a_batch_announced_as_flat(swarm: list[Gossip]) -> None:
+    """A batch whose groups all had one reward brings nothing to train; its author says so in its record, so a step
+    fetching for its pool's room never spends one of its K on it (a slow node's step had spent all four on such
+    batches), while a call that fetches as many as allowed still takes it. Each trial: one author's new batch is flat,
+    the other's informative; room for 2 at 2 a batch."""
+    tokenizer, tasks = load_tokenizer("smollm2-135m-instruct"), TaskSource()
+    *authors, reader = swarm
+    public = SwarmConfig(swarm="test-exchange", request_timeout=5.0)
+    exchanges = {node: _exchange(node.identity, tasks, tokenizer, public) for node in swarm}
+    ours = exchanges[reader]
+    for trial in range(4):
         flat_author, informative_author = authors if trial % 2 else authors[::-1]
         exchanges[flat_author].publish(flat_author, round_index=trial, rollouts=_group(tasks, tokenizer, 100 + trial, flat=True),
                                        policy_version=trial)
         exchanges[informative_author].publish(informative_author, round_index=trial,
                                               rollouts=_group(tasks, tokenizer, 200 + trial), policy_version=trial)
-        ours.informative_per_batch = 2.0  # the yield seen lately: one batch for a room of 2
-        assert ours.pool.room(own_count=2, policy_version=trial) == 2
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="hivespec.node.exchange"):
-            admissions = ours.collect(reader, trial, trial, need=2)
-        assert 1 <= len(admissions) <= public.max_foreign_batches and all(a.outcome == "accept" for a in admissions)
-        assert ours.pool.room(own_count=2, policy_version=trial) == 0  # the room was filled, flat batch first or not
-        # The log says when a step fetched again (the flat batch came first), and only then.
-        again = [r.getMessage() for r in caplog.records if "fetching again" in r.getMessage()]
-        assert len(again) == len(admissions) - 1
-        assert all(f"round {trial}: the batches fetched left room for 2 informative" in m and "(0 of" not in m for m in again)
-        # What this trial left unfetched (the flat batch, where the informative one came first) and the pool, emptied:
-        # each trial starts from one new batch of each kind.
-        ours.collect(reader, trial, trial)
+        ours.informative_per_batch = 2.0
+        fetched = reader.stats()["bodies_fetched"]
+        admissions = ours.collect(reader, trial, trial, need=2)
+        assert [a.author for a in admissions] == [informative_author.identity.peer_id] and admissions[0].outcome == "accept"
+        assert reader.stats()["bodies_fetched"] == fetched + 1 and ours.pool.room(own_count=2, policy_version=trial) == 0
+        rest = ours.collect(reader, trial, trial)  # need=None: as many as allowed, the flat one too
+        assert [a.author for a in rest] == [flat_author.identity.peer_id]
         ours.pool.select(trial, own_count=100, policy_version=trial)
         assert len(ours.pool) == 0
 

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import numpy as np
 import psutil
 import pytest
 from hivemind.dht.routing import DHTID
@@ -30,6 +31,7 @@ from hivespec.protocol.announce import MAX_ITEMS, Announce, AnnouncedBody, encod
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import delta_key, topic_key
+from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
 
 SWARM = "test-gossip"
 pytestmark = pytest.mark.timeout(180)
@@ -814,3 +816,39 @@ def test_fetch_dials_a_holder_it_never_met() -> None:
     finally:
         author.shutdown()
         loner.shutdown()
+
+
+def _batch(identity: Identity, seq: int, rewards: list[float]) -> bytes:
+    """A sealed rollout batch of one prompt's completions with these rewards (informative where they spread)."""
+    ids = np.array([5, 6, 7], dtype=np.uint32)
+    rollouts = tuple(Rollout("arith/00001", i, seq, ids, ids, np.full(3, -0.5, dtype=np.float32), r, "stop")
+                     for i, r in enumerate(rewards))
+    return seal(identity, Kind.ROLLOUTS, seq, encode_batch(RolloutBatch(seq, seq, "0123abcd" * 2, rollouts)))
+
+
+def test_a_holder_announcing_more_informative_samples_than_its_batch_holds_is_scored_down_and_not_relayed() -> None:
+    """The informative count is a function of the body (its rewards), so the fetcher checks it: a record that claims
+    more is its signer's lie (scored as a reject) and the reader does not copy it into its own record, while a true
+    claim is relayed as announced. A step fetching to train skips a batch announced as flat altogether."""
+    scores = PeerScores()
+    first = start_node()
+    honest, liar = start_node(first.visible_maddrs), start_node(first.visible_maddrs)
+    reader = start_node(first.visible_maddrs, peers=scores)
+    try:
+        honest.publish_rollouts(_batch(honest.identity, 1, [0.0, 1.0]), version=1, informative=2)
+        liar.publish_rollouts(_batch(liar.identity, 1, [0.0, 0.0]), version=1, informative=2)  # flat, announced as not
+        fetched = reader.sample_rollouts(k=4, max_age_s=120, timeout=20, version_ok=lambda v: v == 1)
+        assert sorted(f.author_peer_id for f in fetched) == sorted([honest.identity.peer_id, liar.identity.peer_id])
+        assert reader.stats()["false_informative_claims"] == 1
+        tally = scores.snapshot()
+        assert tally[liar.identity.peer_id]["rejected"] == 1 and tally.get(honest.identity.peer_id, {}).get("rejected", 0) == 0
+        relayed = {item.author: item for item in reader.rollouts._announced.values()}
+        assert set(relayed) == {honest.identity.peer_id} and relayed[honest.identity.peer_id].informative == 2
+
+        honest.publish_rollouts(_batch(honest.identity, 2, [1.0, 1.0]), version=2, informative=0)  # flat, said so
+        assert reader.sample_rollouts(k=4, max_age_s=120, timeout=20, version_ok=lambda v: v == 2, informative_only=True) == []
+        assert reader.stats()["flat_skipped"] >= 1 and reader.stats()["bodies_fetched"] == 2
+        assert [f.version for f in reader.sample_rollouts(k=4, max_age_s=120, timeout=20, version_ok=lambda v: v == 2)] == [2]
+    finally:
+        for node in (reader, liar, honest, first):
+            node.shutdown()

@@ -312,3 +312,24 @@ def test_the_fill_never_lets_a_loud_trusted_author_crowd_out_a_quiet_one() -> No
         assert sorted(draw(4, seed)) == ["loud", "loud", "q1", "q2"]
         two = draw(2, seed)
         assert len(set(two)) == 2
+
+
+def test_a_step_fetching_to_train_never_draws_a_batch_its_record_calls_flat() -> None:
+    """With `informative_only` a batch announced with no sample that carries a gradient (0) is never drawn, whatever its
+    author's trust or freshness; one whose holder does not say (-1) may be, as without it; without it the flat batch is
+    drawn like any other (a step that fetches for the drafter or waits for its peers' next batch)."""
+    now = 1_000.0
+    flat = [Candidate(AnnouncedBody(f"flat{i}", bytes([i]) * 32, 100, now - 1, 1, 0)) for i in range(6)]
+    unsaid = Candidate(AnnouncedBody("unsaid", bytes([50]) * 32, 100, now - 200, 1, -1))
+    informative = Candidate(AnnouncedBody("informative", bytes([60]) * 32, 100, now - 200, 1, 4))
+    trust = {**{c.item.author: 1.0 for c in flat}, "unsaid": 0.0, "informative": 0.0}
+
+    def draw(seed: int, informative_only: bool) -> set[str]:
+        chosen = choose_claims(flat + [unsaid, informative], k=4, per_author=1, now=now, max_age_s=240,
+                               trust=trust.__getitem__, explore=0.25, rng=random.Random(seed), informative_only=informative_only)
+        return {c.item.author for c in chosen}
+
+    for seed in range(20):
+        assert draw(seed, True) == {"unsaid", "informative"}
+        assert len(draw(seed, False)) == 4
+    assert any(draw(seed, False) & {c.item.author for c in flat} for seed in range(20))

@@ -8,13 +8,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hivespec.kernels.importance import importance_weights
 from hivespec.node.model.loader import load_model
-from hivespec.node.training.advantages import group_advantages
 from hivespec.node.training.trainer import (
     OWN,
     ImportanceSettings,
     Trainer,
     TrainSample,
 )
+from hivespec.protocol.advantages import group_advantages
 
 
 def _tiny(seed: int = 0, device: str = "cpu") -> LlamaForCausalLM:
