@@ -157,9 +157,8 @@ class RoundExchange:
                     short -= informative
             if not swarm.expected_peers:
                 # Nobody to wait for, but where what came had fewer informative samples than the step has room for (fewer
-                # a batch than seen lately, or a batch from a holder that did not say), fetch more at once for the rest
-                # (the loop's next `k`), within K: in a hetero run the fast node had fetched one batch, all flat, and
-                # trained on nothing foreign.
+                # than the yield seen lately, or batches whose holders did not say), fetch more at once for the rest (the
+                # loop's next `k`), within K.
                 if not fetched or short is None or short <= 0:
                     return admissions
                 continue
