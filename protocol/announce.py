@@ -10,15 +10,17 @@ One record per holder per DHT key, stored under subkey = the holder's peer id an
      "items": [{"author": str, "sha256": bin32, "size": int,          # 1..MAX_ITEMS bodies
                 "born": float,      # when its author sealed it (unix s): readers pick by recency
                 "version": int,     # the author's policy version then (-1: not a policy's output)
-                "informative": int}]}  # its samples with a GRPO gradient (`rollout.informative_samples`); -1: not said
+                "informative": int}]}  # its samples with a GRPO gradient (`advantages.informative_samples`); -1: not said
 
 A holder is the author of its first item or a peer that fetched and verified the body and now
 serves it too, so a body outlives its author. `informative` is a count any holder can check
 against the body (the batch's rewards, which every reader recomputes): a relay copies the claim
-only once the body it fetched bears it out, so a false one is its record's signer's lie. Binding the key and the expiration into the signed
-bytes is what hivemind's own `RSASignatureValidator` does (it signs key, subkey, value and
-expiration): without it anyone could copy a valid record under another slot or re-store it with
-a far-future expiration, which the DHT would prefer over the owner's newer record.
+only once the body it fetched bears it out, so a false one is its record's signer's lie.
+
+Binding the key and the expiration into the signed bytes is what hivemind's own
+`RSASignatureValidator` does (it signs key, subkey, value and expiration): without it anyone
+could copy a valid record under another slot or re-store it with a far-future expiration, which
+the DHT would prefer over the owner's newer record.
 
 In a private swarm the whole body is AEAD-encrypted (see `private.py`) before sealing; decoding
 takes the already-decrypted bytes.
