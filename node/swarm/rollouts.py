@@ -20,7 +20,8 @@ our newest own batches (`_OWN_ANNOUNCED`) and the ones we relay (`IndexRecords.h
   `max_batches_per_peer` per author (with `fill`, then further ones for slots that leaves empty;
   with `informative_only`, none announced with no sample that carries a gradient), among
   those some holder can serve us (`Fetcher.fetchable`),
-  each fetched from any of its holders.
+  each fetched from any of its holders. Where records list one batch with other metadata, the
+  author's own record says what it is (`_add_candidates`).
 - **Relaying** (`relay`): a fetched batch signed by its announced author joins our record, so any
   holder serves it and the author's upload stays bounded as its readers spread it, once the body
   bears out the informative count its record announced (`claim_holds`; we copy the claim). A holder
@@ -240,8 +241,13 @@ class RolloutGossip(Machinery):
                 # Keyed by (bytes, author): a holder that claims someone else's bytes under another author
                 # makes a candidate of its own and cannot shadow the true claim.
                 candidate = candidates.setdefault((item.sha256, item.author), Candidate(item))
-                if candidate.item != item:  # the same batch with other metadata: keep the first claim, skip the rest
-                    continue
+                if candidate.item != item:
+                    # The same batch with other metadata (born, version, informative count): the author's own record says
+                    # what it is, and the holders that said otherwise are dropped; between relays the first claim stands.
+                    # First-seen alone let a relay hide an honest batch from steps fetching to train by calling it flat.
+                    if holder.peer != item.author:
+                        continue
+                    candidate.item, candidate.holders = item, []
                 candidate.holders.append(holder)
                 candidate.weight = max(candidate.weight, weight)
 

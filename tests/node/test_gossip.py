@@ -4,6 +4,7 @@ solo mode, shutdown."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import hashlib
 import os
@@ -26,6 +27,7 @@ from hivespec.node.swarm.dht_guard import MAX_RECORDS_PER_KEY
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.index import PLACEMENT_SPREAD, bucket_of, placement_delay, placement_path
 from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.swarm.records import Holder
 from hivespec.node.swarm.transfer import CHUNK_BYTES, BadBody, download
 from hivespec.protocol.announce import MAX_ITEMS, Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
@@ -852,3 +854,26 @@ def test_a_holder_announcing_more_informative_samples_than_its_batch_holds_is_sc
     finally:
         for node in (reader, liar, honest, first):
             node.shutdown()
+
+
+def test_the_authors_own_record_says_what_its_batch_is_whatever_a_relay_said_first(swarm: list[Gossip]) -> None:
+    """Holders that list one batch with other metadata make one candidate: the author's own record's metadata wins, and
+    the holders that said otherwise are dropped; between relays the first claim stands. First-seen alone let a relay
+    that calls an honest batch flat hide it from every step fetching to train that met its record first."""
+    author, liar, reader = swarm
+    true = AnnouncedBody(author.identity.peer_id, os.urandom(32), 1_000, time.time(), 7, 2)
+    flat = dataclasses.replace(true, informative=0)
+
+    def holder(node: Gossip, peer: str | None = None) -> Holder:
+        return Holder(peer or node.identity.peer_id, node._p2p.peer_id, tuple(node.visible_maddrs))
+
+    relay = holder(reader, "hs00000000000000ff")
+    for walk, item, holders in (
+        ([(1.0, holder(liar), (flat,)), (1.0, holder(author), (true,)), (1.0, relay, (true,))], true, [author, reader]),
+        ([(1.0, holder(author), (true,)), (1.0, holder(liar), (flat,))], true, [author]),
+        ([(1.0, holder(liar), (flat,)), (1.0, relay, (true,))], flat, [liar]),
+    ):
+        candidates: dict = {}
+        reader.rollouts._add_candidates(candidates, walk)
+        (candidate,) = candidates.values()
+        assert candidate.item == item and [h.p2p_peer_id for h in candidate.holders] == [n._p2p.peer_id for n in holders]
