@@ -3,7 +3,8 @@
 One record per holder per DHT key, stored under subkey = the holder's peer id and sealed as a
 `Kind.ANNOUNCE` envelope by that holder. Body (msgpack map, exact keys):
 
-    {"key": str,          # the DHT key this record is stored under (binds it to its topic and slot)
+    {"protocol": int,     # SWARM_PROTOCOL: the swarm protocol its holder speaks (records without the key: 1)
+     "key": str,          # the DHT key this record is stored under (binds it to its topic and slot)
      "expires": float,    # the DHT expiration it is stored with (binds it: nobody can extend it)
      "p2p": str,          # the holder's libp2p peer id (base58), to open a body stream to
      "maddrs": [str],     # the holder's multiaddrs, at most MAX_MADDRS
@@ -16,6 +17,13 @@ A holder is the author of its first item or a peer that fetched and verified the
 serves it too, so a body outlives its author. `informative` is a count any holder can check
 against the body (the batch's rewards, which every reader recomputes): a relay copies the claim
 only once the body it fetched bears it out, so a false one is its record's signer's lie.
+
+A record says which swarm protocol its holder speaks, and a reader checks that first: a record
+of another protocol is refused as `BAD_VERSION`, not as malformed, and says whether its holder is
+older or newer (`protocol_of`), so a node can tell its user that some peers run another hivespec
+version instead of silently seeing fewer peers. The record is the only way to the bodies, so one
+number covers the whole swarm protocol: bump `SWARM_PROTOCOL` with any change to the record, a
+rollout batch or the body fetch, and nodes of the two versions each see only their own side.
 
 Binding the key and the expiration into the signed bytes is what hivemind's own
 `RSASignatureValidator` does (it signs key, subkey, value and expiration): without it anyone
@@ -42,7 +50,11 @@ MAX_ITEMS = 9  # own body plus up to 8 relayed ones: a key's value stays ~N x 1.
 MAX_MADDRS = 8
 MAX_KEY_LEN = 256
 MAX_MADDR_LEN = 256
-_KEYS = frozenset({"key", "expires", "p2p", "maddrs", "items"})
+SWARM_PROTOCOL = 2
+"""The swarm protocol this node speaks. 1: records before it was named (2026-11-28 and before, with or without the
+items' `informative`); 2: records that say their protocol."""
+_KEYS = frozenset({"protocol", "key", "expires", "p2p", "maddrs", "items"})
+_KEYS_BEFORE_PROTOCOL = _KEYS - {"protocol"}
 _ITEM_KEYS = frozenset({"author", "sha256", "size", "born", "version", "informative"})
 MAX_VERSION = 2**53
 MAX_INFORMATIVE = 2**16  # above any batch's rollouts (limits.max_rollouts_per_batch)
@@ -84,6 +96,7 @@ def encode_announce(announce: Announce) -> bytes:
     """Encode an announce body; raises ValueError if it would not pass `decode_announce`."""
     data = pack(
         {
+            "protocol": SWARM_PROTOCOL,
             "key": announce.key,
             "expires": float(announce.expires),
             "p2p": announce.p2p,
@@ -111,6 +124,11 @@ def decode_announce(data: bytes, *, max_body_bytes: int) -> tuple[Verdict, Annou
     if not verdict.ok:
         return verdict, None
     try:
+        protocol = _protocol(obj)
+        if protocol != SWARM_PROTOCOL:
+            side = "an older" if protocol < SWARM_PROTOCOL else "a newer"
+            raise Reject(Reason.BAD_VERSION, f"record of swarm protocol {protocol}, this node speaks {SWARM_PROTOCOL}: "
+                                             f"its holder runs {side} hivespec")
         m = check_keys(obj, _KEYS, "announce")
         key = _text(m["key"], "key", MAX_KEY_LEN)
         expires = m["expires"]
@@ -132,6 +150,34 @@ def decode_announce(data: bytes, *, max_body_bytes: int) -> tuple[Verdict, Annou
     except Reject as rejected:
         return rejected.verdict, None
     return Verdict.accept(), Announce(key, expires, p2p, maddrs, parsed)
+
+
+def protocol_and_key(data: bytes) -> tuple[int, str] | None:
+    """The swarm protocol a record body says it is of (1: a record of protocol 1's keys, which did not say) and the DHT
+    key it names, or None where the body is no record of any protocol: what a reader tells its user about a record
+    it refused as another protocol's (`BAD_VERSION`)."""
+    verdict, obj = safe_unpack(data, max_size=ANNOUNCE_MAX_BYTES, max_depth=3)
+    if not verdict.ok:
+        return None
+    try:
+        protocol = _protocol(obj)
+    except Reject:
+        return None
+    key = obj.get("key")
+    return (protocol, key) if isinstance(key, str) else None
+
+
+def _protocol(obj: object) -> int:
+    if not isinstance(obj, dict):
+        raise Reject(Reason.BAD_TYPE, f"announce must be a map, got {type(obj).__name__}")
+    if "protocol" not in obj:
+        if obj.keys() == _KEYS_BEFORE_PROTOCOL:
+            return 1
+        check_keys(obj, _KEYS, "announce")  # raises: names what is missing and what is extra
+    protocol = obj["protocol"]
+    if isinstance(protocol, bool) or not isinstance(protocol, int) or not 0 < protocol < 2**31:
+        raise Reject(Reason.BAD_VALUE, f"protocol {protocol!r:.40} is not a positive int")
+    return protocol
 
 
 def _text(value: object, what: str, max_len: int) -> str:

@@ -40,14 +40,17 @@ from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
 from hivespec.protocol.announce import (
     ANNOUNCE_MAX_BYTES,
+    SWARM_PROTOCOL,
     Announce,
     decode_announce,
     is_peer_id,
+    protocol_and_key,
 )
 from hivespec.protocol.codec import safe_unpack
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.private import OVERHEAD, PrivateSwarm
+from hivespec.protocol.verdict import Reason
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ MAX_STORED_KEYS = 65536  # local storage and cache bound: oldest expirations are
 _NODE_ID_BYTES = DHTID.HASH_NBYTES
 _DICT_EXT, _TUPLE_EXT = 0x50, 0x40
 _VALIDATED_CACHE = 4096
+_OTHER_PROTOCOL_HOLDERS = 1024  # holders of another protocol's records counted per protocol, at most
 EXPIRY_SLACK_S = 30.0  # clock skew between peers that an expiration may carry on top of max_ttl
 
 
@@ -87,6 +91,7 @@ class AnnounceValidator(RecordValidatorBase):
             max_clock_skew_s=limits.max_clock_skew_s + max_ttl,
         )
         self.rejected: Counter[str] = Counter()
+        self.other_protocols: dict[int, set[str]] = {}  # swarm protocol -> holders whose signed records speak it
         self._valid: OrderedDict[bytes, None] = OrderedDict()
 
     def validate(self, record: DHTRecord) -> bool:
@@ -142,6 +147,8 @@ class AnnounceValidator(RecordValidatorBase):
             if not verdict.ok or body is None:
                 return "index_not_decryptable", None
         verdict, announce = decode_announce(body, max_body_bytes=self.max_body_bytes)
+        if verdict.reason is Reason.BAD_VERSION:
+            return self._other_protocol(protocol_and_key(body), envelope.peer_id), None
         if not verdict.ok or announce is None:
             return f"announce_{verdict.reason.value}", None
         if not announce.key.startswith(self.prefix):
@@ -151,6 +158,28 @@ class AnnounceValidator(RecordValidatorBase):
         if announce.expires != expiration:
             return "expiration_not_bound", None
         return "", (envelope, announce)
+
+    def _other_protocol(self, said: tuple[int, str] | None, holder: str) -> str:
+        """Note a signed record of another swarm protocol, in this swarm (the first of each protocol is logged); the
+        reason it is refused."""
+        if said is None or not said[1].startswith(self.prefix):
+            return "other_swarm" if said is not None else "announce_bad_version"
+        protocol = said[0]
+        side = "older" if protocol < SWARM_PROTOCOL else "newer"
+        holders = self.other_protocols.get(protocol)
+        if holders is None:
+            holders = self.other_protocols[protocol] = set()
+            if side == "older":
+                logger.warning("peers run an older hivespec (swarm protocol %d; this node speaks %d, first seen: %s): "
+                               "their index records are refused, so this node shares no rollouts with them until they "
+                               "upgrade", protocol, SWARM_PROTOCOL, holder)
+            else:
+                logger.warning("peers run a newer hivespec (swarm protocol %d; this node speaks %d, first seen: %s): "
+                               "their index records are refused, so this node shares no rollouts with them; upgrade "
+                               "hivespec to join them", protocol, SWARM_PROTOCOL, holder)
+        if len(holders) < _OTHER_PROTOCOL_HOLDERS:
+            holders.add(holder)
+        return f"{side}_protocol"
 
 
 def _node_id_ok(info: dht_pb2.NodeInfo) -> bool:

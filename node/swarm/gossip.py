@@ -54,6 +54,7 @@ from hivespec.node.swarm.records import IndexRecords
 from hivespec.node.swarm.rollouts import RolloutGossip
 from hivespec.node.swarm.slots import SlotGossip
 from hivespec.node.swarm.transfer import STREAM_NAME
+from hivespec.protocol.announce import SWARM_PROTOCOL
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import check_swarm_name, topic_key
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
@@ -255,6 +256,8 @@ class Gossip:
             "maddrs": list(self._maddrs),
             "private": self.private is not None,
             "dht_records_refused": sum(self.validator.rejected.values()),
+            # swarm protocol -> peers seen announcing under it (another hivespec version: nothing is shared with them)
+            "other_protocols": {protocol: len(holders) for protocol, holders in self.validator.other_protocols.items()},
         }
 
     def stats(self) -> dict[str, int]:
@@ -267,6 +270,9 @@ class Gossip:
         snapshot.update(self._stats.copy())
         snapshot["bodies_kept"] = len(self.bodies)
         snapshot["dht_records_refused"] = sum(self.validator.rejected.values())
+        # Peers seen announcing under another swarm protocol (another hivespec version: nothing is shared with them).
+        snapshot["peers_older_protocol"] = sum(len(h) for p, h in self.validator.other_protocols.items() if p < SWARM_PROTOCOL)
+        snapshot["peers_newer_protocol"] = sum(len(h) for p, h in self.validator.other_protocols.items() if p > SWARM_PROTOCOL)
         dht = self._dht
         snapshot["known_peers"] = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
         return snapshot

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import msgpack
 import numpy as np
 import psutil
 import pytest
@@ -29,7 +30,7 @@ from hivespec.node.swarm.index import PLACEMENT_SPREAD, bucket_of, placement_del
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder
 from hivespec.node.swarm.transfer import CHUNK_BYTES, BadBody, download
-from hivespec.protocol.announce import MAX_ITEMS, Announce, AnnouncedBody, encode_announce
+from hivespec.protocol.announce import MAX_ITEMS, SWARM_PROTOCOL, Announce, AnnouncedBody, encode_announce
 from hivespec.protocol.envelope import Kind, seal
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.keys import delta_key, topic_key
@@ -215,6 +216,56 @@ def index_record(identity: Identity, key: str, items: list[AnnouncedBody], holde
     expires = time.time() + 60 if expires is None else expires
     body = encode_announce(Announce(key, expires, holder._p2p.peer_id.to_base58(), tuple(holder.visible_maddrs), tuple(items)))
     return seal(identity, Kind.ANNOUNCE, time.time_ns() // 1000, body), expires
+
+
+def test_records_of_another_swarm_protocol_are_refused_and_said_older_or_newer_while_peers_of_ours_share(
+    swarm: list[Gossip], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A public swarm runs mixed hivespec versions: a peer of another swarm protocol is told apart from a malformed one."""
+    honest, victim, reader = swarm
+    key = delta_key(SWARM, 7)
+    peers = {"older": start_node(honest.visible_maddrs), "newer": start_node(honest.visible_maddrs)}
+    try:
+        def record(node: Gossip, protocol: int) -> tuple[bytes, float]:
+            expires = time.time() + 60
+            body = encode_announce(Announce(key, expires, node._p2p.peer_id.to_base58(), tuple(node.visible_maddrs),
+                                            (AnnouncedBody(node.identity.peer_id, os.urandom(32), 100, time.time(), 1),)))
+            obj = msgpack.unpackb(body)
+            if protocol == 1:  # before records said their protocol
+                del obj["protocol"]
+            else:
+                obj["protocol"] = protocol
+            return seal(node.identity, Kind.ANNOUNCE, time.time_ns() // 1000, msgpack.packb(obj, use_bin_type=True)), expires
+
+        with caplog.at_level("WARNING", logger="hivespec.node.swarm.dht_guard"):
+            for name, protocol in (("older", 1), ("newer", SWARM_PROTOCOL + 1)):
+                node = peers[name]
+                value, expires = record(node, protocol)
+                for _ in range(2):  # each peer's validator warns once per protocol, however often it sees one
+                    node._call(node._dht.store(key, value, expires, subkey=node.identity.peer_id), 30)
+            honest.publish(7, b"ours", topic="delta")
+            got = reader.wait_for_slot(7, topic="delta", peers=1, timeout=30)
+        assert [(f.author_peer_id, f.body) for f in got] == [(honest.identity.peer_id, b"ours")]
+        everyone = [*swarm, *peers.values()]
+        reasons = Counter()
+        for node in everyone:
+            reasons.update(node.validator.rejected)
+        assert reasons["older_protocol"] > 0 and reasons["newer_protocol"] > 0, reasons
+        seen = [node.status()["other_protocols"] for node in everyone]
+        assert {1: 1, SWARM_PROTOCOL + 1: 1} in seen[:3], seen  # a storing peer of ours counted each holder once
+        assert all(set(s) <= {1, SWARM_PROTOCOL + 1} and all(n == 1 for n in s.values()) for s in seen), seen
+        for node, protocols in zip(everyone, seen, strict=True):  # the status board's counters say the same
+            stats = node.stats()
+            assert (stats["peers_older_protocol"], stats["peers_newer_protocol"]) == (protocols.get(1, 0), protocols.get(SWARM_PROTOCOL + 1, 0))
+        # One warning per node and protocol, however often its validator met such a record (all nodes log here).
+        warnings = [r.getMessage() for r in caplog.records]
+        older = [w for w in warnings if w.startswith("peers run an older hivespec (swarm protocol 1;")]
+        newer = [w for w in warnings if w.startswith(f"peers run a newer hivespec (swarm protocol {SWARM_PROTOCOL + 1};")]
+        assert len(older) == sum(1 in s for s in seen) and len(newer) == sum(SWARM_PROTOCOL + 1 in s for s in seen), warnings
+        assert "until they upgrade" in older[0] and "upgrade hivespec to join them" in newer[0]
+    finally:
+        for node in peers.values():
+            node.shutdown()
 
 
 def test_forged_overwritten_and_oversized_records_are_refused(swarm: list[Gossip]) -> None:

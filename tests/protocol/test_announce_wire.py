@@ -1,4 +1,5 @@
-"""Index records on the wire: an announced batch's informative count, and how any holder computes it from the body."""
+"""Index records on the wire: the swarm protocol they speak, an announced batch's informative count, and how any holder
+computes that count from the body."""
 
 import hashlib
 
@@ -7,7 +8,15 @@ import numpy as np
 import pytest
 
 from hivespec.protocol.advantages import group_advantages, informative_samples
-from hivespec.protocol.announce import MAX_INFORMATIVE, Announce, AnnouncedBody, decode_announce, encode_announce
+from hivespec.protocol.announce import (
+    MAX_INFORMATIVE,
+    SWARM_PROTOCOL,
+    Announce,
+    AnnouncedBody,
+    decode_announce,
+    encode_announce,
+    protocol_and_key,
+)
 from hivespec.protocol.identity import Identity
 from hivespec.protocol.rollout import Rollout
 from hivespec.protocol.verdict import Reason
@@ -40,6 +49,51 @@ def test_an_item_without_an_informative_count_is_refused() -> None:
     del obj["items"][0]["informative"]
     verdict, decoded = decode_announce(msgpack.packb(obj, use_bin_type=True), max_body_bytes=1_000)
     assert decoded is None and verdict.reason == Reason.BAD_KEYS
+
+
+def _repacked(change) -> bytes:
+    obj = msgpack.unpackb(encode_announce(_record(3)))
+    change(obj)
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_a_record_says_its_swarm_protocol() -> None:
+    data = encode_announce(_record(3))
+    assert msgpack.unpackb(data)["protocol"] == SWARM_PROTOCOL
+    assert protocol_and_key(data) == (SWARM_PROTOCOL, _record(3).key)
+
+
+def test_a_record_of_protocol_1_which_did_not_say_its_protocol_is_refused_as_an_older_versions() -> None:
+    def protocol_1(obj: dict) -> None:  # 2026-11-28's records: the same keys, less "protocol"
+        del obj["protocol"]
+    data = _repacked(protocol_1)
+    verdict, decoded = decode_announce(data, max_body_bytes=1_000)
+    assert decoded is None and verdict.reason == Reason.BAD_VERSION and "an older hivespec" in verdict.detail
+    assert protocol_and_key(data) == (1, _record(3).key)
+
+
+def test_a_record_of_a_newer_protocol_is_refused_as_a_newer_versions_whatever_else_it_carries() -> None:
+    def newer(obj: dict) -> None:
+        obj["protocol"] = SWARM_PROTOCOL + 1
+        obj["items"][0]["something_new"] = [1, 2]
+        del obj["maddrs"]
+    data = _repacked(newer)
+    verdict, decoded = decode_announce(data, max_body_bytes=1_000)
+    assert decoded is None and verdict.reason == Reason.BAD_VERSION and "a newer hivespec" in verdict.detail
+    assert protocol_and_key(data) == (SWARM_PROTOCOL + 1, _record(3).key)
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    (lambda obj: obj.pop("protocol") and obj.pop("p2p"), Reason.BAD_KEYS),  # says no protocol and is no protocol 1 record
+    (lambda obj: obj.update(protocol=0), Reason.BAD_VALUE),
+    (lambda obj: obj.update(protocol=True), Reason.BAD_VALUE),
+    (lambda obj: obj.update(protocol="2"), Reason.BAD_VALUE),
+])
+def test_a_record_whose_protocol_is_unreadable_is_malformed_not_another_versions(change, reason: Reason) -> None:
+    data = _repacked(change)
+    verdict, decoded = decode_announce(data, max_body_bytes=1_000)
+    assert decoded is None and verdict.reason == reason
+    assert protocol_and_key(data) is None
 
 
 def _rollouts(groups: dict[str, list[float]]) -> list[Rollout]:
