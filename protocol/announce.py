@@ -55,6 +55,9 @@ SWARM_PROTOCOL = 2
 items' `informative`); 2: records that say their protocol."""
 _KEYS = frozenset({"protocol", "key", "expires", "p2p", "maddrs", "items"})
 _KEYS_BEFORE_PROTOCOL = _KEYS - {"protocol"}
+# Nesting a record of any protocol may have, so a newer one is read as far as its protocol; ours nests 3 deep (record,
+# items, item), and the schema's type checks refuse anything deeper where it would be.
+_MAX_DEPTH = 8
 _ITEM_KEYS = frozenset({"author", "sha256", "size", "born", "version", "informative"})
 MAX_VERSION = 2**53
 MAX_INFORMATIVE = 2**16  # above any batch's rollouts (limits.max_rollouts_per_batch)
@@ -120,7 +123,7 @@ def decode_announce(data: bytes, *, max_body_bytes: int) -> tuple[Verdict, Annou
     `max_body_bytes` bounds each item's announced size. Whether the key is the expected one,
     the expiration within the allowed TTL and the signer owns the subkey is the caller's check.
     """
-    verdict, obj = safe_unpack(data, max_size=ANNOUNCE_MAX_BYTES, max_depth=3)
+    verdict, obj = safe_unpack(data, max_size=ANNOUNCE_MAX_BYTES, max_depth=_MAX_DEPTH)
     if not verdict.ok:
         return verdict, None
     try:
@@ -156,7 +159,7 @@ def protocol_and_key(data: bytes) -> tuple[int, str] | None:
     """The swarm protocol a record body says it is of (1: a record of protocol 1's keys, which did not say) and the DHT
     key it names, or None where the body is no record of any protocol: what a reader tells its user about a record
     it refused as another protocol's (`BAD_VERSION`)."""
-    verdict, obj = safe_unpack(data, max_size=ANNOUNCE_MAX_BYTES, max_depth=3)
+    verdict, obj = safe_unpack(data, max_size=ANNOUNCE_MAX_BYTES, max_depth=_MAX_DEPTH)
     if not verdict.ok:
         return None
     try:
