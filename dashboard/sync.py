@@ -99,4 +99,7 @@ class SyncPanel(Vertical):
         problems = gossip.bad_records + gossip.fetch_failures
         if problems:
             data.append(f"\n              {gossip.bad_records} bad records, {gossip.fetch_failures} failed fetches", style="yellow")
+        older, newer = gossip.counters.get("peers_older_protocol", 0), gossip.counters.get("peers_newer_protocol", 0)
+        if older or newer:  # peers of another hivespec version: their records are refused, nothing is shared with them
+            data.append(f"\n              other hivespec versions: {older} older, {newer} newer peers (no sharing)", style="yellow")
         self.query_one("#data-facts", Static).update(data)

@@ -195,3 +195,24 @@ def test_the_training_panel_draws_the_held_out_curve_when_the_node_scores_itself
     if UPDATE or not path.exists():
         path.write_text(text)
     assert text == path.read_text(), f"{path.name} changed; inspect and rerun with HIVESPEC_UPDATE_SNAPSHOTS=1"
+
+
+def test_the_sync_panel_says_when_peers_run_another_hivespec_version():
+    """Their index records are refused (another swarm protocol): the node shares nothing with them, and says so."""
+    base = make_snapshot()
+    counters = {**base.gossip.counters, "peers_older_protocol": 3, "peers_newer_protocol": 1}
+    snapshot = replace(base, gossip=replace(base.gossip, counters=counters))
+
+    async def scenario() -> tuple[str, str]:
+        app = _app(FakeSource(snapshot), initial_panel="sync")
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _until(pilot, lambda: "other hivespec versions" in screen_text(app))
+            shown = screen_text(app)
+        app = _app(FakeSource(base), initial_panel="sync")
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _until(pilot, lambda: "checkpoint" in screen_text(app))
+            return shown, screen_text(app)
+
+    shown, plain = asyncio.run(scenario())
+    assert "other hivespec versions: 3 older, 1 newer peers (no sharing)" in shown
+    assert "other hivespec versions" not in plain
