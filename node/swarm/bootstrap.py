@@ -23,7 +23,8 @@ backoff to at most `RETRY_MAX_S`, so every bootstrap peer answers each joined no
 
 Reachability is measured, not guessed, after every (re)join: the peer that answered opens a fresh
 connection to us, or another peer reaches us through our relay (node/swarm/nat.py; hivemind's own
-dial-back reuses our connection and passes behind any NAT).
+dial-back reuses our connection and passes behind any NAT). So is our clock against a few peers'
+(node/swarm/clock.py): the index finds batches by wall-clock time.
 
 `HomeLock` holds an exclusive lock on the node's home, so a second node with the same identity
 file refuses to start instead of fighting the first over its peer id.
@@ -49,6 +50,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivespec.node.swarm.clock import JOIN_PEERS, ROUTINE_PEERS, ClockCheck, ask_time
 from hivespec.node.swarm.nat import Reach, check_reachability, listen_ports, to_transport
 from hivespec.protocol.private import PrivateSwarm, parse_allowlist, parse_secret
 
@@ -224,6 +226,7 @@ class Joiner:
     cache: PeerCache | None = None
     rpc_timeout: float = 3.0
     relays: list[str] = field(default_factory=list)  # bootstrap maddrs we hold relay slots on (node/swarm/nat.py)
+    clock_check: ClockCheck | None = None  # our clock against peers', asked after each (re)join (node/swarm/clock.py)
     solo: bool = True
     joined_via: str = ""  # "<source> <maddr>" of the last peer that answered
     reachability: str = "unknown"
@@ -271,6 +274,7 @@ class Joiner:
                 logger.debug("routing table refresh timed out after a successful bootstrap ping")
         if self.needs_measuring():
             self._record(await self._reachability(answered[0][1]))
+        await self.check_clock()
         await self.remember_peers()
         return True
 
@@ -308,6 +312,15 @@ class Joiner:
         peers = list(self.dht.protocol.routing_table.uid_to_peer_id.values())
         if peers and self.needs_measuring():
             self._record(await self._reachability(random.choice(peers)))
+
+    async def check_clock(self) -> None:
+        """Ask peers of the routing table, at random, for their time: `JOIN_PEERS` until that many answered, then
+        `ROUTINE_PEERS` (one small request a re-bootstrap, spread over the swarm: not aimed at the bootstrap peers)."""
+        if self.clock_check is None:
+            return
+        peers = list(self.dht.protocol.routing_table.uid_to_peer_id.values())
+        wanted = max(ROUTINE_PEERS, JOIN_PEERS - self.clock_check.peers)
+        await ask_time(self.p2p, random.sample(peers, min(wanted, len(peers))), self.clock_check, self.rpc_timeout)
 
     async def remember_peers(self) -> None:
         """Save the addresses of peers p2pd is connected to in the peer cache."""
@@ -355,8 +368,9 @@ class Joiner:
             routine = not (was_solo or self._lost) and time.monotonic() - self._full_at <= REFRESH_S
             try:
                 ok = await self.join_once(routine=routine)
-                if not self.candidates:
+                if not self.candidates:  # no bootstrap peers (the swarm's first node): its routing table's peers
                     await self.measure()
+                    await self.check_clock()
             except Exception as exc:  # noqa: BLE001 - a failed attempt must not end the task
                 logger.debug("re-bootstrap failed: %s: %s", type(exc).__name__, exc)
                 ok = False

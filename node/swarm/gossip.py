@@ -45,6 +45,7 @@ from hivemind.p2p import P2P
 
 from hivespec.node.swarm.bodies import BodyStore
 from hivespec.node.swarm.bootstrap import Joiner, PeerCache
+from hivespec.node.swarm.clock import ClockCheck
 from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
 from hivespec.node.swarm.fetching import Fetched, Fetcher
 from hivespec.node.swarm.machinery import Machinery
@@ -138,6 +139,7 @@ class Gossip:
         self.validator = AnnounceValidator(
             self.swarm, max_ttl=config.record_ttl, max_body_bytes=max_body_bytes, private=private, limits=limits
         )
+        self.clock_check = ClockCheck(config.index_bucket_s)
         self._stats: Counter[str] = Counter()
         self.records = IndexRecords(identity, validator=self.validator, private=private, record_ttl=config.record_ttl, stats=self._stats)
         self.bodies = BodyStore(
@@ -159,6 +161,7 @@ class Gossip:
         self._p2p: P2P | None = None
         self._dht: DHTNode | None = None
         self._joiner: Joiner | None = None
+        self._reach: ReachService | None = None
         self._maddrs: list[str] = []
         self._state_lock = threading.Lock()  # guards start/shutdown transitions
         self._stopped = threading.Event()
@@ -208,7 +211,8 @@ class Gossip:
             startup_timeout=config.start_timeout,
         )
         await self._p2p.add_binary_stream_handler(STREAM_NAME, self.bodies.serve)
-        await self._p2p.add_binary_stream_handler(REACH_STREAM, ReachService(self._p2p).handle)
+        self._reach = ReachService(self._p2p)
+        await self._p2p.add_binary_stream_handler(REACH_STREAM, self._reach.handle)
         rpc_timeout = min(3.0, self.request_timeout / 3)  # a dead peer must cost a fraction of one request's budget
         # No DHT caching: every get would push its result to one more peer (an extra store RPC each) and a
         # cached copy of an index key goes stale within a bucket; the replicas serve every read.
@@ -219,7 +223,8 @@ class Gossip:
         self._maddrs = [str(m) for m in await self._p2p.get_visible_maddrs()] + [f"{r}/p2p-circuit" for r in self.relays]
         self.records.attach(self._dht, self._p2p.peer_id.to_base58(), self._maddrs)
         self.fetcher.attach(self._p2p)
-        self._joiner = Joiner(self._p2p, self._dht, self.bootstrap, self.peer_cache, rpc_timeout=rpc_timeout, relays=self.relays)
+        self._joiner = Joiner(self._p2p, self._dht, self.bootstrap, self.peer_cache, rpc_timeout=rpc_timeout, relays=self.relays,
+                              clock_check=self.clock_check)
         if self.bootstrap and not await self._joiner.start(config.bootstrap_timeout):
             if self.require_peers:
                 raise GossipError(f"none of the {len(self.bootstrap)} initial peers answered within "
@@ -258,6 +263,11 @@ class Gossip:
             "dht_records_refused": sum(self.validator.rejected.values()),
             # swarm protocol -> peers seen announcing under it (another hivespec version: nothing is shared with them)
             "other_protocols": {protocol: len(holders) for protocol, holders in self.validator.other_protocols.items()},
+            # our clock against our peers' (node/swarm/clock.py): the median offset (positive: ours is behind), the
+            # peers measured, and the warning in force ("" while it agrees)
+            "clock_offset_s": None if (offset := self.clock_check.offset_s) is None else round(offset, 2),
+            "clock_peers": self.clock_check.peers,
+            "clock_warning": self.clock_check.warning,
         }
 
     def stats(self) -> dict[str, int]:

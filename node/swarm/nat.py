@@ -33,7 +33,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,11 +193,13 @@ class ReachService:
     relay circuits (addresses of the form ``<relay>/p2p-circuit``) and pings it there;
     ``{"op": "relaycheck", "circuits": [...]}`` forwards a "via" for the requester to up to 3
     other peers we are connected to (``{"ok": null}`` when there are none);
-    ``{"op": "ping"}`` answers ``{"ok": true}``.
+    ``{"op": "ping"}`` answers ``{"ok": true, "time": <our wall clock>}`` (peers check their clocks against it:
+    node/swarm/clock.py).
     """
 
-    def __init__(self, p2p: P2P) -> None:
+    def __init__(self, p2p: P2P, *, clock: Callable[[], float] = time.time) -> None:
         self.p2p = p2p
+        self.clock = clock
         self._slots = asyncio.Semaphore(4)
 
     async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -215,7 +218,7 @@ class ReachService:
     async def _answer(self, info: Any, request: dict) -> dict:
         op = request.get("op")
         if op == "ping":
-            return {"ok": True}
+            return {"ok": True, "time": float(self.clock())}
         if op == "dialback":
             ip = _observed_ip(info.addr)
             ports = [p for p in request.get("ports", []) if isinstance(p, int) and 0 < p < 65536][:_MAX_PORTS]
