@@ -10,8 +10,8 @@ a WSL instance can drift that far.
 So a node measures: after each (re)join it asks peers for their time (the reach stream's
 ``ping``, `nat.ReachService`, answers with it) and takes each peer's offset at the midpoint of
 the request's round trip. `ClockCheck` keeps the latest offset of the last `KEPT_PEERS` peers and
-warns, once per episode, where more than half of them see our clock off the same way by more
-than a third of a bucket (10 s at the default 30 s: a node that far behind announces in the
+warns, once per episode, where more than half of them (at least two) see our clock off the same
+way by more than a third of a bucket (10 s at the default 30 s: a node that far behind announces in the
 previous bucket a third of the time, and readers read that one only while the current is thin).
 So a single lying or drifting peer can neither raise the warning nor keep it off. It only warns:
 the clock a node signs with is never adjusted.
@@ -33,6 +33,7 @@ from hivespec.node.swarm.nat import ask
 logger = logging.getLogger(__name__)
 
 KEPT_PEERS = 9  # peers whose latest offset counts
+MIN_PEERS = 2  # peers a verdict needs: with one, either clock may be the one that is off
 JOIN_PEERS = 3  # peers asked right after the first join (a verdict in the node's first seconds)
 ROUTINE_PEERS = 1  # peers asked at each re-bootstrap after that (drift; one small RPC a minute)
 _MAX_RTT_S = 5.0  # a reply slower than this says little about the time it was sent; dropped
@@ -62,7 +63,6 @@ class ClockCheck:
         self._offsets.move_to_end(peer)
         while len(self._offsets) > KEPT_PEERS:
             self._offsets.popitem(last=False)
-        self._judge()
 
     @property
     def peers(self) -> int:
@@ -74,8 +74,12 @@ class ClockCheck:
         offsets = list(self._offsets.values())  # one C-level copy: status() reads this from another thread
         return statistics.median(offsets) if offsets else None
 
-    def _judge(self) -> None:
+    def judge(self) -> None:
+        """Warn (once per episode) or clear the warning from the offsets kept; called after each round of questions,
+        so the order a round's answers arrive in cannot flip the verdict. Fewer than `MIN_PEERS` peers: no verdict."""
         offsets = list(self._offsets.values())
+        if len(offsets) < MIN_PEERS:
+            return
         behind = [o for o in offsets if o > self.tolerance_s]
         ahead = [o for o in offsets if o < -self.tolerance_s]
         off = behind if len(behind) * 2 > len(offsets) else ahead if len(ahead) * 2 > len(offsets) else []
@@ -111,3 +115,4 @@ async def ask_time(p2p: P2P, peers: Sequence[PeerID], check: ClockCheck, timeout
             check.add(peer.to_base58(), sent, their_time, check.clock())
 
     await asyncio.gather(*(one(peer) for peer in peers))
+    check.judge()
