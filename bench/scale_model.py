@@ -93,7 +93,7 @@ class Design:
     lookup_copies: bool = False  # the design before: a replica lookup crawled the key's own id, whose replicas answer with it
     crawl_placement: bool = False  # the design before: placement reads crawl the beam for the newest copy
     walks_from_root: bool = False  # the design before: walks start at the root, placements read their path from it
-    record_bytes: float = 606  # a sealed index record with 2 items (see record_size())
+    record_bytes: float = 616  # a sealed index record with 2 items (see record_size())
     rpc_bytes: float = 1116  # wire bytes per DHT RPC besides records: request, neighbours, TLS/yamux/TCP (fitted)
     entry_bytes: float = 7121  # wire bytes per record copy in a find reply (record + subkey + expiration + framing; fitted)
     replies: float = 1.0  # replicas that answer an early-stopping index read with the key (fitted)
