@@ -20,7 +20,7 @@ only once the body it fetched bears it out, so a false one is its record's signe
 
 A record says which swarm protocol its holder speaks, and a reader checks that first: a record
 of another protocol is refused as `BAD_VERSION`, not as malformed, and says whether its holder is
-older or newer (`protocol_of`), so a node can tell its user that some peers run another hivespec
+older or newer (`protocol_and_key`), so a node can tell its user that some peers run another hivespec
 version instead of silently seeing fewer peers. The record is the only way to the bodies, so one
 number covers the whole swarm protocol: bump `SWARM_PROTOCOL` with any change to the record, a
 rollout batch or the body fetch, and nodes of the two versions each see only their own side.
