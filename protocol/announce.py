@@ -23,7 +23,8 @@ of another protocol is refused as `BAD_VERSION`, not as malformed, and says whet
 older or newer (`protocol_and_key`), so a node can tell its user that some peers run another hivespec
 version instead of silently seeing fewer peers. The record is the only way to the bodies, so one
 number covers the whole swarm protocol: bump `SWARM_PROTOCOL` with any change to the record, a
-rollout batch or the body fetch, and nodes of the two versions each see only their own side.
+rollout batch or the body fetch (tests/protocol/test_swarm_protocol.py pins those formats' bytes to the
+number and fails until it is bumped), and nodes of the two versions each see only their own side.
 
 Binding the key and the expiration into the signed bytes is what hivemind's own
 `RSASignatureValidator` does (it signs key, subkey, value and expiration): without it anyone
