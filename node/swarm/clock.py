@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from collections import OrderedDict
@@ -57,8 +58,8 @@ class ClockCheck:
 
     def add(self, peer: str, sent: float, their_time: float, received: float) -> None:
         """One answer: we asked `peer` at `sent` and heard `their_time` back at `received` (both our clock)."""
-        if not received - sent <= _MAX_RTT_S or not isinstance(their_time, float):
-            return
+        if not 0.0 <= received - sent <= _MAX_RTT_S or not isinstance(their_time, float) or not math.isfinite(their_time):
+            return  # a slow round trip, our clock stepped meanwhile, or no time at all (a peer's NaN included)
         self._offsets[peer] = their_time - (sent + received) / 2
         self._offsets.move_to_end(peer)
         while len(self._offsets) > KEPT_PEERS:

@@ -22,6 +22,8 @@ def test_a_peers_offset_is_taken_at_the_midpoint_of_the_round_trip() -> None:
     check.add("a", 100.0, 160.5, 101.0)  # asked at 100, answered 160.5, heard at 101: the peer is 60 s ahead of us
     assert check.offset_s == pytest.approx(60.0) and check.peers == 1
     check.add("b", 100.0, 500.0, 106.0)  # a 6-s round trip says little about when the answer was made: dropped
+    check.add("c", 100.0, float("nan"), 100.1)  # nor does a time that is no number
+    check.add("d", 100.0, 100.0, 99.0)  # nor an answer heard before the question (our clock stepped back)
     assert check.peers == 1
 
 
