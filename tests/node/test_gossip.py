@@ -222,7 +222,7 @@ def test_records_of_another_swarm_protocol_are_refused_and_said_older_or_newer_w
     swarm: list[Gossip], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A public swarm runs mixed hivespec versions: a peer of another swarm protocol is told apart from a malformed one."""
-    honest, victim, reader = swarm
+    honest, _, reader = swarm
     key = delta_key(SWARM, 7)
     # One node joins (more would leave the module's swarm at hivemind's replica count for the tests after this one); it
     # stores the records of two identities, one of an older hivespec and one of a newer.
