@@ -159,6 +159,10 @@ class AnnounceValidator(RecordValidatorBase):
             return "expiration_not_bound", None
         return "", (envelope, announce)
 
+    def other_protocol_peers(self) -> dict[int, int]:
+        """Swarm protocol -> holders seen announcing under it; safe to call from any thread (the DHT's loop adds to it)."""
+        return {protocol: len(holders) for protocol, holders in list(self.other_protocols.items())}
+
     def _other_protocol(self, said: tuple[int, str] | None, holder: str) -> str:
         """Note a signed record of another swarm protocol, in this swarm (the first of each protocol is logged); the
         reason it is refused."""

@@ -262,7 +262,7 @@ class Gossip:
             "private": self.private is not None,
             "dht_records_refused": sum(self.validator.rejected.values()),
             # swarm protocol -> peers seen announcing under it (another hivespec version: nothing is shared with them)
-            "other_protocols": {protocol: len(holders) for protocol, holders in self.validator.other_protocols.items()},
+            "other_protocols": self.validator.other_protocol_peers(),
             # our clock against our peers' (node/swarm/clock.py): the median offset (positive: ours is behind), the
             # peers measured, and the warning in force ("" while it agrees)
             "clock_offset_s": None if (offset := self.clock_check.offset_s) is None else round(offset, 2),
@@ -281,8 +281,9 @@ class Gossip:
         snapshot["bodies_kept"] = len(self.bodies)
         snapshot["dht_records_refused"] = sum(self.validator.rejected.values())
         # Peers seen announcing under another swarm protocol (another hivespec version: nothing is shared with them).
-        snapshot["peers_older_protocol"] = sum(len(h) for p, h in self.validator.other_protocols.items() if p < SWARM_PROTOCOL)
-        snapshot["peers_newer_protocol"] = sum(len(h) for p, h in self.validator.other_protocols.items() if p > SWARM_PROTOCOL)
+        other = self.validator.other_protocol_peers()
+        snapshot["peers_older_protocol"] = sum(n for protocol, n in other.items() if protocol < SWARM_PROTOCOL)
+        snapshot["peers_newer_protocol"] = sum(n for protocol, n in other.items() if protocol > SWARM_PROTOCOL)
         dht = self._dht
         snapshot["known_peers"] = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
         return snapshot
