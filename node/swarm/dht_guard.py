@@ -173,14 +173,10 @@ class AnnounceValidator(RecordValidatorBase):
         holders = self.other_protocols.get(protocol)
         if holders is None:
             holders = self.other_protocols[protocol] = set()
-            if side == "older":
-                logger.warning("peers run an older hivespec (swarm protocol %d; this node speaks %d, first seen: %s): "
-                               "their index records are refused, so this node shares no rollouts with them until they "
-                               "upgrade", protocol, SWARM_PROTOCOL, holder)
-            else:
-                logger.warning("peers run a newer hivespec (swarm protocol %d; this node speaks %d, first seen: %s): "
-                               "their index records are refused, so this node shares no rollouts with them; upgrade "
-                               "hivespec to join them", protocol, SWARM_PROTOCOL, holder)
+            who, advice = ("an older", " until they upgrade") if side == "older" else ("a newer", "; upgrade hivespec to join them")
+            logger.warning("peers run %s hivespec (swarm protocol %d; this node speaks %d, first seen: %s): their index "
+                           "records are refused, so this node shares no rollouts with them%s",
+                           who, protocol, SWARM_PROTOCOL, holder, advice)
         if len(holders) < _OTHER_PROTOCOL_HOLDERS:
             holders.add(holder)
         return f"{side}_protocol"
