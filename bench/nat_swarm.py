@@ -12,7 +12,11 @@ envelope and checks that it is signed by the announced author.
 Phases:
 1. reachability per node, as the nodes measured it (node/swarm/nat.py), once settled;
 2. R rounds on unlimited links: delivery (items every other node got / items expected) and, per
-   item, the time until the last node has it (p50/p95 over items and rounds);
+   item, the time until the last node has it (p50/p95 over items and rounds); then each node's
+   clock against its peers' (node/swarm/clock.py: the reach stream's ping carries the time,
+   through the relay between the homes), with one home node measuring and answering with a clock
+   --clock-skew seconds behind (its announcements keep the machine's clock): it must warn, with
+   the offset it was given, and the two others, which see one skewed peer of two, must not;
 3. the same with a 10 Mbit/s tbf uplink on each home router: bytes each home uploads per round
    (its router's WAN tx counter) and the time until every node has every item;
 4. the public node is SIGKILLed and restarted (same key, same address): rejoin_s is the time from
@@ -20,7 +24,7 @@ Phases:
 
 Usage: python bench/nat_swarm.py [--quick] [--rounds 5] [--uplink-mbit 10]
 Needs root (namespaces); prints `RESULT {"skipped": reason}` where the kernel forbids them.
-Ends with `RESULT {"delivery", "p95_s", "reachability", "rejoin_s", ...}`.
+Ends with `RESULT {"delivery", "p95_s", "reachability", "clock", "rejoin_s", ...}`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def child(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--bootstrap", action="append", default=[])
     parser.add_argument("--p2p-key")
+    parser.add_argument("--clock-skew", type=float, default=0.0)
     args = parser.parse_args(argv)
     import logging
 
@@ -70,7 +75,7 @@ def child(argv: list[str]) -> None:
     swarm = dataclasses.replace(load_config("public").swarm, swarm="natbench", host=args.host, port=args.port,
                                 initial_peers=args.bootstrap, nat_port_map=False, request_timeout=10.0)
     me = Identity.generate()
-    gossip = Gossip(me, swarm, p2p_identity_path=args.p2p_key)
+    gossip = Gossip(me, swarm, p2p_identity_path=args.p2p_key, clock=lambda: time.time() + args.clock_skew)
     gossip.start()
     print(json.dumps({"peer": me.peer_id, "p2p": str(gossip._p2p.peer_id), "maddrs": gossip.visible_maddrs}), flush=True)
     for line in sys.stdin:
@@ -80,6 +85,12 @@ def child(argv: list[str]) -> None:
         if cmd["op"] == "status":
             status = gossip.status()
             print(json.dumps({k: status[k] for k in ("reachability", "reachability_detail", "known_peers", "solo")}), flush=True)
+            continue
+        if cmd["op"] == "clock":
+            for _ in range(cmd["asks"]):  # as at re-bootstraps: one random peer each once three answered
+                gossip.check_clock()
+            status = gossip.status()
+            print(json.dumps({k: status[k] for k in ("clock_offset_s", "clock_peers", "clock_warning", "known_peers")}), flush=True)
             continue
         r, t0 = cmd["round"], cmd["t0"]
         time.sleep(max(0.0, t0 - time.time()))
@@ -167,14 +178,18 @@ class Node:
             self.proc.kill()
 
 
-def start_swarm(topo: net_topology.Topology, workdir: Path) -> list[Node]:
-    """The public node, then one node per home bootstrapping from it; returns [public, home1, ...]."""
+def start_swarm(topo: net_topology.Topology, workdir: Path, clock_skew: float) -> list[Node]:
+    """The public node, then one node per home bootstrapping from it, the last one's clock `clock_skew` s behind;
+    returns [public, home1, ...]."""
     key = workdir / "public.p2p.key"
     public = Node("public", topo.public, ["--host", net_topology.PUBLIC_ADDR, "--port", str(PUBLIC_PORT),
                                           "--p2p-key", str(key)], workdir / "public.log")
     maddr = f"/ip4/{net_topology.PUBLIC_ADDR}/tcp/{PUBLIC_PORT}/p2p/{public.info['p2p']}"
-    homes = [Node(f"home{i + 1}", host, ["--host", "0.0.0.0", "--bootstrap", maddr], workdir / f"home{i + 1}.log")
-             for i, host in enumerate(topo.home_hosts)]
+    hosts = topo.home_hosts
+    homes = [Node(f"home{i + 1}", host, ["--host", "0.0.0.0", "--bootstrap", maddr,
+                                         "--clock-skew", str(-clock_skew if i == len(hosts) - 1 else 0.0)],
+                  workdir / f"home{i + 1}.log")
+             for i, host in enumerate(hosts)]
     return [public, *homes]
 
 
@@ -186,6 +201,26 @@ def settle_reachability(nodes: list[Node], timeout: float) -> dict[str, dict]:
         if all(s["reachability"] in ("reachable", "relayed") for s in states.values()) or time.monotonic() > deadline:
             return states
         time.sleep(1.0)
+
+
+def check_clocks(nodes: list[Node], skew: float) -> dict:
+    """Each node asks its peers for their time (three times: every peer is asked, the relayed home included) and says
+    what it concluded; `ok` where exactly the skewed node (the last) warns, with an offset within 2 s of `skew`."""
+    verdicts = {}
+    for node in nodes:
+        node.send({"op": "clock", "asks": 3})
+        verdicts[node.name] = node.reply()
+        v = verdicts[node.name]
+        print(f"{node.name}: clock offset {v['clock_offset_s']} s over {v['clock_peers']} of {v['known_peers']} known peers"
+              f"{': ' + v['clock_warning'] if v['clock_warning'] else ', no warning'}", flush=True)
+    skewed = nodes[-1].name if skew else None
+    ok = all(bool(v["clock_warning"]) == (name == skewed) for name, v in verdicts.items())
+    if skewed is not None:
+        offset = verdicts[skewed]["clock_offset_s"]
+        ok = ok and offset is not None and abs(offset - skew) < 2.0
+    return {"skew_s": skew, "skewed": skewed, "ok": ok,
+            **{name: {"offset_s": v["clock_offset_s"], "peers": v["clock_peers"], "warned": bool(v["clock_warning"])}
+               for name, v in verdicts.items()}}
 
 
 def run_round(nodes: list[Node], r: int, timeout: float, rollout_bytes: int, delta_bytes: int) -> tuple[int, int, list[float], int]:
@@ -225,6 +260,8 @@ def main() -> int:
     parser.add_argument("--uplink-mbit", type=float, default=10.0, help="home upload cap in the bandwidth phase (0 = skip it)")
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds a node waits for a round's items")
     parser.add_argument("--no-restart", action="store_true", help="skip the public-node restart phase")
+    parser.add_argument("--clock-skew", type=float, default=60.0,
+                        help="seconds the last home node's clock is behind in the clock check (0 = every clock agrees)")
     parser.add_argument("--dir", type=Path, default=None, help="work directory for logs and keys (default: a temp dir)")
     args = parser.parse_args()
     reason = net_topology.unavailable()
@@ -237,7 +274,7 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     result: dict = {"rounds": rounds, "rollout_bytes": ROLLOUT_BYTES, "delta_bytes": DELTA_BYTES}
     with net_topology.Topology(homes=2) as topo:
-        nodes = start_swarm(topo, workdir)
+        nodes = start_swarm(topo, workdir, args.clock_skew)
         try:
             t_settle = time.monotonic()
             states = settle_reachability(nodes, timeout=60.0)
@@ -255,6 +292,7 @@ def main() -> int:
                 print(f"round {r}: {d}/{e} delivered, slowest item {max(lat, default=float('nan')):.2f} s", flush=True)
             result.update(delivery=round(delivered / expected, 4), p50_s=percentile(latencies, 0.5),
                           p95_s=percentile(latencies, 0.95), bad_bodies=bad)
+            result["clock"] = check_clocks(nodes, args.clock_skew)  # once the rounds' traffic filled the routing tables
             next_round = rounds
 
             if args.uplink_mbit > 0:

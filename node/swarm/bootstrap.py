@@ -50,7 +50,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from hivespec.node.swarm.clock import JOIN_PEERS, ROUTINE_PEERS, ClockCheck, ask_time
+from hivespec.node.swarm.clock import ClockCheck, ask_time
 from hivespec.node.swarm.nat import Reach, check_reachability, listen_ports, to_transport
 from hivespec.protocol.private import PrivateSwarm, parse_allowlist, parse_secret
 
@@ -314,13 +314,12 @@ class Joiner:
             self._record(await self._reachability(random.choice(peers)))
 
     async def check_clock(self) -> None:
-        """Ask peers of the routing table, at random, for their time: `JOIN_PEERS` until that many answered, then
-        `ROUTINE_PEERS` (one small request a re-bootstrap, spread over the swarm: not aimed at the bootstrap peers)."""
+        """Ask peers of the routing table for their time, those not measured yet first (`ClockCheck.choose`): three until
+        three answered, then one (one small request a re-bootstrap, spread over the swarm: not aimed at the bootstrap peers)."""
         if self.clock_check is None:
             return
         peers = list(self.dht.protocol.routing_table.uid_to_peer_id.values())
-        wanted = max(ROUTINE_PEERS, JOIN_PEERS - self.clock_check.peers)
-        await ask_time(self.p2p, random.sample(peers, min(wanted, len(peers))), self.clock_check, self.rpc_timeout)
+        await ask_time(self.p2p, self.clock_check.choose(peers), self.clock_check, self.rpc_timeout)
 
     async def remember_peers(self) -> None:
         """Save the addresses of peers p2pd is connected to in the peer cache."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import statistics
 import time
 from collections import OrderedDict
@@ -68,6 +69,17 @@ class ClockCheck:
     @property
     def peers(self) -> int:
         return len(self._offsets)
+
+    def choose(self, peers: Sequence[PeerID], rng: random.Random | None = None) -> list[PeerID]:
+        """Whom to ask now among `peers` (the routing table): `JOIN_PEERS` until that many answered, then `ROUTINE_PEERS`;
+        peers not measured yet first, at random. A node that joined through one peer of a small swarm knows only it at
+        first: the next questions go to the peers it met since, so a verdict (two peers at least) comes at its next
+        re-bootstrap rather than whenever chance picks a second peer."""
+        wanted = max(ROUTINE_PEERS, JOIN_PEERS - self.peers)
+        shuffled = list(peers)
+        (rng or random).shuffle(shuffled)
+        shuffled.sort(key=lambda peer: peer.to_base58() in self._offsets)  # stable: the unmeasured first, each part shuffled
+        return shuffled[:wanted]
 
     @property
     def offset_s(self) -> float | None:

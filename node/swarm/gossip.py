@@ -122,6 +122,7 @@ class Gossip:
         require_peers: bool | None = None,
         max_body_bytes: int = DEFAULT_LIMITS.max_envelope_bytes,
         limits: Limits = DEFAULT_LIMITS,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.identity = identity
         self.config = config
@@ -139,7 +140,8 @@ class Gossip:
         self.validator = AnnounceValidator(
             self.swarm, max_ttl=config.record_ttl, max_body_bytes=max_body_bytes, private=private, limits=limits
         )
-        self.clock_check = ClockCheck(config.index_bucket_s)
+        # The wall clock this node measures its peers' clocks with and answers their pings with (a bench shifts it).
+        self.clock_check = ClockCheck(config.index_bucket_s, clock=clock)
         self._stats: Counter[str] = Counter()
         self.records = IndexRecords(identity, validator=self.validator, private=private, record_ttl=config.record_ttl, stats=self._stats)
         self.bodies = BodyStore(
@@ -211,7 +213,7 @@ class Gossip:
             startup_timeout=config.start_timeout,
         )
         await self._p2p.add_binary_stream_handler(STREAM_NAME, self.bodies.serve)
-        self._reach = ReachService(self._p2p)
+        self._reach = ReachService(self._p2p, clock=self.clock_check.clock)
         await self._p2p.add_binary_stream_handler(REACH_STREAM, self._reach.handle)
         rpc_timeout = min(3.0, self.request_timeout / 3)  # a dead peer must cost a fraction of one request's budget
         # No DHT caching: every get would push its result to one more peer (an extra store RPC each) and a
@@ -269,6 +271,12 @@ class Gossip:
             "clock_peers": self.clock_check.peers,
             "clock_warning": self.clock_check.warning,
         }
+
+    def check_clock(self, timeout: float = 20.0) -> None:
+        """Ask peers for their time now and judge our clock (`status()`'s clock_*); the node does this itself after each
+        (re)join, one peer a re-bootstrap once three answered (node/swarm/clock.py)."""
+        self._require_started()
+        self._call(self._joiner.check_clock(), timeout)
 
     def stats(self) -> dict[str, int]:
         """Counters: bytes_in/out, bodies_served/fetched, dht_gets/stores, records_read, bad_records, known_peers, ..."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import pytest
@@ -63,6 +64,24 @@ def test_offsets_under_a_third_of_a_bucket_never_warn_and_only_the_last_peers_co
     assert "about 12 s behind" in check.warning
 
 
+def test_peers_not_measured_yet_are_asked_first_three_at_join_then_one_at_a_time() -> None:
+    from hivemind.p2p import PeerID
+
+    peers = [PeerID.from_base58(p) for p in (
+        "QmcRvbhjF1j4pz3LXyBgfspZ4t4MPg6DxYAa44cc6cyqFP", "QmQsrBZVDjxH49A8DWLbyDxPdExS3Rb8PNNM6TB3wo5PAY",
+        "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")]
+    check = ClockCheck(30.0)
+    rng = random.Random(0)
+    assert len(check.choose(peers[:1], rng)) == 1 and len(check.choose(peers, rng)) == 3  # at join: three, where there are
+    _answers(check, {peers[0].to_base58(): 0.0})  # joined through one peer of a small swarm, the only one it knew
+    for _ in range(20):  # the peers it met since come first, whatever the draw
+        assert check.choose(peers, rng)[0] != peers[0] and len(check.choose(peers, rng)) == 2
+    _answers(check, {p.to_base58(): 0.0 for p in peers[1:3]})
+    assert [p.to_base58() for p in check.choose(peers, rng)] == [peers[3].to_base58()]  # then one a round, the new one
+    _answers(check, {peers[3].to_base58(): 0.0})
+    assert len({check.choose(peers, rng)[0].to_base58() for _ in range(40)}) == 4  # all measured: any of them, at random
+
+
 def test_a_bucket_must_be_positive() -> None:
     with pytest.raises(ValueError, match="bucket_s must be > 0"):
         ClockCheck(0.0)
@@ -80,10 +99,9 @@ def test_a_node_whose_clock_is_a_minute_behind_is_told_so_at_join_and_its_peers_
 
     def node(initial_peers: list[str], *, skew_s: float = 0.0) -> Gossip:
         gossip = Gossip(Identity.generate(), SwarmConfig(swarm="clock-test", initial_peers=list(initial_peers),
-                                                         bootstrap_timeout=10.0, request_timeout=5.0))
-        gossip.clock_check.clock = lambda: time.time() + skew_s  # what it measures with
+                                                         bootstrap_timeout=10.0, request_timeout=5.0),
+                        clock=lambda: time.time() + skew_s)  # what it measures with and answers pings with
         gossip.start()
-        gossip._reach.clock = gossip.clock_check.clock  # what it answers with
         return gossip
 
     first = node([])
@@ -96,7 +114,7 @@ def test_a_node_whose_clock_is_a_minute_behind_is_told_so_at_join_and_its_peers_
             for _ in range(5):  # measured while it joined; again as at its re-bootstraps, where it knew one peer then
                 if skewed.clock_check.peers >= 2:
                     break
-                skewed._call(skewed._joiner.check_clock(), 20)
+                skewed.check_clock()
             status = skewed.status()
             assert status["clock_peers"] >= 2, status
             assert 59.0 < status["clock_offset_s"] < 61.0 and "about 60 s behind its peers'" in status["clock_warning"]
