@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from hivespec.node.config import NodeConfig, node_home
+from hivespec.node.swarm.ports import port_in_use
 from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
 if TYPE_CHECKING:
@@ -378,13 +379,10 @@ def check_ports(config: NodeConfig) -> list[Check]:
         if port == 0:
             checks.append(Check(name, "ok", f"{host}: any free port (0)"))
             continue
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                checks.append(Check(name, "fail", f"{host}:{port} cannot be bound ({exc.strerror}): another process uses "
-                                    f"it (`ss -ltnp | grep :{port}`), or set {key}"))
-                continue
+        if taken := port_in_use(host, port):
+            checks.append(Check(name, "fail", f"{host}:{port} cannot be bound ({taken}): another process uses "
+                                f"it (`ss -ltnp | grep :{port}`), or set {key}"))
+            continue
         checks.append(Check(name, "ok", f"{host}:{port} is free"))
     return checks
 

@@ -51,6 +51,7 @@ from hivespec.node.swarm.fetching import Fetched, Fetcher
 from hivespec.node.swarm.machinery import Machinery
 from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
 from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.swarm.ports import wait_for_port
 from hivespec.node.swarm.records import IndexRecords
 from hivespec.node.swarm.rollouts import RolloutGossip
 from hivespec.node.swarm.slots import SlotGossip
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MIN_S, _POLL_MAX_S = 0.1, 1.0  # slot reads while waiting back off from 0.1 s to 1 s
 _GRACE_S = 5.0  # slack for the caller's wait on top of the timeout enforced inside the loop
+_PORT_GRACE_S = 3.0  # how long a taken fixed swarm.port is asked again before start() refuses it (node/swarm/ports.py)
 
 T = TypeVar("T")
 
@@ -176,6 +178,14 @@ class Gossip:
 
         With bootstrap peers that do not answer, the node starts solo (unless `require_peers`).
         """
+        config = self.config
+        if config.port and (taken := wait_for_port(config.host, config.port, _PORT_GRACE_S)):
+            raise GossipError(
+                f"port {config.port} on {config.host} cannot be used ({taken}): another process listens on it (another "
+                f"hivespec node or bootstrap peer on this machine? `ss -ltnp | grep :{config.port}`). p2pd would share it "
+                "without a word and the kernel would hand each incoming connection to either process; stop that "
+                "process, or set swarm.port to another port (`--set swarm.port=0`: any free port)"
+            )
         with self._state_lock:
             if self._thread is not None or self._stopped.is_set():
                 raise GossipError("Gossip.start() was already called; create a new Gossip to restart")
@@ -183,7 +193,6 @@ class Gossip:
             self._loop.set_exception_handler(self._on_loop_exception)
             self._thread = threading.Thread(target=self._loop.run_forever, name="hivespec-gossip", daemon=True)
             self._thread.start()
-        config = self.config
         try:
             self._call(self._astart(), config.start_timeout + config.bootstrap_timeout)
         except BaseException as exc:
