@@ -178,7 +178,7 @@ class Node:
             self.proc.kill()
 
 
-def start_swarm(topo: net_topology.Topology, workdir: Path, clock_skew: float) -> list[Node]:
+def start_swarm(topo: net_topology.Topology, workdir: Path, clock_skew: float = 0.0) -> list[Node]:
     """The public node, then one node per home bootstrapping from it, the last one's clock `clock_skew` s behind;
     returns [public, home1, ...]."""
     key = workdir / "public.p2p.key"
