@@ -28,8 +28,8 @@ a hivemind type; import-linter holds that line (`pyproject.toml`). Only
 - `nat.py`: behind NAT: `start_p2pd`, relay and circuit addresses, `ReachService` /
   `check_reachability` (peers measure our reachability).
 - `clock.py`: `ClockCheck` (our clock against our peers', asked after each (re)join).
-- `ports.py`: `port_in_use` (a fixed `swarm.port` another process listens on, asked before p2pd
-  starts: p2pd would share it silently).
+- `ports.py`: `port_in_use`, `wait_for_port` (a fixed `swarm.port` another process listens on,
+  asked before p2pd starts: p2pd would share it silently).
 - `peers.py`: `PeerScores` (gossipsub v1.1-style scores, saved in the home).
 - `supervisor.py`: `GossipSupervisor` (probes the gossip each round, rebuilds a dead one with
   `Backoff`).

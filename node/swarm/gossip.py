@@ -167,6 +167,7 @@ class Gossip:
         self._joiner: Joiner | None = None
         self._reach: ReachService | None = None
         self._maddrs: list[str] = []
+        self._port = config.port  # the port p2pd listens on (`_free_port_or_any`)
         self._state_lock = threading.Lock()  # guards start/shutdown transitions
         self._stopped = threading.Event()
         self._tasks: set[asyncio.Task] = set()  # our background tasks on the loop
@@ -179,13 +180,7 @@ class Gossip:
         With bootstrap peers that do not answer, the node starts solo (unless `require_peers`).
         """
         config = self.config
-        if config.port and (taken := wait_for_port(config.host, config.port, _PORT_GRACE_S)):
-            raise GossipError(
-                f"port {config.port} on {config.host} cannot be used ({taken}): another process listens on it (another "
-                f"hivespec node or bootstrap peer on this machine? `ss -ltnp | grep :{config.port}`). p2pd would share it "
-                "without a word and the kernel would hand each incoming connection to either process; stop that "
-                "process, or set swarm.port to another port (`--set swarm.port=0`: any free port)"
-            )
+        self._port = self._free_port_or_any()
         with self._state_lock:
             if self._thread is not None or self._stopped.is_set():
                 raise GossipError("Gossip.start() was already called; create a new Gossip to restart")
@@ -199,7 +194,7 @@ class Gossip:
             self.shutdown()
             if not isinstance(exc, Exception):  # KeyboardInterrupt and friends pass through as they are
                 raise
-            where = f"/ip4/{config.host}/tcp/{config.port}"
+            where = f"/ip4/{config.host}/tcp/{self._port}"
             raise GossipError(
                 f"could not start hivemind on {where} (start_timeout={config.start_timeout:g} s, "
                 f"initial peers={[m for _, m in self.bootstrap]}): {type(exc).__name__}: {exc}. "
@@ -209,11 +204,29 @@ class Gossip:
         logger.info("gossip up: swarm %r, peer %s, maddrs %s, %s", self.swarm, self.identity.peer_id, self._maddrs,
                     "solo" if status["solo"] else f"joined via {status['joined_via']}")
 
+    def _free_port_or_any(self) -> int:
+        """The port p2pd listens on: `swarm.port`, unless another process listens there (asked for `_PORT_GRACE_S`:
+        a node restarted after a crash finds its old p2pd for a moment). p2pd would share that port without a word
+        (SO_REUSEPORT) and the kernel would hand each incoming connection to either process: a node and a bootstrap
+        peer of the `public` preset on one machine both took 31337, and the node's dial to the bootstrap peer reached
+        itself. So such a node listens on any free port instead, and says so; where `swarm.announce_maddrs` tells peers
+        the address, moving would strand them, and it refuses to start (GossipError)."""
+        config = self.config
+        if not config.port or not (taken := wait_for_port(config.host, config.port, _PORT_GRACE_S)):
+            return config.port
+        owner = (f"port {config.port} on {config.host} is taken ({taken}): another process listens on it (another hivespec "
+                 f"node or bootstrap peer on this machine? `ss -ltnp | grep :{config.port}`)")
+        if config.announce_maddrs:
+            raise GossipError(f"{owner}, and swarm.announce_maddrs tells peers to reach this node there; stop that "
+                              "process, or set swarm.port and swarm.announce_maddrs to another port")
+        logger.warning("%s; listening on any free port instead (set swarm.port to choose one)", owner)
+        return 0
+
     async def _astart(self) -> None:
         config = self.config
         # No initial peers for p2pd itself: an unreachable one would fail its start; Joiner dials them.
         self._p2p = await start_p2pd(
-            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
+            host_maddrs=[f"/ip4/{config.host}/tcp/{self._port}"],
             announce_maddrs=config.announce_maddrs,
             nat_port_map=config.nat_port_map,
             use_relay=config.use_relay,

@@ -5,7 +5,7 @@ too, without any error, and the kernel then hands each incoming connection to on
 random. A `hivespec bootstrap` and a `hivespec join --config public` on one machine both took port
 31337 that way: the node's dial to the bootstrap peer reached itself as often as not, failed its
 peer-id check, and the node trained solo for its whole run with "no bootstrap peer answered". So a
-node with a fixed `swarm.port` asks first, as `hivespec doctor` does for its ports.
+node with a fixed `swarm.port` asks first (`Gossip._free_port_or_any`), as `hivespec doctor` does for its ports.
 """
 
 from __future__ import annotations

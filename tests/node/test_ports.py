@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import pytest
@@ -18,24 +19,34 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_second_node_on_a_fixed_port_another_node_listens_on_is_refused_and_told_the_fix() -> None:
+def test_a_second_node_on_a_fixed_port_another_node_listens_on_takes_a_free_one_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As a node and a bootstrap peer of the `public` preset (both on 31337) on one machine: the second listens elsewhere
+    and the two join; where swarm.announce_maddrs names the taken port, it refuses to start instead."""
     port = _free_port()
     first = Gossip(Identity.generate(), SwarmConfig(swarm="ports-test", port=port))
     first.start()
+    nodes = [first]
     try:
         assert any(f"/tcp/{port}/" in m for m in first.visible_maddrs)
-        second = Gossip(Identity.generate(), SwarmConfig(swarm="ports-test", port=port))
-        with pytest.raises(GossipError) as refused:
+        with caplog.at_level(logging.WARNING, logger="hivespec.node.swarm.gossip"):
+            second = Gossip(Identity.generate(), SwarmConfig(swarm="ports-test", port=port,
+                                                             initial_peers=first.visible_maddrs))
             second.start()
-        message = str(refused.value)
-        assert f"port {port} on 127.0.0.1 cannot be used" in message and "another process listens on it" in message
-        assert "set swarm.port to another port (`--set swarm.port=0`: any free port)" in message
-        # Any free port still works beside it.
-        third = Gossip(Identity.generate(), SwarmConfig(swarm="ports-test", port=0))
-        third.start()
-        third.shutdown()
+            nodes.append(second)
+        assert not any(f"/tcp/{port}/" in m for m in second.visible_maddrs)
+        assert second.status()["joined_via"] and not second.status()["solo"]  # it reached the first node, not itself
+        warned = [r.getMessage() for r in caplog.records if "is taken" in r.getMessage()]
+        assert len(warned) == 1 and f"port {port} on 127.0.0.1 is taken" in warned[0], warned
+        assert "listening on any free port instead (set swarm.port to choose one)" in warned[0]
+        pinned = Gossip(Identity.generate(), SwarmConfig(swarm="ports-test", port=port,
+                                                         announce_maddrs=[f"/ip4/203.0.113.7/tcp/{port}"]))
+        with pytest.raises(GossipError, match="swarm.announce_maddrs tells peers to reach this node there"):
+            pinned.start()
     finally:
-        first.shutdown()
+        for node in nodes:
+            node.shutdown()
     assert port_in_use("127.0.0.1", port) is None  # free again once the node stopped
 
 
