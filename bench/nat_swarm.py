@@ -87,7 +87,7 @@ def child(argv: list[str]) -> None:
             print(json.dumps({k: status[k] for k in ("reachability", "reachability_detail", "known_peers", "solo")}), flush=True)
             continue
         if cmd["op"] == "clock":
-            for _ in range(cmd["asks"]):  # as at re-bootstraps: one random peer each once three answered
+            for _ in range(cmd["asks"]):  # as at (re)joins: three peers, then one a time, the unmeasured first
                 gossip.check_clock()
             status = gossip.status()
             print(json.dumps({k: status[k] for k in ("clock_offset_s", "clock_peers", "clock_warning", "known_peers")}), flush=True)

@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MIN_S, _POLL_MAX_S = 0.1, 1.0  # slot reads while waiting back off from 0.1 s to 1 s
 _GRACE_S = 5.0  # slack for the caller's wait on top of the timeout enforced inside the loop
-_PORT_GRACE_S = 3.0  # how long a taken fixed swarm.port is asked again before start() refuses it (node/swarm/ports.py)
+_PORT_GRACE_S = 3.0  # how long a taken fixed swarm.port is asked again before start() moves off it (node/swarm/ports.py)
 
 T = TypeVar("T")
 
@@ -180,10 +180,10 @@ class Gossip:
         With bootstrap peers that do not answer, the node starts solo (unless `require_peers`).
         """
         config = self.config
-        self._port = self._free_port_or_any()
         with self._state_lock:
             if self._thread is not None or self._stopped.is_set():
                 raise GossipError("Gossip.start() was already called; create a new Gossip to restart")
+            self._port = self._free_port_or_any()  # may raise GossipError: nothing is started yet
             self._loop = asyncio.new_event_loop()
             self._loop.set_exception_handler(self._on_loop_exception)
             self._thread = threading.Thread(target=self._loop.run_forever, name="hivespec-gossip", daemon=True)
