@@ -165,9 +165,7 @@ class Gossip:
         self._p2p: P2P | None = None
         self._dht: DHTNode | None = None
         self._joiner: Joiner | None = None
-        self._reach: ReachService | None = None
         self._maddrs: list[str] = []
-        self._port = config.port  # the port p2pd listens on (`_free_port_or_any`)
         self._state_lock = threading.Lock()  # guards start/shutdown transitions
         self._stopped = threading.Event()
         self._tasks: set[asyncio.Task] = set()  # our background tasks on the loop
@@ -183,18 +181,18 @@ class Gossip:
         with self._state_lock:
             if self._thread is not None or self._stopped.is_set():
                 raise GossipError("Gossip.start() was already called; create a new Gossip to restart")
-            self._port = self._free_port_or_any()  # may raise GossipError: nothing is started yet
+            port = self._free_port_or_any()  # may raise GossipError: nothing is started yet
             self._loop = asyncio.new_event_loop()
             self._loop.set_exception_handler(self._on_loop_exception)
             self._thread = threading.Thread(target=self._loop.run_forever, name="hivespec-gossip", daemon=True)
             self._thread.start()
         try:
-            self._call(self._astart(), config.start_timeout + config.bootstrap_timeout)
+            self._call(self._astart(port), config.start_timeout + config.bootstrap_timeout)
         except BaseException as exc:
             self.shutdown()
             if not isinstance(exc, Exception):  # KeyboardInterrupt and friends pass through as they are
                 raise
-            where = f"/ip4/{config.host}/tcp/{self._port}"
+            where = f"/ip4/{config.host}/tcp/{port}"
             raise GossipError(
                 f"could not start hivemind on {where} (start_timeout={config.start_timeout:g} s, "
                 f"initial peers={[m for _, m in self.bootstrap]}): {type(exc).__name__}: {exc}. "
@@ -222,11 +220,11 @@ class Gossip:
         logger.warning("%s; listening on any free port instead (set swarm.port to choose one)", owner)
         return 0
 
-    async def _astart(self) -> None:
+    async def _astart(self, port: int) -> None:
         config = self.config
         # No initial peers for p2pd itself: an unreachable one would fail its start; Joiner dials them.
         self._p2p = await start_p2pd(
-            host_maddrs=[f"/ip4/{config.host}/tcp/{self._port}"],
+            host_maddrs=[f"/ip4/{config.host}/tcp/{port}"],
             announce_maddrs=config.announce_maddrs,
             nat_port_map=config.nat_port_map,
             use_relay=config.use_relay,
@@ -235,8 +233,7 @@ class Gossip:
             startup_timeout=config.start_timeout,
         )
         await self._p2p.add_binary_stream_handler(STREAM_NAME, self.bodies.serve)
-        self._reach = ReachService(self._p2p, clock=self.clock_check.clock)
-        await self._p2p.add_binary_stream_handler(REACH_STREAM, self._reach.handle)
+        await self._p2p.add_binary_stream_handler(REACH_STREAM, ReachService(self._p2p, clock=self.clock_check.clock).handle)
         rpc_timeout = min(3.0, self.request_timeout / 3)  # a dead peer must cost a fraction of one request's budget
         # No DHT caching: every get would push its result to one more peer (an extra store RPC each) and a
         # cached copy of an index key goes stale within a bucket; the replicas serve every read.
