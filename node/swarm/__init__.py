@@ -29,7 +29,8 @@ a hivemind type; import-linter holds that line (`pyproject.toml`). Only
   `check_reachability` (peers measure our reachability).
 - `clock.py`: `ClockCheck` (our clock against our peers', asked after each (re)join).
 - `ports.py`: `port_in_use`, `wait_for_port` (a fixed `swarm.port` another process listens on,
-  asked before p2pd starts: p2pd would share it silently).
+  asked before p2pd starts: p2pd would share it silently), `PortClaim` (the port number claimed
+  machine-wide from that question until p2pd listens: two nodes starting at once).
 - `peers.py`: `PeerScores` (gossipsub v1.1-style scores, saved in the home).
 - `supervisor.py`: `GossipSupervisor` (probes the gossip each round, rebuilds a dead one with
   `Backoff`).

@@ -51,7 +51,7 @@ from hivespec.node.swarm.fetching import Fetched, Fetcher
 from hivespec.node.swarm.machinery import Machinery
 from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
 from hivespec.node.swarm.peers import PeerScores
-from hivespec.node.swarm.ports import wait_for_port
+from hivespec.node.swarm.ports import PortClaim, wait_for_port
 from hivespec.node.swarm.records import IndexRecords
 from hivespec.node.swarm.rollouts import RolloutGossip
 from hivespec.node.swarm.slots import SlotGossip
@@ -178,6 +178,13 @@ class Gossip:
         With bootstrap peers that do not answer, the node starts solo (unless `require_peers`).
         """
         config = self.config
+        # Held from the port's question until p2pd listens: another node of this machine starting at the same moment
+        # asks after us, and finds the port taken (node/swarm/ports.py).
+        with PortClaim(config.port, timeout=_PORT_GRACE_S + config.start_timeout) as claim:
+            self._start(claim)
+
+    def _start(self, claim: PortClaim) -> None:
+        config = self.config
         with self._state_lock:
             if self._thread is not None or self._stopped.is_set():
                 raise GossipError("Gossip.start() was already called; create a new Gossip to restart")
@@ -187,7 +194,7 @@ class Gossip:
             self._thread = threading.Thread(target=self._loop.run_forever, name="hivespec-gossip", daemon=True)
             self._thread.start()
         try:
-            self._call(self._astart(port), config.start_timeout + config.bootstrap_timeout)
+            self._call(self._astart(port, claim), config.start_timeout + config.bootstrap_timeout)
         except BaseException as exc:
             self.shutdown()
             if not isinstance(exc, Exception):  # KeyboardInterrupt and friends pass through as they are
@@ -220,7 +227,7 @@ class Gossip:
         logger.warning("%s; listening on any free port instead (set swarm.port to choose one)", owner)
         return 0
 
-    async def _astart(self, port: int) -> None:
+    async def _astart(self, port: int, claim: PortClaim) -> None:
         config = self.config
         # No initial peers for p2pd itself: an unreachable one would fail its start; Joiner dials them.
         self._p2p = await start_p2pd(
@@ -232,6 +239,7 @@ class Gossip:
             identity_path=self.p2p_identity_path,
             startup_timeout=config.start_timeout,
         )
+        claim.release()  # p2pd listens: the next node's question sees the port taken
         await self._p2p.add_binary_stream_handler(STREAM_NAME, self.bodies.serve)
         await self._p2p.add_binary_stream_handler(REACH_STREAM, ReachService(self._p2p, clock=self.clock_check.clock).handle)
         rpc_timeout = min(3.0, self.request_timeout / 3)  # a dead peer must cost a fraction of one request's budget

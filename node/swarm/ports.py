@@ -6,12 +6,29 @@ random. A `hivespec bootstrap` and a `hivespec join --config public` on one mach
 31337 that way: the node's dial to the bootstrap peer reached itself as often as not, failed its
 peer-id check, and the node trained solo for its whole run with "no bootstrap peer answered". So a
 node with a fixed `swarm.port` asks first (`Gossip._free_port_or_any`), as `hivespec doctor` does for its ports.
+
+Asking is not enough where two nodes start at once (a script starting a node per GPU): both ask
+before either p2pd listens, both hear "free", and both take the port. So a node claims the port
+number machine-wide first (`PortClaim`, an advisory lock file) and holds the claim from its question
+until its p2pd listens: the second node's question then comes after the first's p2pd took the port.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import tempfile
 import time
+from pathlib import Path
+from typing import Self
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no claims, the question alone
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -38,3 +55,58 @@ def wait_for_port(host: str, port: int, seconds: float) -> str | None:
     while (taken := port_in_use(host, port)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return taken
+
+
+class PortClaim:
+    """A machine-wide claim on a TCP port number among hivespec processes: an advisory lock (flock) on a file named for
+    the port in the system's temporary directory, so nodes of any home and any user on this machine see it.
+
+    `PortClaim(port, timeout)` waits up to `timeout` s for the claim and holds it until `release()` (safe to call again);
+    the OS lets go of it when the process dies, so a crash leaves nothing to clean up. Port 0 (any free port) claims
+    nothing. Where the claim cannot be had (no flock here, a lock file we may not open, another process holding it past
+    `timeout`) it goes on without one and says so at debug level: the claim narrows a race, the port's question decides.
+    """
+
+    def __init__(self, port: int, timeout: float) -> None:
+        self.port = port
+        self._fd: int | None = None
+        if port and fcntl is not None:
+            self._fd = self._acquire(Path(tempfile.gettempdir()) / f"hivespec-port-{port}.lock", timeout)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def _acquire(self, path: Path, timeout: float) -> int | None:
+        try:
+            # Read-only is enough for flock; an existing file of another user in a sticky /tmp may refuse O_CREAT.
+            fd = os.open(path, os.O_RDONLY) if path.exists() else os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError as exc:
+            log.debug("no claim on port %d: cannot open %s (%s)", self.port, path, exc)
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.debug("no claim on port %d: another process has held %s for %g s", self.port, path, timeout)
+                    os.close(fd)
+                    return None
+                time.sleep(0.05)
+            except OSError as exc:  # a file system without locks
+                log.debug("no claim on port %d: flock on %s failed (%s)", self.port, path, exc)
+                os.close(fd)
+                return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor of the lock's open file releases it
+            self._fd = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

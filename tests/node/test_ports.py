@@ -90,3 +90,50 @@ def test_a_node_restarted_at_once_after_a_crash_gets_its_fixed_port_back() -> No
         assert any(f"/tcp/{port}/" in m for m in restarted.visible_maddrs)
     finally:
         restarted.shutdown()
+
+
+def test_two_nodes_started_at_once_on_one_fixed_port_do_not_both_take_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Both ask while neither p2pd listens yet (a script starting a node per GPU): the port goes to one, the other
+    node listens elsewhere and says so, as it would have a second later."""
+    import threading
+
+    port = _free_port()
+    nodes = [Gossip(Identity.generate(), SwarmConfig(swarm="ports-test", port=port)) for _ in range(2)]
+    together = threading.Barrier(len(nodes))
+    failures: list[BaseException] = []
+
+    def start(node: Gossip) -> None:
+        together.wait()
+        try:
+            node.start()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=start, args=(node,)) for node in nodes]
+    try:
+        with caplog.at_level(logging.WARNING, logger="hivespec.node.swarm.gossip"):
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+        assert not failures, failures
+        on_port = [node for node in nodes if any(f"/tcp/{port}/" in m for m in node.visible_maddrs)]
+        assert len(on_port) == 1, [node.visible_maddrs for node in nodes]
+        assert sum("is taken" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_port_claim_is_held_by_one_process_at_a_time_and_let_go_on_release() -> None:
+    from hivespec.node.swarm.ports import PortClaim
+
+    port = _free_port()
+    with PortClaim(port, timeout=1.0) as first:
+        assert first.held
+        waited = PortClaim(port, timeout=0.2)  # another open file of the lock: as another process would
+        assert not waited.held  # held past its timeout: it goes on without a claim
+    assert not first.held
+    with PortClaim(port, timeout=0.2) as after:
+        assert after.held
+    assert not PortClaim(0, timeout=1.0).held  # any free port: nothing to claim
