@@ -33,6 +33,13 @@ Counted over each phase's steady window, which starts once every node has publis
                         phase's policy learned (95 and 167 tokens a step in two runs of the same code), and this takes it
                         out of the ratio, leaving what sharing itself costs the node (its gossip, the foreign
                         training, the syncs after it)
+  fast_rate_ceiling     the highest fast_rate_vs_solo this machine allows a fast node that meets the share target
+                        (foreign samples in 0.9 of its steps), at the solo rollout: such a step trains at least one
+                        sample more than it would alone (the seconds a trained sample costs: a least-squares fit of
+                        train seconds on trained samples over both phases' steps) and syncs weights it would have left
+                        in place alone (the mean sync of a step that trained, in the share of apart steps that trained
+                        nothing). Arithmetic from the run's own steps: where it is under 0.9, both targets cannot hold
+                        on this machine at these speeds, whatever the swarm layer does
   foreign_age_s         age of the foreign samples the steps took (s since their author signed them), median and p95
   foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
   foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples taken
@@ -61,6 +68,7 @@ from swarm_harness import SwarmNode, prepare_model, wait_ready, work_dir
 
 POLL_S = 0.5
 PRINT_EVERY_S = 30.0
+SHARE_TARGET = 0.9  # issue 22: every node trains foreign samples in at least this share of its steps
 COMMON = [
     "swarm.host=127.0.0.1", "swarm.port=0", "swarm.use_auto_relay=false", "swarm.bootstrap_timeout=20",
     "status.enabled=false", "checkpoint.every_rounds=0", "checkpoint.at_exit=false",
@@ -142,6 +150,22 @@ def rate_at_solo_rollout(profiles: dict[str, dict]) -> float | None:
     return round(apart["round"] / shared_at_solo_rollout, 3) if shared_at_solo_rollout > 0 else None
 
 
+def rate_ceiling(shared: list[dict], apart: list[dict], share: float = SHARE_TARGET) -> float | None:
+    """The fast node's best shared/apart step rate while `share` of its steps train foreign samples (see the docstring)."""
+    steps = shared + apart
+    try:
+        per_sample, _ = statistics.linear_regression([float(e["trained_samples"]) for e in steps],
+                                                     [e["seconds"]["train"] for e in steps])
+    except statistics.StatisticsError:  # fewer than two steps, or one trained-sample count throughout
+        return None
+    synced = [e["seconds"]["sync"] for e in steps if e["trained_samples"] > 0]
+    if not apart or not synced:
+        return None
+    still = sum(1 for e in apart if e["trained_samples"] == 0) / len(apart)  # apart steps that moved no weight
+    apart_round = statistics.mean(e["seconds"]["round"] for e in apart)
+    return round(apart_round / (apart_round + share * (per_sample + still * statistics.mean(synced))), 3)
+
+
 def trained_per_min(steps: list[dict], seconds: float) -> float:
     """Samples trained with a gradient (own and foreign) per minute of a phase's steady window."""
     return round(sum(e["trained_samples"] for e in steps) / (seconds / 60), 2) if seconds > 0 else 0.0
@@ -209,6 +233,7 @@ def main() -> int:
         "fast_trained_per_min": {"shared": trained_per_min(steps["fast"], seconds),
                                  "apart": trained_per_min(apart_steps["fast"], apart_seconds)},
         "fast_rate_at_solo_rollout": rate_at_solo_rollout(profiles),
+        "fast_rate_ceiling": rate_ceiling(steps["fast"], apart_steps["fast"]),
         "fast_step": profiles,
         "steps": {name: len(s) for name, s in steps.items()},
         "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
