@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Self
@@ -70,6 +71,7 @@ class PortClaim:
     def __init__(self, port: int, timeout: float) -> None:
         self.port = port
         self._fd: int | None = None
+        self._release_lock = threading.Lock()  # the gossip loop releases once p2pd listens, start() again on its way out
         if port and fcntl is not None:
             self._fd = self._acquire(Path(tempfile.gettempdir()) / f"hivespec-port-{port}.lock", timeout)
 
@@ -101,9 +103,10 @@ class PortClaim:
                 return None
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the only descriptor of the lock's open file releases it
-            self._fd = None
+        with self._release_lock:  # two threads closing one descriptor number: the second could close a reused one
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of the lock's open file releases it
 
     def __enter__(self) -> Self:
         return self
