@@ -19,3 +19,20 @@ def test_rate_at_solo_rollout_replaces_only_the_rollout():
     same = {"shared": {"rollout": 1.0, "round": 3.0}, "apart": {"rollout": 2.0, "round": 4.0}}
     assert hetero_swarm.rate_at_solo_rollout(same) == 1.0
     assert hetero_swarm.rate_at_solo_rollout({"shared": {}, "apart": {"rollout": 2.0, "round": 4.0}}) is None
+
+
+def _step(samples: int, round_s: float) -> dict:
+    # Training costs 0.2 s plus 1.0 s a sample; a step that trained syncs in 0.3 s, one that did not skips the sync.
+    return {"trained_samples": samples, "seconds": {"train": 0.2 + 1.0 * samples, "sync": 0.3 if samples else 0.0,
+                                                    "round": round_s}}
+
+
+def test_rate_ceiling_adds_one_sample_and_the_syncs_a_solo_step_skips_to_the_share_target_of_steps():
+    apart = [_step(0, 4.0), _step(2, 6.0)]  # half the solo steps train nothing (a flat 1x2 group) and skip the sync
+    shared = [_step(2, 7.0), _step(4, 9.0)]
+    # Per trained sample 1.0 s (fitted over both phases), the sync 0.3 s in the half of solo steps that skipped it.
+    assert hetero_swarm.rate_ceiling(shared, apart) == round(5.0 / (5.0 + 0.9 * (1.0 + 0.5 * 0.3)), 3) == 0.829
+    assert hetero_swarm.rate_ceiling(shared, apart, share=0.0) == 1.0  # no share target: nothing caps it
+    # A fit needs two trained-sample counts; a ceiling needs solo steps.
+    assert hetero_swarm.rate_ceiling([_step(2, 7.0)], [_step(2, 6.0)]) is None
+    assert hetero_swarm.rate_ceiling(shared, []) is None
