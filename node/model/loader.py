@@ -43,6 +43,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from hivespec.node.file_lock import flock_within
 from hivespec.node.hub import Snapshot, looks_like_repo_id, resolve_snapshot
 from hivespec.node.model.device import check_device
 from hivespec.node.model.source import EMBEDDED_MODEL, FORMS, TINY_MODEL, ModelSourceError, check_model_source, embedded_gguf_path
@@ -122,17 +123,10 @@ def _exclusive_lock(path: Path, *, what: str = "a cache", timeout: float = LOCK_
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise CacheLockTimeout(
-                        f"waited {timeout:g} s for the lock {path}, held by another process {what}; let it finish, or stop "
-                        f"it (`fuser {path}` names it) and run again") from None
-                time.sleep(_LOCK_POLL_S)
+        if not flock_within(handle.fileno(), timeout, _LOCK_POLL_S):
+            raise CacheLockTimeout(
+                f"waited {timeout:g} s for the lock {path}, held by another process {what}; let it finish, or stop "
+                f"it (`fuser {path}` names it) and run again")
         try:
             yield
         finally:

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Self
 
 try:
-    import fcntl
-except ImportError:  # not a POSIX system: no claims, the question alone
-    fcntl = None  # type: ignore[assignment]
+    from hivespec.node.file_lock import flock_within
+except ImportError:  # not a POSIX system (no fcntl): no claims, the question alone
+    flock_within = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+_CLAIM_POLL_S = 0.05  # a claim is held for about a second (p2pd's start): asked again often
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -72,7 +73,7 @@ class PortClaim:
         self.port = port
         self._fd: int | None = None
         self._release_lock = threading.Lock()  # the gossip loop releases once p2pd listens, start() again on its way out
-        if port and fcntl is not None:
+        if port and flock_within is not None:
             self._fd = self._acquire(Path(tempfile.gettempdir()) / f"hivespec-port-{port}.lock", timeout)
 
     @property
@@ -86,21 +87,14 @@ class PortClaim:
         except OSError as exc:
             log.debug("no claim on port %d: cannot open %s (%s)", self.port, path, exc)
             return None
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            if flock_within(fd, timeout, _CLAIM_POLL_S):
                 return fd
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.debug("no claim on port %d: another process has held %s for %g s", self.port, path, timeout)
-                    os.close(fd)
-                    return None
-                time.sleep(0.05)
-            except OSError as exc:  # a file system without locks
-                log.debug("no claim on port %d: flock on %s failed (%s)", self.port, path, exc)
-                os.close(fd)
-                return None
+            log.debug("no claim on port %d: another process has held %s for %g s", self.port, path, timeout)
+        except OSError as exc:  # a file system without locks
+            log.debug("no claim on port %d: flock on %s failed (%s)", self.port, path, exc)
+        os.close(fd)
+        return None
 
     def release(self) -> None:
         with self._release_lock:  # two threads closing one descriptor number: the second could close a reused one
