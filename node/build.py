@@ -299,11 +299,11 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     source = {"revision": config.model.revision, "trust_remote_code": config.model.trust_remote_code}
     tokenizer = load_tokenizer(config.model.name, **source)
     trainer_model = load_model(config.model.name, dtype=DTYPES[config.model.train_dtype], device=config.model.device, **source)
-    phase("loading", "choosing precision (bf16 or float32, measured once per machine)")
+    phase("loading", f"model {config.model.name}: choosing precision (bf16 or float32, measured once per machine)")
     config, precision = _resolve_precision(config, trainer_model, threads)
     engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)
     trainer_model.requires_grad_(True)
-    phase("loading", "choosing attention (eager or SDPA, a group's prompt once or not: measured once per machine)")
+    phase("loading", f"model {config.model.name}: choosing attention (eager or SDPA, a group's prompt once or not: measured once per machine)")
     attention_plan = _resolve_attention(config, trainer_model, engine_model, threads, precision)
     fingerprint = model_fingerprint(trainer_model.config, tokenizer)
     engine: TorchEngine | VllmEngine

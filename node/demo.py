@@ -77,6 +77,8 @@ class _Child:
                 self.phase, self.detail = event["phase"], event.get("detail", "")
                 if self.phase == "calibrating" and self.detail.startswith("done"):  # once per machine: worth a line
                     print(f"{self.name}: speculation's verify-cost curve measured ({self.detail})", flush=True)
+                elif self.phase == "calibrating" and self.detail.startswith("found"):
+                    print(f"{self.name}: speculation's verify-cost curve {self.detail}", flush=True)
             elif event["event"] == "ready" and self.phase in ("starting", "loading", "starting gossip"):
                 self.phase, self.detail, self.phase_since = "ready", "", time.monotonic()
             elif event["event"] == "stopped":

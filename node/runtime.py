@@ -42,7 +42,7 @@ from hivespec.node.own_rollouts import derive_seed, make_rollouts
 from hivespec.node.progress import PhaseListener, RoundProgress
 from hivespec.node.report import RolloutStats, RoundReport, SupervisionStats, SwarmStats
 from hivespec.node.speculation.feed import DrafterFeed
-from hivespec.node.speculation.policy import CurveCalibration
+from hivespec.node.speculation.policy import CurveCalibration, where_drafting_pays
 from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.status.board import BoardSources, NodeFacts, RoundStopped, RunControl, StatusBoard
 from hivespec.node.status.server import StatusServer, remove_status_file, write_status_file
@@ -338,11 +338,11 @@ class Node:
             self.control.check("calibrating")
             self.progress.phase("calibrating", text)
 
-        policy = self.calibration.policy
-        curve = self.calibration.run(on_progress=progress)
+        calibration = self.calibration
+        calibration.run(on_progress=progress)
         self.calibration = None
-        paying = [b for b in curve.batches if policy.wants_drafts(b)]
-        self.progress.phase("calibrating", f"done in {time.perf_counter() - started:.1f}s; drafting pays at batch sizes {paying or 'none'}")
+        how = f"done in {time.perf_counter() - started:.1f}s" if calibration.measured else "found ready (another node on this machine measured it)"
+        self.progress.phase("calibrating", f"{how}; {where_drafting_pays(calibration.policy)}")
 
     def _publish_delta(self, version: int, chunks: list[bytes]) -> bool:
         """A leader offers the delta its engine just applied to followers (see node/weights/publisher.py)."""

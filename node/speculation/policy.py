@@ -53,6 +53,7 @@ __all__ = [
     "UniformPolicy",
     "build_speculation",
     "length_class",
+    "where_drafting_pays",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class CurveCalibration:
     cache_folder: Path
     key: str
     batches: Sequence[int]
+    measured: bool = False  # set by run(): this node timed the curve (False: another node on this machine had)
 
     def run(self, on_progress: Progress | None = None) -> VerifyCostCurve:
         """Measure the curve (or take the one another node on this machine cached since start-up), cache it, activate the policy."""
@@ -84,6 +86,7 @@ class CurveCalibration:
             log.info("verify-cost curve found in %s (measured by another node on this machine)", self.cache_folder)
             self.policy.set_curve(cached)
             return cached
+        self.measured = True
         started = time.perf_counter()
         log.info("measuring the verify-cost curve for batches %s (once per machine; decoding plainly until then)", list(self.batches))
         curve = calibrate_verify_cost(self.time_forwards, key=self.key, batches=self.batches, on_progress=on_progress)
@@ -98,11 +101,14 @@ def describe_curve(policy: LengthAwarePolicy) -> str:
     curve = policy.curve
     if curve is None:
         return "no verify-cost curve yet: decoding plainly"
-    paying = [b for b in curve.batches if policy.wants_drafts(b)]
-    return (
-        f"verify cost T(9)/T(1) = {[curve.ratio(b, 9) for b in curve.batches]} for batches {list(curve.batches)}; "
-        f"drafting pays at batch sizes {paying or 'none'}"
-    )
+    return f"verify cost T(9)/T(1) = {[curve.ratio(b, 9) for b in curve.batches]} for batches {list(curve.batches)}; {where_drafting_pays(policy)}"
+
+
+def where_drafting_pays(policy: LengthAwarePolicy) -> str:
+    """The verdict a user reads: the batch sizes at which drafting pays on this machine's curve."""
+    curve = policy.curve
+    paying = [b for b in curve.batches if policy.wants_drafts(b)] if curve is not None else []
+    return f"drafting pays at batch sizes {paying}" if paying else "drafting pays at no batch size here: decoding plainly"
 
 
 class ForwardTimer(Protocol):

@@ -17,7 +17,13 @@ from hivespec.node.speculation.curve import (
 )
 from hivespec.node.speculation.drafter import Draft, SuffixDrafter
 from hivespec.node.speculation.feed import DrafterFeed
-from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation, length_class
+from hivespec.node.speculation.policy import (
+    CurveCalibration,
+    LengthAwarePolicy,
+    build_speculation,
+    length_class,
+    where_drafting_pays,
+)
 from hivespec.node.training.store import RolloutStore, StoredRollout
 from hivespec.protocol.rollout import Rollout
 
@@ -238,3 +244,12 @@ def test_a_calibration_takes_the_curve_a_sibling_node_cached_meanwhile(tmp_path)
     assert calls == [1, 4]
     assert second.run() == measured and calls == [1, 4]  # read from the cache, not timed again
     assert second.policy.active and second.policy.curve == measured
+    assert first.measured and not second.measured  # what the node then tells its user: measured, or found ready
+
+
+def test_where_drafting_pays_names_the_batch_sizes_or_says_it_pays_nowhere():
+    drafter = SuffixDrafter()
+    assert where_drafting_pays(LengthAwarePolicy(None, drafter)) == "drafting pays at no batch size here: decoding plainly"
+    steep = LengthAwarePolicy(_curve(b8=(1.0, 2.5, 3.5, 6.0, 10.0, 18.0)), drafter)
+    assert where_drafting_pays(steep) == f"drafting pays at batch sizes {[b for b in steep.curve.batches if steep.wants_drafts(b)]}"
+    assert steep.wants_drafts(1) and not steep.wants_drafts(8)
