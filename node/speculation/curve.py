@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)  # what a bench measures; a node measures `calibration_batches`
 CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
 CALIBRATION_CONTEXT = 16  # cached tokens per row while timing: the prefill is a third of the cost at 32 (batch 16)
-_CURVE_FORMAT = 4  # 4: steps include the keyed sampling; 3: raw per-width ratios (2 forced them monotone)
+_CURVE_FORMAT = 5  # 5: ratios non-decreasing in the batch; 4: steps include the keyed sampling; 3: raw per-width ratios
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,9 @@ def calibrate_verify_cost(
     its fastest time: the curve is cached for good, so one busy moment on a shared machine must
     not inflate it. Ratios are kept per width as measured, not forced monotone: a narrow width
     that measures slower than a wider one usually really is (see `VerifyCostCurve.cover`).
-    `on_progress` is told each batch as it is timed (a line for the log or the demo).
+    Across batches they are: a width's ratio at a batch is at least its ratio at every smaller
+    batch (`_never_cheaper_at_larger_batches`). `on_progress` is told each batch as it is timed
+    (a line for the log or the demo).
     """
     seconds_by_batch = {batch: [float("inf")] * len(widths) for batch in batches}
     total, done = max(1, repeats) * len(batches), 0
@@ -183,7 +185,26 @@ def calibrate_verify_cost(
             else:
                 row.append(round(max(1.0, seconds[j] / seconds[0]), 4))
         ratios.append(tuple(row))
-    return VerifyCostCurve(tuple(batches), tuple(widths), tuple(ratios), tuple(base), key)
+    return VerifyCostCurve(tuple(batches), tuple(widths), _never_cheaper_at_larger_batches(ratios), tuple(base), key)
+
+
+def _never_cheaper_at_larger_batches(ratios: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+    """Each width's ratio raised to its ratio at every smaller batch (rows in increasing batch order).
+
+    A W-token forward is W times a plain step's work on top of the same weights: the more rows a
+    step has, the more of its time is that work and the less the weights' fixed cost, so T(B, W) /
+    T(B, 1) only grows with B (from about 1 where the weights' reads dominate towards W where the
+    arithmetic does). A measurement that says otherwise caught the plain step of the larger batch in
+    a busy moment, which makes every width there look cheap: a demo node on a 2-core EPYC, timing
+    while its two peers trained, got T(16, 9) / T(16, 1) = 3.0 against 11.6 at batch 4 (its batch-16
+    plain step 2.7x what its start-up had measured) and drafted at batch 16: its rounds generated
+    about 650 tokens in 5.8-9.0 s, its plain first round as many in 3.9-4.3 s. Raising a ratio errs
+    towards plain decoding.
+    """
+    monotone = [tuple(ratios[0])] if ratios else []
+    for row in ratios[1:]:
+        monotone.append(tuple(max(r, below) for r, below in zip(row, monotone[-1], strict=True)))
+    return tuple(monotone)
 
 
 def curve_key(model_identity: str, dtype: str, device: str, threads: int) -> str:

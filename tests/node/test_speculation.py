@@ -165,6 +165,25 @@ def test_drafter_rebuilds_from_the_store_and_engine_gets_speculation(tmp_path):
     assert again[2] is None and again[1].active and again[1].curve == curve
 
 
+def test_a_busy_moment_behind_a_larger_batchs_plain_step_does_not_make_its_drafts_look_cheap():
+    # A demo node's timings (ms) on a 2-core EPYC while its two peers trained: batch 16's plain step
+    # came out 2.7x too slow, so every width there looked cheap (9 tokens for 3.0x) next to batch 4's 11.6x.
+    measured = {
+        1: [31.6, 34.6, 36.3, 62.1, 67.7, 50.1],
+        4: [33.3, 85.7, 128.6, 214.3, 385.7, 728.5],
+        16: [125.4, 156.8, 142.5, 218.6, 381.7, 769.0],
+    }
+    curve = calibrate_verify_cost(lambda batch, widths: [measured[batch][j] / 1000 for j in range(len(widths))],
+                                  batches=(1, 4, 16), key="k")
+    assert curve.ratios[0] == pytest.approx((1.0, 1.0949, 1.1487, 1.9652, 2.1424, 1.5854), abs=1e-4)  # batch 1 as measured
+    for smaller, larger in ((0, 1), (1, 2)):
+        assert all(b >= a for a, b in zip(curve.ratios[smaller], curve.ratios[larger], strict=True))
+    assert curve.ratios[2] == curve.ratios[1] and curve.ratio(16, 9) == pytest.approx(385.7 / 33.3, abs=1e-3)
+    policy = LengthAwarePolicy(curve, SuffixDrafter())
+    assert policy.wants_drafts(1) and not policy.wants_drafts(16)
+    assert where_drafting_pays(policy) == "drafting pays at batch sizes [1]"
+
+
 def test_calibration_skips_widths_past_the_compute_bound_and_prices_them_linearly():
     timed_widths = []
 
