@@ -197,9 +197,10 @@ def _never_cheaper_at_larger_batches(ratios: Sequence[Sequence[float]]) -> tuple
     arithmetic does). A measurement that says otherwise caught the plain step of the larger batch in
     a busy moment, which makes every width there look cheap: a demo node on a 2-core EPYC, timing
     while its two peers trained, got T(16, 9) / T(16, 1) = 3.0 against 11.6 at batch 4 (its batch-16
-    plain step 2.7x what its start-up had measured) and drafted at batch 16: its rounds generated
-    about 650 tokens in 5.8-9.0 s, its plain first round as many in 3.9-4.3 s. Raising a ratio errs
-    towards plain decoding.
+    plain step 2.7x what its start-up had measured) and T(16, 3) below T(16, 2). Timed alone on that
+    machine (`bench/spec_rollout.py`, bf16, 1 thread) every width's ratio grew with the batch (3
+    tokens: 1.02, 1.07, 1.14, 1.18, 1.31 from batch 1 to 16). Raising a ratio errs towards plain
+    decoding.
     """
     monotone = [tuple(ratios[0])] if ratios else []
     for row in ratios[1:]:
