@@ -696,12 +696,14 @@ from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.protocol.identity import Identity
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+# Caught from before the test can send it: a SIGINT that came before the handler was lost where the test's own
+# process ignores SIGINT (a background job of a shell passes SIG_IGN on), and the node waited for it forever.
+interrupted = []
+signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
 node = Gossip(Identity.generate(), SwarmConfig(swarm="test-ctrl-c", bootstrap_timeout=1.0, request_timeout=5.0))
 node.start()
 p2pd = node._p2p._child.pid
 print("p2pd", p2pd, os.getpgid(p2pd), os.getpgid(0), flush=True)
-interrupted = []
-signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
 while not interrupted:
     time.sleep(0.05)
 time.sleep(0.5)
