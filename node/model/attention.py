@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from hivespec.kernels.host_transfer import synchronize
+from hivespec.node.model.device import work_clock
 from hivespec.node.model.precision import MARGIN, PROMPT_TOKENS, ModelShape, cached_measurement, cpu_facts
 
 if TYPE_CHECKING:
@@ -87,17 +88,18 @@ class AttentionChoice:
         return f"{self.role} attention {self.implementation} ({self.source}: {self.reason})"
 
 
-def _alternate(runs: dict[str, Callable[[], None]], budget_s: float) -> dict[str, float]:
-    """Best seconds of each run: one warm-up each, then they alternate until `budget_s` is spent (2-5 rounds)."""
+def _alternate(runs: dict[str, Callable[[], None]], budget_s: float, device: torch.device) -> dict[str, float]:
+    """Best seconds of each run on `device` (by its `work_clock`): one warm-up each, then they alternate until
+    `budget_s` of wall time is spent (2-5 rounds)."""
     for run in runs.values():
         run()
     best = dict.fromkeys(runs, math.inf)
-    started = time.perf_counter()
+    clock, started = work_clock(device), time.perf_counter()
     for rounds in range(1, 6):
         for name, run in runs.items():
-            mark = time.perf_counter()
+            mark = clock()
             run()
-            best[name] = min(best[name], time.perf_counter() - mark)
+            best[name] = min(best[name], clock() - mark)
         if rounds >= 2 and time.perf_counter() - started > budget_s:
             break
     return best
@@ -164,7 +166,7 @@ def measure_decode(model: torch.nn.Module, batch: int, context: int, *, budget_s
         one.crop(-1)  # every step sees the same context
 
     runs = {implementation: _using(model, implementation, step) for implementation in IMPLEMENTATIONS}
-    return _alternate(runs, budget_s)
+    return _alternate(runs, budget_s, device)
 
 
 def hidden_states(backbone: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -227,7 +229,7 @@ def measure_training(
     mask[1:, tokens * 3 // 4 :] = 0  # padded rows, as a micro batch of unequal lengths has: the mask is materialized
     runs = {implementation: _backward_timer(small, autocast_dtype, implementation, lambda b: hidden_states(b, ids, mask))
             for implementation in IMPLEMENTATIONS}
-    return _alternate(runs, budget_s)
+    return _alternate(runs, budget_s, next(small.parameters()).device)
 
 
 SHARING_RUNS = ("whole-1", "whole-2", "shared-1", "shared-2")
@@ -263,7 +265,7 @@ def measure_shared_prompt(
                                                   lambda b, w=whole, m=whole_mask: hidden_states(b, w, m))
         runs[f"shared-{layers}"] = _backward_timer(small, autocast_dtype, shared_kernel,
                                                    lambda b, c=completions, m=mask, p=prompt: hidden_states(b, c, m, p))
-    return _alternate(runs, budget_s)
+    return _alternate(runs, budget_s, next(model.parameters()).device)
 
 
 def predicted_seconds(seconds: dict[str, float], way: str, layers: int) -> float:

@@ -1,4 +1,5 @@
-"""``model.device`` checked against this torch and this machine: `check_device`.
+"""``model.device`` checked against this torch and this machine (`check_device`), and the clock its
+measurements are timed by (`work_clock`).
 
 A device string torch cannot parse, a CUDA device on a CPU-only torch build or on a machine
 without a visible GPU, a GPU index past the last one, or MPS where there is none: each is a
@@ -6,6 +7,9 @@ without a visible GPU, a GPU index past the last one, or MPS where there is none
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,3 +40,21 @@ def check_device(name: str) -> torch.device:
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise DeviceError(f"{where}: MPS (Apple GPU) is not available here; set model.device: cpu")
     return device
+
+
+def work_clock(device: torch.device | str) -> Callable[[], float]:
+    """The clock that times a measurement's runs on `device`: this thread's CPU time where the work is
+    this thread's alone (a CPU with one torch thread), else the wall.
+
+    A node measures its machine (the verify-cost curve, precision, attention) to compare runs
+    with each other, and a demo node does it while its peers train on the same cores. Timed by the
+    wall, a run counts every moment the scheduler gave its core away: on a 2-core EPYC (bf16, one
+    thread each, two peers training beside it) three calibrations' T(16, 3) / T(16, 1) came out 4.18,
+    4.18 and 2.84 against 2.00 alone, and every ratio was within 109 % of the quiet curve; by the
+    thread's CPU time, within 18 % (the quiet curve timed again: 5 %; `bench/calibration_load.py`).
+    One torch thread runs a CPU forward and backward on the calling thread, so its CPU time is the
+    work. Several torch threads share it and a GPU does it elsewhere: those are timed by the wall.
+    """
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter

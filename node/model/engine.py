@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from hivespec.kernels.host_transfer import synchronize, to_host
 from hivespec.kernels.sampling import sample_tokens
 from hivespec.kernels.speculative import verify_drafts
+from hivespec.node.model.device import work_clock
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -573,6 +574,7 @@ class TorchEngine:
         rounds: int = 2,
         warm_up: Sequence[int] | None = None,
         wider_pays: Callable[[int, float], bool] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> list[float]:
         """Seconds for one step of each width of new tokens per row, at `batch` rows over a `context`-token cache.
 
@@ -584,7 +586,10 @@ class TorchEngine:
         widths instead of skewing one. The warm-up runs `warm_up` (default: every width); its
         times count too. `wider_pays(width, ratio to width 1)`, if given, is asked after each
         width of a round: False skips the wider ones (returned as inf; the caller extrapolates).
+        Steps are timed by `clock` (default `work_clock`: the thread's CPU time on a one-thread CPU,
+        so a peer's work on the same cores does not count).
         """
+        clock = clock if clock is not None else work_clock(self._device)
         widest = max(widths)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self._vocab_size, (batch, context + widest), generator=generator).to(self._device)
@@ -595,13 +600,13 @@ class TorchEngine:
         best = [float("inf")] * len(widths)
 
         def step(width: int) -> float:
-            start = time.perf_counter()
+            start = clock()
             end = context + width
             logits = self._forward(ids[:, context:end], mask[:, :end], positions[:, context:end], cache, keep=width)
             rows = torch.arange(batch * width, device=self._device)
             sample_tokens(logits.reshape(batch * width, -1), seed=0, sample_ids=rows, positions=rows, temperature=1.0, top_p=1.0)
             synchronize(self._device)
-            seconds = time.perf_counter() - start
+            seconds = clock() - start
             cache.crop(-width)
             return seconds
 

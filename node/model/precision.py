@@ -47,12 +47,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from hivespec.node.model.device import work_clock
+
 log = logging.getLogger(__name__)
 
 Role = Literal["engine", "trainer"]
 MARGIN = 0.9  # the costlier choice must take at most this share of the other's time to be chosen
 CACHE_FILE = "precision.json"
-_CACHE_FORMAT = 2  # 2: the engine's decode step timed on the real model
+_CACHE_FORMAT = 3  # 3: timed by the work clock (`work_clock`); 2: the engine's decode step timed on the real model
 _STREAM_BYTES = 48 << 20  # decode weights measured per step: past a CPU's last-level cache (the LM head adds more)
 _TRAIN_ROWS_MAX = 64  # training rows measured: a real matmul shape, yet cheap where bf16 is 20x slower
 _MEASURE_BUDGET_S = 0.4  # per role: repeats stop once both dtypes are timed and this is spent
@@ -186,12 +188,12 @@ def _best_of(float32: Callable[[], None], bfloat16: Callable[[], None], budget_s
     """
     float32()
     best = {"float32": math.inf, "bfloat16": math.inf}
-    started = time.perf_counter()
+    clock, started = work_clock("cpu"), time.perf_counter()
     for rounds in range(1, 5):
         for name, run in (("float32", float32), ("bfloat16", bfloat16)):
-            mark = time.perf_counter()
+            mark = clock()
             run()
-            best[name] = min(best[name], time.perf_counter() - mark)
+            best[name] = min(best[name], clock() - mark)
         clear = best["bfloat16"] > 3.0 * best["float32"] or best["float32"] > 3.0 * best["bfloat16"]
         if rounds >= 2 and (clear or time.perf_counter() - started > budget_s):
             break
@@ -331,16 +333,16 @@ def measure_sync(params: int, learning_rate: float, weights: torch.Tensor | None
         trainer.weight.copy_(weights[:elements].reshape(trainer.weight.shape))
     base = trainer.weight.detach().clone()
     step = learning_rate * torch.sign(torch.randn(trainer.weight.shape, generator=generator))
-    seconds = {}
+    seconds, clock = {}, work_clock("cpu")
     for dtype in (torch.float32, torch.bfloat16):
         with torch.no_grad():
             trainer.weight.copy_(base)
         sync = WeightSync(trainer, {"weight": base.to(dtype).clone()})
         with torch.no_grad():
             trainer.weight.add_(step)
-        mark = time.perf_counter()
+        mark = clock()
         sync.sync(1, encode=encode)
-        seconds[_DTYPE_NAMES[dtype]] = (time.perf_counter() - mark) * params / elements
+        seconds[_DTYPE_NAMES[dtype]] = (clock() - mark) * params / elements
     return seconds
 
 

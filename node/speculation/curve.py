@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)  # what a bench measures; a node measures `calibration_batches`
 CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
 CALIBRATION_CONTEXT = 16  # cached tokens per row while timing: the prefill is a third of the cost at 32 (batch 16)
-_CURVE_FORMAT = 5  # 5: ratios non-decreasing in the batch; 4: steps include the keyed sampling; 3: raw per-width ratios
+_CURVE_FORMAT = 6  # 6: timed by the work clock (`work_clock`); 5: ratios non-decreasing in the batch; 4: steps include the keyed sampling; 3: raw per-width ratios
 
 
 @dataclass(frozen=True)

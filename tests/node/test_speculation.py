@@ -272,3 +272,43 @@ def test_where_drafting_pays_names_the_batch_sizes_or_says_it_pays_nowhere():
     steep = LengthAwarePolicy(_curve(b8=(1.0, 2.5, 3.5, 6.0, 10.0, 18.0)), drafter)
     assert steep.curve.batches == (1, 8) and steep.wants_drafts(1) and not steep.wants_drafts(8)
     assert where_drafting_pays(steep) == "drafting pays at batch sizes [1]"
+
+
+def test_calibration_does_not_count_time_the_core_spends_on_other_work():
+    # A demo node times its curve while its peers train on the same cores: a step the scheduler
+    # pauses is slow by the wall, not in work. A paused plain step (slept through here, as a
+    # preempted one waits) made every wider step look cheap by the wall; the thread's CPU time,
+    # which a one-thread CPU node times by (`work_clock`), does not count the pause.
+    import time
+
+    from hivespec.node.model.device import work_clock
+
+    model = load_model("tiny", dtype=torch.float32)
+    forward = model.forward
+
+    def paused_when_plain(*args, input_ids=None, **kwargs):
+        if input_ids.shape[1] == 1:
+            time.sleep(0.3)
+        return forward(*args, input_ids=input_ids, **kwargs)
+
+    model.forward = paused_when_plain
+    engine = TorchEngine(model, max_batch_size=2)
+    assert torch.get_num_threads() == 1 and work_clock("cpu") is time.thread_time
+    by_work = engine.time_forwards(2, [1, 3], rounds=1)
+    by_wall = engine.time_forwards(2, [1, 3], rounds=1, clock=time.perf_counter)
+    assert by_wall[0] >= 0.3 > by_work[0]  # the pause counts by the wall only
+    assert by_wall[1] < by_wall[0]  # where, timed by the wall, 3 tokens a row cost less than 1
+
+
+def test_several_threads_and_gpus_are_timed_by_the_wall():
+    import time
+
+    from hivespec.node.model.device import work_clock
+
+    torch.set_num_threads(2)
+    try:
+        assert work_clock("cpu") is time.perf_counter  # the other threads' work is not this thread's CPU time
+    finally:
+        torch.set_num_threads(1)
+    assert work_clock("cpu") is time.thread_time
+    assert work_clock("cuda:0") is time.perf_counter  # the GPU works elsewhere; the step synchronizes
