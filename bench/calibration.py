@@ -2,8 +2,9 @@
 
 Loads the embedded model (or --model) in --dtype on --threads torch threads and runs exactly the
 calibration `build_speculation` hands a node without a cached curve (`calibration_batches` of
---batch, one pass over a `CALIBRATION_CONTEXT`-token cache, compute-bound widths skipped), into
-a temporary cache. Reports the seconds per batch and in all, and the measured curve.
+--batch, `calibration_timer`: three passes over a short cache, compute-bound widths skipped), into
+a temporary cache. Reports the seconds per batch and in all, and the measured curve (how far it moves
+beside training peers: `bench/calibration_load.py`).
 
     python bench/calibration.py [--quick] [--batch 16] [--dtype float32] [--threads 1] [--repeats 3]
 
