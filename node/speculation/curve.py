@@ -19,15 +19,20 @@ Owns the measurement and its cache file; never decides a step's width (`policy.p
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import time
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
+
+from hivespec.node.file_lock import flock_within
 
 __all__ = [
     "VerifyCostCurve",
@@ -37,6 +42,7 @@ __all__ = [
     "device_verify_cost",
     "load_cached_curve",
     "load_or_calibrate",
+    "measuring_alone",
     "model_identity",
     "wider_pays",
     "write_cached_curve",
@@ -246,6 +252,35 @@ def write_cached_curve(cache_folder: Path, curve: VerifyCostCurve) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(curve.to_json())
     tmp.replace(path)  # atomic: nodes sharing the cache never read half a curve
+
+
+MEASURING_WAIT_S = 120.0  # the longest a node waits for another one's measurement before timing its own
+
+
+@contextmanager
+def measuring_alone(cache_folder: Path, key: str, on_wait: Progress | None = None) -> Iterator[None]:
+    """Hold the machine-wide lock of the curve `key` while measuring it: nodes on one machine take turns.
+
+    Three demo nodes on a 2-core machine timing at once slow each other's runs and their peers'
+    training; one that waits for the lock then finds the curve the other cached. `on_wait` is
+    told every second while it waits (a stop request raises from it); after `MEASURING_WAIT_S`
+    (a holder that hangs) the node measures without the lock. A holder that dies releases it.
+    """
+    cache_folder.mkdir(parents=True, exist_ok=True)
+    with open(cache_folder / f"verify-cost-{key}.lock", "a+b") as handle:
+        deadline = time.monotonic() + MEASURING_WAIT_S
+        held = flock_within(handle.fileno(), 0, 0)
+        while not held and time.monotonic() < deadline:
+            if on_wait is not None:
+                on_wait("waiting for another node on this machine to finish measuring it")
+            held = flock_within(handle.fileno(), 1.0, 0.1)
+        if not held:
+            log.warning("the verify-cost curve's lock was held for %.0f s; measuring without it", MEASURING_WAIT_S)
+        try:
+            yield
+        finally:
+            if held:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def load_or_calibrate(

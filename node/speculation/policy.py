@@ -36,6 +36,7 @@ from hivespec.node.speculation.curve import (
     calibration_batches,
     curve_location,
     load_cached_curve,
+    measuring_alone,
     wider_pays,
     write_cached_curve,
 )
@@ -81,17 +82,22 @@ class CurveCalibration:
     measured: bool = False  # set by run(): this node timed the curve (False: another node on this machine had)
 
     def run(self, on_progress: Progress | None = None) -> VerifyCostCurve:
-        """Measure the curve (or take the one another node on this machine cached since start-up), cache it, activate the policy."""
-        cached, _ = load_cached_curve(self.cache_folder, self.key, self.batches)
-        if cached is not None:  # e.g. a demo's first node measured it while this one generated
-            log.info("verify-cost curve found in %s (measured by another node on this machine)", self.cache_folder)
-            self.policy.set_curve(cached)
-            return cached
-        self.measured = True
-        started = time.perf_counter()
-        log.info("measuring the verify-cost curve for batches %s (once per machine; decoding plainly until then)", list(self.batches))
-        curve = calibrate_verify_cost(self.time_forwards, key=self.key, batches=self.batches, on_progress=on_progress)
-        write_cached_curve(self.cache_folder, curve)
+        """Measure the curve (or take the one another node on this machine cached since start-up), cache it, activate the policy.
+
+        Nodes on one machine measure it one at a time (`measuring_alone`): a demo node that finds
+        another one measuring waits and takes its curve.
+        """
+        with measuring_alone(self.cache_folder, self.key, on_progress):
+            cached, _ = load_cached_curve(self.cache_folder, self.key, self.batches)
+            if cached is not None:  # e.g. a demo's first node measured it while this one generated
+                log.info("verify-cost curve found in %s (measured by another node on this machine)", self.cache_folder)
+                self.policy.set_curve(cached)
+                return cached
+            self.measured = True
+            started = time.perf_counter()
+            log.info("measuring the verify-cost curve for batches %s (once per machine; decoding plainly until then)", list(self.batches))
+            curve = calibrate_verify_cost(self.time_forwards, key=self.key, batches=self.batches, on_progress=on_progress)
+            write_cached_curve(self.cache_folder, curve)
         self.policy.set_curve(curve)
         log.info("verify-cost curve measured in %.1fs; %s", time.perf_counter() - started, describe_curve(self.policy))
         return curve

@@ -312,3 +312,30 @@ def test_several_threads_and_gpus_are_timed_by_the_wall():
         torch.set_num_threads(1)
     assert work_clock("cpu") is time.thread_time
     assert work_clock("cuda:0") is time.perf_counter  # the GPU works elsewhere; the step synchronizes
+
+
+def test_nodes_on_one_machine_measure_the_curve_one_at_a_time(tmp_path):
+    # A demo's three nodes reach their first wait together: the second waits for the first's
+    # measurement and takes its curve instead of timing beside it.
+    import threading
+
+    calls, measuring, waited = [], threading.Event(), threading.Event()
+
+    def slow_timer(batch, widths):
+        calls.append(batch)
+        measuring.set()
+        assert waited.wait(30)  # the second node is waiting for the lock by now
+        return [float(batch) * (1 + 0.1 * w) for w in widths]
+
+    first = CurveCalibration(LengthAwarePolicy(None, SuffixDrafter()), slow_timer, tmp_path, "k", [1, 4])
+    second = CurveCalibration(LengthAwarePolicy(None, SuffixDrafter()), slow_timer, tmp_path, "k", [1, 4])
+    measured = []
+    thread = threading.Thread(target=lambda: measured.append(first.run()))
+    thread.start()
+    assert measuring.wait(30)
+    told = []
+    curve = second.run(on_progress=lambda text: (told.append(text), waited.set()))
+    thread.join(30)
+    assert told[0] == "waiting for another node on this machine to finish measuring it"
+    assert calls == [1, 4] and first.measured and not second.measured
+    assert curve == measured[0] and second.policy.curve == curve
