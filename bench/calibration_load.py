@@ -1,10 +1,11 @@
 """The verify-cost calibration beside training peers: timed by the wall against timed by the work clock.
 
 A demo node times its verify-cost curve while its two peers train on the same cores. This bench
-times the curve exactly as a node does (`calibration_batches`, `calibration_timer`) alone on the machine, then `--repeats` times beside `--peers` processes
-that train the same model (forward and backward of 4 x 128 tokens under bf16 autocast, one thread
-each, as a demo trainer), each time once by the wall (`time.perf_counter`) and once by the node's
-`work_clock` (the thread's CPU time with one torch thread), in alternating order, then alone again.
+times the curve exactly as a node does (`calibration_batches`, `calibration_timer`) alone on the
+machine, then `--repeats` times beside `--peers` processes that train the same model (forward and
+backward of 4 x 128 tokens under bf16 autocast, one thread each, as a demo trainer), each time once
+by the wall (`time.perf_counter`) and once by the node's `work_clock` (the thread's CPU time with one
+torch thread), in alternating order, then alone again.
 Everything else alone on the machine, please (`../shared/tools/heavy`).
 
     python bench/calibration_load.py [--quick] [--peers 2] [--repeats 3] [--batch 16] [--rounds N] [--dtype bfloat16]
@@ -102,8 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for peer in peers:
         peer.start()
     started = time.perf_counter()
-    for ready in readies:
-        ready.wait(timeout=600)
+    for peer, ready in zip(peers, readies, strict=True):
+        while not ready.wait(timeout=1):
+            if not peer.is_alive():
+                stop.set()
+                raise SystemExit(f"a training peer exited with code {peer.exitcode} before its first step")
     print(f"{args.peers} training peers up after {time.perf_counter() - started:.0f} s", flush=True)
     loaded: dict[str, list[VerifyCostCurve]] = {"wall": [], "work": []}
     try:
