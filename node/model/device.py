@@ -53,7 +53,8 @@ def work_clock(device: torch.device | str) -> Callable[[], float]:
     4.18 and 2.84 against 2.00 alone, and every ratio was within 109 % of the quiet curve; by the
     thread's CPU time, within 18 % (the quiet curve timed again: 5 %; `bench/calibration_load.py`).
     One torch thread runs a CPU forward and backward on the calling thread, so its CPU time is the
-    work. Several torch threads share it and a GPU does it elsewhere: those are timed by the wall.
+    work. Several torch threads share it and a GPU does it elsewhere: those are timed by the wall, as
+    is any run that hands work to other threads (the weight sync's hash: `precision.measure_sync`).
     """
     if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time
