@@ -294,7 +294,7 @@ def test_calibration_does_not_count_time_the_core_spends_on_other_work():
     model.forward = paused_when_plain
     engine = TorchEngine(model, max_batch_size=2)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a demo node's on a 2-core machine
+    torch.set_num_threads(1)  # as a demo node on a 2-core machine has
     try:
         assert work_clock("cpu") is time.thread_time
         by_work = engine.time_forwards(2, [1, 3], rounds=1)
