@@ -19,7 +19,6 @@ Owns the measurement and its cache file; never decides a step's width (`policy.p
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -276,11 +275,7 @@ def measuring_alone(cache_folder: Path, key: str, on_wait: Progress | None = Non
             held = flock_within(handle.fileno(), 1.0, 0.1)
         if not held:
             log.warning("the verify-cost curve's lock was held for %.0f s; measuring without it", MEASURING_WAIT_S)
-        try:
-            yield
-        finally:
-            if held:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        yield  # closing the lock file, its only descriptor, releases the lock
 
 
 def load_or_calibrate(
