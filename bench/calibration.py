@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from hivespec.node.model.engine import TorchEngine
     from hivespec.node.model.loader import load_model
     from hivespec.node.model.precision import cpu_facts
-    from hivespec.node.speculation.policy import build_speculation
+    from hivespec.node.speculation.policy import build_speculation, drafting_batches
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             total = time.perf_counter() - started
         ends = [t for _, t in marks[1:]] + [started + total]
         per_batch = {text.split()[2]: round(end - t, 2) for (text, t), end in zip(marks, ends, strict=True)}
-        paying = [b for b in curve.batches if policy.wants_drafts(b)]
+        paying = drafting_batches(policy)
         runs.append({"seconds": round(total, 2), "per_batch_s": per_batch, "paying_batches": paying,
                      "ratios": {str(b): list(r) for b, r in zip(curve.batches, curve.ratios, strict=True)}})
         print(json.dumps(runs[-1]), flush=True)

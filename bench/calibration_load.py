@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hivespec.node.model.precision import cpu_facts
     from hivespec.node.speculation.curve import VerifyCostCurve, calibrate_verify_cost, calibration_batches
     from hivespec.node.speculation.drafter import SuffixDrafter
-    from hivespec.node.speculation.policy import CALIBRATION_ROUNDS, LengthAwarePolicy, calibration_timer
+    from hivespec.node.speculation.policy import CALIBRATION_ROUNDS, LengthAwarePolicy, calibration_timer, drafting_batches
 
     configure_threads(1)
     model = load_model(args.model, dtype=getattr(torch, args.dtype)).requires_grad_(False)
@@ -80,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return calibrate_verify_cost(timer, batches=calibration_batches(args.batch))
 
     def verdict(curve: VerifyCostCurve) -> list[int]:
-        policy = LengthAwarePolicy(curve, SuffixDrafter())
-        return [b for b in curve.batches if policy.wants_drafts(b)]
+        return drafting_batches(LengthAwarePolicy(curve, SuffixDrafter()))
 
     def error(curve: VerifyCostCurve, reference: VerifyCostCurve) -> float:
         return max(abs(r / q - 1) for row, quiet in zip(curve.ratios, reference.ratios, strict=True)

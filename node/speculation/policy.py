@@ -54,6 +54,7 @@ __all__ = [
     "UniformPolicy",
     "build_speculation",
     "calibration_timer",
+    "drafting_batches",
     "length_class",
     "where_drafting_pays",
 ]
@@ -111,10 +112,15 @@ def describe_curve(policy: LengthAwarePolicy) -> str:
     return f"verify cost T(9)/T(1) = {[curve.ratio(b, 9) for b in curve.batches]} for batches {list(curve.batches)}; {where_drafting_pays(policy)}"
 
 
+def drafting_batches(policy: LengthAwarePolicy) -> list[int]:
+    """The curve's batch sizes at which drafting could pay (`wants_drafts`); none without a curve."""
+    curve = policy.curve
+    return [b for b in curve.batches if policy.wants_drafts(b)] if curve is not None else []
+
+
 def where_drafting_pays(policy: LengthAwarePolicy) -> str:
     """The verdict a user reads: the batch sizes at which drafting pays on this machine's curve."""
-    curve = policy.curve
-    paying = [b for b in curve.batches if policy.wants_drafts(b)] if curve is not None else []
+    paying = drafting_batches(policy)
     return f"drafting pays at batch sizes {paying}" if paying else "drafting pays at no batch size here: decoding plainly"
 
 
