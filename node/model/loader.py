@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import platformdirs
 import torch
@@ -137,8 +140,9 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
     """Dequantise the GGUF and write model + tokenizer to ``target`` atomically."""
     started = time.perf_counter()
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=torch.float32)
+    with _bars_fit_for_a_log():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=torch.float32)
     # save_pretrained refuses GGUF-quantized models, but the Q4_1 weights are already
     # dequantised to plain fp32 tensors: dropping the quantizer bookkeeping is all it takes.
     model.hf_quantizer = None
@@ -148,7 +152,8 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        model.save_pretrained(staging)
+        with _bars_fit_for_a_log():
+            model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _MARKER).write_text(json.dumps(identity))
         if target.exists():
@@ -162,6 +167,62 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log.info("exported %s to %s in %.1f s (one time per machine)", gguf.name, target, time.perf_counter() - started)
+
+
+@contextmanager
+def _bars_fit_for_a_log() -> Iterator[None]:
+    """transformers' progress bars (dequantising the GGUF's 272 tensors, writing the shards) as one line each where
+    stderr is a file or a pipe: a terminal shows them live, a captured log got hundreds of frames on one line."""
+    if sys.stderr is None or sys.stderr.isatty():
+        yield
+        return
+    frames = _LastFrames(sys.stderr)
+    try:
+        with redirect_stderr(frames):  # tqdm takes sys.stderr when a bar starts
+            yield
+    finally:
+        frames.end_line()
+
+
+class _LastFrames(io.TextIOBase):
+    """A text stream that passes lines on, and of a line redrawn after carriage returns (a progress bar) its last frame."""
+
+    def __init__(self, target: TextIO) -> None:
+        self._target = target
+        self._frame = ""  # what was written since the last carriage return or newline
+        self._last = ""  # the line's last frame with text in it (a bar may clear itself before its newline)
+
+    @property
+    def encoding(self) -> str | None:  # tqdm draws its bar in Unicode where the target's encoding allows it
+        return getattr(self._target, "encoding", None)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        for piece in re.split(r"([\r\n])", text):
+            if piece == "\n":
+                self._target.write(self._line() + "\n")
+                self._frame = self._last = ""
+            elif piece == "\r":
+                self._last = self._line()
+                self._frame = ""
+            else:
+                self._frame += piece
+        return len(text)
+
+    def end_line(self) -> None:
+        """End a line left open (a bar's last frame, text without its newline) and flush."""
+        if pending := self._line():
+            self._target.write(pending + "\n")
+        self._frame = self._last = ""
+        self._target.flush()
+
+    def _line(self) -> str:
+        return self._frame if self._frame.strip() else self._last
+
+    def flush(self) -> None:
+        self._target.flush()
 
 
 def ensure_embedded_cache() -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -168,6 +169,27 @@ def test_cache_export_is_locked_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_
     assert ensure_embedded_cache() == target and len(calls) == 2
     assert json.loads((target / model_module._MARKER).read_text())["size"] == 20
     assert [p.name for p in target.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_progress_bars_written_to_a_log_keep_their_last_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF conversion's bars (tqdm, as transformers draws them) land in a captured log as one line each, other lines intact."""
+    from tqdm.auto import tqdm
+
+    log_file = io.StringIO()  # a file, not a terminal
+    monkeypatch.setattr(sys, "stderr", log_file)
+    with model_module._bars_fit_for_a_log():
+        for _ in tqdm(range(272), desc="Converting tensors", mininterval=0):
+            pass
+        print("a warning\n\nand a blank line before it", file=sys.stderr)
+        for _ in tqdm(range(3), desc="Writing shards", mininterval=0, leave=False):  # clears itself, without a newline
+            pass
+    lines = log_file.getvalue().split("\n")
+    assert "\r" not in log_file.getvalue()
+    assert lines[0].startswith("Converting tensors: 100%") and "272/272" in lines[0]
+    assert lines[1:4] == ["a warning", "", "and a blank line before it"]
+    assert lines[4].startswith("Writing shards: 100%") and "3/3" in lines[4]  # its line ended when the bars' work did
+    assert lines[5:] == [""]
+    assert sys.stderr is log_file
 
 
 def test_configure_threads() -> None:
