@@ -11,10 +11,9 @@ from hivespec.protocol.status import PeerRow, StatusSnapshot
 
 from .header import LEVEL_STYLE
 from .plot import LinePlot, Series
-from .view import DASH, fmt, fmt_ago, fmt_int, health, is_active, peer_label
+from .view import DASH, fmt, fmt_ago, fmt_int, health, is_active, listed_peers, peer_label, unlisted_peers_line
 
 PEER_COLUMNS = ("peer", "last seen", "rtt", "batches", "accepted", "rej/ign", "score")
-PEER_ROWS = 100  # the peer table's rows at most, the peers heard from most recently: a public swarm has hundreds
 
 
 class SwarmPanel(Vertical):
@@ -66,17 +65,16 @@ class SwarmPanel(Vertical):
         self._show_peers(snapshot, names)
 
     def _show_peers(self, snapshot: StatusSnapshot, names: dict[str, str]) -> None:
-        """The peer table: the `PEER_ROWS` peers heard from most recently, those that sent rollouts lately first, then
-        by name. Rows change in place, so the cursor and the scroll stay where the user put them (the panel is redrawn
-        three times a second); where peers come, go or change places the table is rebuilt with the cursor on its peer.
-        Rebuilt every time, 1024 rows kept the event loop 0.2 s a redraw, and the cursor went back to the top."""
+        """The peer table (`listed_peers`: at most `PEER_ROWS`, the peers heard from last). Rows change in place, so the
+        cursor and the scroll stay where the user put them (the panel is redrawn three times a second); where peers
+        come, go or change places the table is rebuilt with the cursor on its peer. Rebuilt every time, 1024 rows kept
+        the event loop 0.2 s a redraw, and the cursor went back to the top."""
         table = self.query_one("#peers", DataTable)
-        heard = sorted(snapshot.peers, key=lambda p: p.last_seen or 0.0, reverse=True)[:PEER_ROWS]
-        peers = sorted(heard, key=lambda p: (not is_active(snapshot, p), peer_label(p, names)))
+        peers = listed_peers(snapshot, names)
         rows = {peer.peer_id: _peer_cells(snapshot, peer, names) for peer in peers}
-        more = self.query_one("#peers-more", Static)
-        more.display = len(snapshot.peers) > len(heard)
-        more.update(f"and {len(snapshot.peers) - len(heard)} more peers, heard from less recently")
+        more = unlisted_peers_line(snapshot, peers)
+        self.query_one("#peers-more", Static).update(more)
+        self.query_one("#peers-more", Static).display = bool(more)
         if list(rows) == list(self._rows):
             for peer_id, cells in rows.items():
                 for column, cell, before in zip(PEER_COLUMNS, cells, self._rows[peer_id], strict=True):

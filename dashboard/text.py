@@ -13,9 +13,11 @@ from .view import (
     fmt_percent,
     health,
     is_active,
+    listed_peers,
     peer_label,
     phase_text,
     short_id,
+    unlisted_peers_line,
 )
 
 
@@ -44,13 +46,16 @@ def render_text(snapshot: StatusSnapshot) -> str:
     lines.append("")
     if snapshot.peers:
         lines.append(f"  {'peer':<22} {'last seen':>11} {'batches':>8} {'accepted':>9} {'rej/ign':>8} {'score':>6}")
-        for peer in snapshot.peers:
+        listed = listed_peers(snapshot)
+        for peer in listed:
             seen = snapshot.time - peer.last_seen if peer.last_seen is not None else None
             mark = "*" if is_active(snapshot, peer) else " "
             lines.append(
                 f"{mark} {peer_label(peer)[:22]:<22} {fmt_ago(seen):>11} {peer.batches:>8} {peer.accepted:>9} "
                 f"{f'{peer.rejected}/{peer.ignored}':>8} {fmt(peer.score):>6}"
             )
+        if more := unlisted_peers_line(snapshot, listed):
+            lines.append(f"  {more} (all of them: --json)")
         lines.append("  (* = sent rollouts recently)")
     else:
         lines.append("  no peer batches received yet")

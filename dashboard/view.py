@@ -103,6 +103,22 @@ def active_peers(snapshot: StatusSnapshot) -> list[PeerRow]:
     return [p for p in snapshot.peers if is_active(snapshot, p)]
 
 
+PEER_ROWS = 100  # peers listed at most (a public swarm has hundreds): the ones heard from most recently
+
+
+def listed_peers(snapshot: StatusSnapshot, names: dict[str, str] | None = None) -> list[PeerRow]:
+    """The peers a table lists: the `PEER_ROWS` heard from most recently, those that sent rollouts lately first, then
+    by name (so rows only move when a peer comes, goes or stops sending)."""
+    heard = sorted(snapshot.peers, key=lambda p: p.last_seen or 0.0, reverse=True)[:PEER_ROWS]
+    return sorted(heard, key=lambda p: (not is_active(snapshot, p), peer_label(p, names)))
+
+
+def unlisted_peers_line(snapshot: StatusSnapshot, listed: Sequence[PeerRow]) -> str:
+    """What `listed_peers` left out, in a line; empty where it listed every peer."""
+    hidden = len(snapshot.peers) - len(listed)
+    return f"and {hidden} more peers, heard from less recently" if hidden else ""
+
+
 def phase_text(snapshot: StatusSnapshot) -> tuple[Level, str]:
     """The node's state in a few words, e.g. ('good', 'training round 3/5')."""
     node = snapshot.node

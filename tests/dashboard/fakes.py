@@ -88,6 +88,16 @@ def make_snapshot(rounds: int = 6, *, paused: bool = False, name: str = "node-0"
     )
 
 
+def crowded(snapshot, peers: int, *, newcomer: bool = False):
+    """`snapshot` in a public swarm of `peers` peers, peer i heard from 2i s ago (the fakes' peers count as active for
+    165 s: peer 82 is the last), plus, with `newcomer`, one that sent rollouts just now and sorts first."""
+    rows = [PeerRow(peer_id=f"hs{i:016x}", name=f"peer-{i:03d}", last_seen=snapshot.time - 2 * i, batches=1, accepted=4, score=0.9)
+            for i in range(peers)]
+    if newcomer:
+        rows.append(PeerRow(peer_id="hs" + "f" * 16, name="aaa-newcomer", last_seen=snapshot.time, batches=1, accepted=4))
+    return replace(snapshot, peers=rows)
+
+
 class FakeSource:
     """Serves `snapshots` in order (the last one repeats); `fail` makes it unreachable; records pause requests."""
 

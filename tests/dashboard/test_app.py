@@ -6,14 +6,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fakes import FakeSource, make_snapshot, screen_text
+from fakes import FakeSource, crowded, make_snapshot, screen_text
 from textual.widgets import DataTable
 
 from hivespec.dashboard.app import PANELS, DashboardApp
 from hivespec.dashboard.help import HelpScreen
 from hivespec.dashboard.log import LogPanel
-from hivespec.dashboard.swarm import PEER_ROWS
-from hivespec.protocol.status import PeerRow
+from hivespec.dashboard.view import PEER_ROWS
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 UPDATE = os.environ.get("HIVESPEC_UPDATE_SNAPSHOTS") == "1"
@@ -126,22 +125,12 @@ def test_a_node_that_never_answered_says_so():
     _run(scenario())
 
 
-def _crowd(snapshot, peers: int, *, newcomer: bool = False):
-    """`snapshot` in a public swarm of `peers` peers, peer i heard from 2i s ago (the fakes' peers count as active for
-    165 s: peer 82 is the last), plus, with `newcomer`, one that sent rollouts just now and sorts first."""
-    rows = [PeerRow(peer_id=f"hs{i:016x}", name=f"peer-{i:03d}", last_seen=snapshot.time - 2 * i, batches=1, accepted=4, score=0.9)
-            for i in range(peers)]
-    if newcomer:
-        rows.append(PeerRow(peer_id="hs" + "f" * 16, name="aaa-newcomer", last_seen=snapshot.time, batches=1, accepted=4))
-    return replace(snapshot, peers=rows)
-
-
 def test_the_peer_table_of_a_large_swarm_keeps_its_cursor_on_its_peer_and_shows_the_peers_heard_from_last():
     """The table is redrawn three times a second: a user scrolling a public swarm's peers must stay where they are,
     on the same peer when one joins above it; it lists the PEER_ROWS peers heard from most recently, and says how
     many more there are."""
     base = make_snapshot()
-    source = FakeSource(_crowd(base, 300))
+    source = FakeSource(crowded(base, 300))
 
     async def scenario():
         app = _app(source)
@@ -156,13 +145,13 @@ def test_the_peer_table_of_a_large_swarm_keeps_its_cursor_on_its_peer_and_shows_
                 await pilot.press("down")
             assert table.cursor_row == 40 and table.scroll_y > 0
             scrolled = table.scroll_y
-            source.snapshots = [replace(_crowd(base, 300), time=base.time + 5)]  # every "last seen" changes
+            source.snapshots = [replace(crowded(base, 300), time=base.time + 5)]  # every "last seen" changes
             fetches = source.fetches
             await _until(pilot, lambda: source.fetches > fetches + 2)
             assert str(table.get_row_at(40)[1]) == "1m25s ago"  # refreshed in place
             assert (table.cursor_row, table.scroll_y) == (40, scrolled)
 
-            source.snapshots = [_crowd(base, 300, newcomer=True)]  # sorts first: every row moves down one
+            source.snapshots = [crowded(base, 300, newcomer=True)]  # sorts first: every row moves down one
             await _until(pilot, lambda: str(table.get_row_at(0)[0]) == "● aaa-newcomer")
             assert table.cursor_row == 41 and str(table.get_row_at(41)[0]) == "● peer-040"
             assert table.row_count == PEER_ROWS and "and 201 more peers" in screen_text(app)

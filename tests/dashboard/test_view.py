@@ -3,19 +3,22 @@
 from dataclasses import replace
 
 import pytest
-from fakes import PEER_A, PEER_B, make_snapshot
+from fakes import PEER_A, PEER_B, crowded, make_snapshot
 
 from hivespec.dashboard.plot import Series, braille_canvas, value_range
 from hivespec.dashboard.text import render_text
 from hivespec.dashboard.view import (
+    PEER_ROWS,
     active_peers,
     flow_health,
     fmt_bytes,
     fmt_duration,
+    listed_peers,
     peers_health,
     reward_health,
     reward_trend,
     speculation_health,
+    unlisted_peers_line,
 )
 from hivespec.protocol.status import GossipStatus, IntakeStatus
 
@@ -88,6 +91,18 @@ def test_braille_canvas_draws_a_rising_line_corner_to_corner():
     assert gap[0][1] == ("\u2800", None)  # a missing value leaves a gap instead of a segment
     assert value_range([Series("r", [None, None], "")]) is None
     assert value_range([Series("r", [0.3, 0.3], "")]) == pytest.approx((0.27, 0.33))
+
+
+def test_a_large_swarm_lists_the_peers_heard_from_last_senders_first():
+    swarm = crowded(make_snapshot(), 300, newcomer=True)  # peer i heard from 2i s ago, peers 0-82 sending; one just now
+    listed = listed_peers(swarm)
+    names = [p.name for p in listed]
+    assert len(listed) == PEER_ROWS and names[:3] == ["aaa-newcomer", "peer-000", "peer-001"]
+    assert names[83] == "peer-082" and names[84] == "peer-083" and names[-1] == "peer-098"  # then the quiet ones
+    assert unlisted_peers_line(swarm, listed) == "and 201 more peers, heard from less recently"
+    text = render_text(swarm)
+    assert "peer-098" in text and "peer-099" not in text and "and 201 more peers, heard from less recently (all of them: --json)" in text
+    assert unlisted_peers_line(make_snapshot(), listed_peers(make_snapshot())) == ""
 
 
 def test_status_text_answers_the_four_questions():
