@@ -1,21 +1,16 @@
 """Light gossip-only nodes at N = 8..64: what one node pays per step for rollout sharing by recency, and how that grows with N.
 
-Every node is a real `Gossip` (its own hivemind DHTNode, its own p2pd, its own Ed25519 identity)
-built from the `public` preset's swarm section (its re-bootstrap interval included; no relay slots on
-loopback), with no model: it publishes a real signed rollout batch (`RolloutBatch` of random tokens, sealed
-as `Kind.ROLLOUTS`; ~10 KB and ~150 KB, alternating step by step on every node) with
-`publish_rollouts`, then takes up to K = 4 fresh batches with `sample_rollouts` (index read plus
-fetches, within a 10 s step timeout), opens each envelope and decodes each batch as intake would,
-then sleeps its own jittered step period. Nobody waits for anybody: step periods are spread
-log-evenly over a 10x range (2 s to 20 s by default), each node starts at a random phase and
-with a random one of the two sizes. Every node alternating, the swarm's published mix is half and
-half at every N and every speed; a size fixed per node would tie it to the speeds, and in a
-swarm of 8 the fastest node's size weighs most (mean published batch 69 kB against 78 at 64,
-when sizes alternated by speed rank): N = 8 paid less per fetched batch for that alone. Several
-nodes share a worker process (8 by default; each node its own gossip loop thread and step thread), so 64 nodes fit on
-2 cores and a few GB. Node 0 is the bootstrap peer everyone joins through, and a stepping node too.
+Every node is a light node (bench/light_nodes.py): a real `Gossip` from the `public` preset's swarm section, no model,
+publishing a real signed batch each step (~10 KB and ~150 KB, alternating step by step), then taking up to K = 4 fresh
+batches with `sample_rollouts` and checking each as intake would. Nobody waits for anybody: step periods are spread
+log-evenly over a 10x range (2 s to 20 s by default), each node starts at a random phase and with a random one of the
+two sizes. Every node alternating, the swarm's published mix is half and half at every N and every speed; a size fixed
+per node would tie it to the speeds, and in a swarm of 8 the fastest node's size weighs most (mean published batch
+69 kB against 78 at 64, when sizes alternated by speed rank): N = 8 paid less per fetched batch for that alone.
+Several nodes share a worker process (8 by default; each node its own gossip loop thread and step thread), so 64
+nodes fit on 2 cores and a few GB. Node 0 is the bootstrap peer everyone joins through, and a stepping node too.
 
-Runs: N = 8, 16, 32, 64 on loopback (inside a network namespace of our own, so its `lo` counters
+Runs (networks: bench/scale_networks.py): N = 8, 16, 32, 64 on loopback (inside a network namespace of our own, so its `lo` counters
 are exactly the swarm's wire bytes; on the host's loopback without them when namespaces cannot be
 made), then N = 16 across network namespaces joined by a bridge, each node on its own host
 namespace whose link is shaped with `tc tbf` (upload 10 Mbit/s, download 50 Mbit/s; this kernel
@@ -78,14 +73,10 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
-import dataclasses
-import functools
 import json
-import logging
 import os
 import queue
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -96,485 +87,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-K = 4
-SIZES = (10_000, 150_000)  # body bytes: a laptop's small batch, a workstation's 4 prompts x 4 completions
-STEP_TIMEOUT_S = 10.0
-MAX_AGE_S = 120.0
+from light_nodes import MAX_AGE_S, PROGRESS_S, RPCS, SERVED, SIZES, STEP_TIMEOUT_S, K
+from scale_networks import NatWan, Network, PrivateLoopback, ShapedLan, namespaces_unavailable
+
 NODES_PER_WORKER = 8
-PROGRESS_S = 20.0
 UNCLEAN = ("Traceback", "Task was destroyed", "was never retrieved", "gossip shutdown was not clean", "did not stop within")
-COUNTERS = ("bytes_in", "bytes_out", "bodies_served", "bodies_fetched", "bodies_fetched_from_relay", "dht_gets", "dht_stores",
-            "dht_get_timeouts", "records_read", "index_keys_read", "sample_candidates", "sample_chosen", "fetch_failures",
-            "peer_hangups", "reannounced", "relay_records", "published", "announce_store_failed", "bad_records", "bad_bodies",
-            "dht_key_full_refused", "unfetchable_skipped", "circuit_retries", "false_informative_claims")
-RPCS = ("call_find", "call_store", "call_ping")
-SERVED = {"rpc_find": "find_bytes", "rpc_store": "store_bytes", "rpc_ping": "ping_bytes"}  # handler -> its counter
-RPC_COUNTS = (*RPCS, "find_records", *SERVED.values(), "finds_served", "records_served")
-NS_PREFIX = "hsn"  # net_topology.PREFIX: namespaces named hsn<owner pid>-<role>, so its remove_stale() clears a killed run's
 
 
-# ----- worker: several light nodes in one process ------------------------------------------------
+# ----- one run, then the summary ------------------------------------------------------------------
 
-_rpc_counts: Counter = Counter()
-_key_reads: Counter = Counter()  # (bucket, level, prefix) -> this worker's index reads of that key (walks and placements)
-
-
-def _count_rpcs() -> None:
-    """Count hivemind's outgoing DHT RPCs per DHTProtocol instance (patched before any node starts)."""
-    from hivemind.dht.protocol import DHTProtocol
-    from hivemind.dht.storage import DictionaryDHTValue
-
-    for name in RPCS:
-        original = getattr(DHTProtocol, name)
-
-        async def counted(self, *args, _original=original, _name=name, **kwargs):
-            _rpc_counts[(id(self), _name)] += 1
-            result = await _original(self, *args, **kwargs)
-            if _name == "call_find" and result:
-                # Record copies a find reply carried: every replica and cache holding the key sends its whole dictionary.
-                for found, _ in result.values():
-                    if found is not None and isinstance(found.value, DictionaryDHTValue):
-                        _rpc_counts[(id(self), "find_records")] += len(found.value.data)
-            return result
-
-        setattr(DHTProtocol, name, functools.wraps(original)(counted))
-
-    for name, counter in SERVED.items():
-        original = getattr(DHTProtocol, name)
-
-        async def served(self, request, context, _original=original, _counter=counter):
-            # Request plus reply payload (protobuf) of each DHT RPC this node answers: the index's bytes before framing.
-            response = await _original(self, request, context)
-            _rpc_counts[(id(self), _counter)] += request.ByteSize() + response.ByteSize()
-            if _counter == "find_bytes":  # the load one node carries for the others: finds answered, and keys answered with records
-                _rpc_counts[(id(self), "finds_served")] += 1
-                _rpc_counts[(id(self), "records_served")] += sum(1 for r in response.results if r.type)  # NOT_FOUND is 0
-            return response
-
-        setattr(DHTProtocol, name, functools.wraps(original)(served))
-
-
-def _count_key_reads() -> None:
-    """Count this worker's reads of each rollout index key (IndexRecords.read, patched before any node starts)."""
-    from hivespec.node.swarm.records import IndexRecords
-
-    original = IndexRecords.read
-
-    async def read(self, key, *args, _original=original, **kwargs):
-        parts = key.rsplit("/", 4)
-        if len(parts) == 5 and parts[1] == "rollouts":
-            _key_reads[(int(parts[2]), int(parts[3]), int(parts[4]))] += 1
-        return await _original(self, key, *args, **kwargs)
-
-    IndexRecords.read = functools.wraps(original)(read)
-
-
-def _rss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def census(gossip: object, buckets: list[int], levels: int = 5) -> list[list[int]]:
-    """[bucket, level, prefix, records] of every key of the first `levels` levels of these buckets' index trees (one node reads)."""
-    import asyncio
-
-    from hivespec.protocol.keys import rollout_index_key
-
-    keys = [(b, level, prefix) for b in buckets for level in range(levels) for prefix in range(2**level)]
-
-    async def read_all() -> list:
-        return await asyncio.gather(*(gossip.records.read(rollout_index_key(gossip.swarm, *key), STEP_TIMEOUT_S) for key in keys))
-
-    found = gossip._call(read_all(), STEP_TIMEOUT_S * 3)  # the bench's diagnostics reach into gossip's loop
-    return [[*key, total] for key, (_, total) in zip(keys, found) if total]
-
-
-def _batch_body(size: int, seed: int) -> tuple[bytes, object]:
-    """A RolloutBatch body of about `size` bytes (random tokens) and the batch, re-encoded per step with a new version."""
-    import numpy as np
-
-    from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
-
-    rng = np.random.default_rng(seed)
-    count = 2 if size < 50_000 else 16
-    prompt = 64
-    completion = max(1, (size // count - prompt * 4 - 120) // 8)
-    rollouts = tuple(
-        Rollout(f"arith:d1:{seed}:{i // 4}", i, seed, rng.integers(0, 49152, prompt, dtype=np.uint32),
-                rng.integers(0, 49152, completion, dtype=np.uint32), -rng.random(completion, dtype=np.float32),
-                float(i % 2), "length")
-        for i in range(count)
-    )
-    batch = RolloutBatch(0, 0, "a1" * 8, rollouts)
-    return encode_batch(batch), batch
-
-
-class LightNode:
-    """One gossip-only node: publish a batch, sample K, check them, sleep; no model."""
-
-    def __init__(self, index: int, plan: dict, config: object) -> None:
-        from hivespec.node.swarm.gossip import Gossip
-        from hivespec.protocol.advantages import informative_samples
-        from hivespec.protocol.identity import Identity
-
-        self.index, self.period, self.first_size = index, plan["period"], plan["first_size"]
-        self.identity = Identity.generate()
-        self.gossip = Gossip(self.identity, config)
-        self._batches = [_batch_body(size, index)[1] for size in SIZES]
-        # Announced with each batch, as a node's exchange does: a reader's fetch checks it against the body before relaying.
-        self._informative = [informative_samples(batch.rollouts) for batch in self._batches]
-        self.steps: list[dict] = []
-        self.errors: Counter = Counter()
-
-    def body(self, seq: int) -> bytes:
-        import dataclasses
-
-        from hivespec.protocol.envelope import Kind, seal
-        from hivespec.protocol.rollout import encode_batch
-
-        batch = self._batches[self._size_of(seq)]
-        return seal(self.identity, Kind.ROLLOUTS, seq, encode_batch(dataclasses.replace(batch, round=seq, policy_version=seq)))
-
-    def _size_of(self, seq: int) -> int:
-        return (self.first_size + seq) % len(SIZES)  # the sizes alternate step by step
-
-    def counters(self) -> dict:
-        stats = self.gossip.stats()
-        out = {name: int(stats.get(name, 0)) for name in COUNTERS}
-        protocol = self.gossip._dht.protocol  # the bench's instrumentation reads gossip's DHT node
-        for name in RPC_COUNTS:
-            out[name] = _rpc_counts[(id(protocol), name)]
-        out["max_records_per_key"] = int(stats.get("max_records_per_key", 0))
-        out["known_peers"] = int(stats.get("known_peers", 0))
-        return out
-
-    def run(self, t0: float, until: float, stop: threading.Event) -> None:
-        from hivespec.node.swarm.gossip import GossipError
-        from hivespec.protocol.envelope import Kind, open_envelope
-        from hivespec.protocol.rollout import decode_batch
-
-        rng = random.Random(self.index)
-        next_at = t0 + rng.uniform(0.0, self.period)
-        seq = 0
-        while not stop.is_set():
-            if stop.wait(max(0.0, next_at - time.time())):
-                break
-            started = time.time()
-            if started >= until:
-                break
-            seq += 1
-            body = self.body(seq)
-            clock = time.monotonic()
-            try:
-                self.gossip.publish_rollouts(body, version=seq, informative=self._informative[self._size_of(seq)])
-            except GossipError as exc:
-                self.errors[f"publish: {str(exc)[:80]}"] += 1
-            publish_s = time.monotonic() - clock
-            before = self.gossip.stats().get("sample_chosen", 0)
-            clock = time.monotonic()
-            try:
-                fetched = self.gossip.sample_rollouts(k=K, max_age_s=MAX_AGE_S, timeout=STEP_TIMEOUT_S, fill=True)
-            except GossipError as exc:
-                self.errors[f"sample: {str(exc)[:80]}"] += 1
-                fetched = []
-            sample_s = time.monotonic() - clock
-            chosen = self.gossip.stats().get("sample_chosen", 0) - before
-            bad = 0
-            for got in fetched:
-                verdict, envelope = open_envelope(got.body, expected_kind=Kind.ROLLOUTS)
-                if not verdict.ok or envelope is None or envelope.peer_id != got.author_peer_id or not decode_batch(envelope.body)[0].ok:
-                    bad += 1
-            now = time.time()
-            self.steps.append({
-                "t": round(started, 3), "publish_s": round(publish_s, 3), "sample_s": round(sample_s, 3), "chosen": chosen,
-                "fetched": len(fetched), "bad": bad, "bytes": sum(len(f.body) for f in fetched),
-                "relayed": sum(1 for f in fetched if f.holder != f.author_peer_id),
-                "ages": [round(now - f.born, 2) for f in fetched], "authors": [f.author_peer_id for f in fetched],
-            })
-            next_at = started + self.period * rng.uniform(0.8, 1.2)
-
-
-def _emit(message: dict) -> None:
-    print(json.dumps(message), flush=True)
-
-
-def worker(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="swarm_scale.py --worker")
-    parser.add_argument("--host", required=True)
-    parser.add_argument("--bootstrap", default="")
-    parser.add_argument("--plan", required=True, help="JSON: [{index, period, size}, ...]")
-    parser.add_argument("--key-records", type=int, default=None, help="swarm.index_key_records (default: the config's)")
-    parser.add_argument("--auto-relay", action="store_true", help="behind NAT: reserve relay slots on the bootstrap peer (the preset's way)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _count_rpcs()
-    _count_key_reads()
-    from hivespec.node.config import load_config
-
-    # The public preset's swarm section (its re-bootstrap period included: that is upkeep every node pays), with
-    # relay slots only behind NAT (--auto-relay), and the bench's step timeout.
-    public = load_config("public", environ={}).swarm
-    plans = json.loads(args.plan)
-    nodes: list[LightNode] = []
-    bootstrap = args.bootstrap
-    for plan in plans:
-        config = dataclasses.replace(public, swarm="scale", host=args.host, port=0, initial_peers=[bootstrap] if bootstrap else [],
-                                     use_auto_relay=args.auto_relay, request_timeout=STEP_TIMEOUT_S, bootstrap_timeout=30.0,
-                                     **({"index_key_records": args.key_records} if args.key_records else {}))
-        node = LightNode(plan["index"], plan, config)
-        node.gossip.start()
-        nodes.append(node)
-        if not bootstrap:  # the swarm's first node: everyone else joins through it
-            bootstrap = node.gossip.visible_maddrs[0]
-            _emit({"op": "boot", "maddr": bootstrap})
-        _emit({"op": "up", "index": node.index})
-    p2pd = [node.gossip._p2p._child.pid for node in nodes]
-    _emit({"op": "ready", "peers": {node.index: node.identity.peer_id for node in nodes}})
-
-    command = json.loads(sys.stdin.readline())
-    t0, measure_from, until = command["t0"], command["measure_from"], command["until"]
-    stop = threading.Event()
-    threads = [threading.Thread(target=node.run, args=(t0, until, stop), name=f"step-{node.index}", daemon=True) for node in nodes]
-    for thread in threads:
-        thread.start()
-    start_counters: dict[int, dict] = {}
-    cpu_start: tuple[float, float] | None = None
-    rss = {"total_kb": 0, "python_kb": 0, "p2pd_kb": 0}
-    next_progress = time.time() + PROGRESS_S / 2
-    while any(thread.is_alive() for thread in threads):
-        time.sleep(0.5)
-        now = time.time()
-        if not start_counters and now >= measure_from:
-            start_counters = {node.index: node.counters() for node in nodes}
-            cpu_start = (_cpu_s(os.getpid()), sum(_cpu_s(pid) for pid in p2pd), time.monotonic())
-        if now >= measure_from:
-            python_kb, p2pd_kb = _rss_kb(os.getpid()), sum(_rss_kb(pid) for pid in p2pd)
-            if python_kb + p2pd_kb > rss["total_kb"]:
-                rss = {"total_kb": python_kb + p2pd_kb, "python_kb": python_kb, "p2pd_kb": p2pd_kb}
-        if now >= next_progress:
-            next_progress = now + PROGRESS_S / 2
-            steps = [s for node in nodes for s in node.steps if s["t"] >= measure_from]
-            _emit({"op": "progress", "steps": len(steps), "chosen": sum(s["chosen"] for s in steps),
-                   "fetched": sum(s["fetched"] for s in steps)})
-    end_counters = {node.index: node.counters() for node in nodes}
-    cpu_end = (_cpu_s(os.getpid()), sum(_cpu_s(pid) for pid in p2pd))
-    cpu = {"python_s": round(cpu_end[0] - cpu_start[0], 2), "p2pd_s": round(cpu_end[1] - cpu_start[1], 2),
-           "wall_s": round(time.monotonic() - cpu_start[2], 2)} if cpu_start else None
-    _emit({"op": "done", "rss": rss, "cpu": cpu, "key_reads": [[*key, n] for key, n in _key_reads.items()], "nodes": [{
-        "index": node.index, "peer": node.identity.peer_id, "period": node.period,
-        "steps": node.steps, "errors": dict(node.errors),
-        "delta": {k: end_counters[node.index][k] - start_counters.get(node.index, {}).get(k, 0) for k in (*COUNTERS, *RPC_COUNTS)},
-        "max_records_per_key": end_counters[node.index]["max_records_per_key"],
-        "known_peers": end_counters[node.index]["known_peers"],
-    } for node in nodes]})
-    tree = []
-    if nodes[0].index == 0:  # the bootstrap node's worker reads the index trees of the buckets inside the window, after it
-        from hivespec.node.swarm.index import bucket_of
-
-        bucket_s = nodes[0].gossip.config.index_bucket_s
-        tree = census(nodes[0].gossip, list(range(bucket_of(measure_from, bucket_s) + 1, bucket_of(until, bucket_s))))
-    _emit({"op": "census", "tree": tree})
-
-    sys.stdin.readline()  # "quit"
-    clock = time.monotonic()
-    closers = [threading.Thread(target=node.gossip.shutdown, name=f"shutdown-{node.index}") for node in nodes]
-    for closer in closers:
-        closer.start()
-    for closer in closers:
-        closer.join()
-    _emit({"op": "bye", "shutdown_s": round(time.monotonic() - clock, 2)})
-
-
-# ----- networks: where the workers run ------------------------------------------------------------
-
-
-def _ip(*args: str, tool: str = "ip", check: bool = True) -> str:
-    result = subprocess.run([tool, *args], capture_output=True, text=True, timeout=30, check=False)
-    if check and result.returncode != 0:
-        raise RuntimeError(f"`{tool} {' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
-    return result.stdout
-
-
-def _tx_bytes(ns: str, dev: str) -> int:
-    return int(json.loads(_ip("-n", ns, "-j", "-s", "link", "show", dev))[0]["stats64"]["tx"]["bytes"])
-
-
-def _tcp_counters(ns: str) -> dict[str, int]:
-    """The namespace's kernel TCP counters (/proc/net/snmp): connections opened, segments sent."""
-    text = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True, check=True).stdout
-    names, values = (line.split()[1:] for line in text.splitlines() if line.startswith("Tcp:"))
-    tcp = dict(zip(names, map(int, values)))
-    return {"connects": tcp["ActiveOpens"], "segments": tcp["OutSegs"]}
-
-
-def namespaces_unavailable() -> str | None:
-    """Why this machine cannot make network namespaces (one line), or None."""
-    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        return "network namespaces need Linux, root and iproute2 (ip, tc)"
-    probe = f"{NS_PREFIX}{os.getpid()}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
-    return None if made.returncode == 0 else f"this kernel refuses network namespaces: {made.stderr.strip()}"
-
-
-class Network:
-    """Where worker i runs (argv prefix, listen address) and how many bytes the swarm put on the wire."""
-
-    name = "loopback"
-
-    def __init__(self) -> None:
-        self._made: list[str] = []
-
-    def _netns(self, role: str) -> str:
-        ns = f"{NS_PREFIX}{os.getpid()}-{role}"
-        _ip("netns", "del", ns, check=False)
-        _ip("netns", "add", ns)
-        self._made.append(ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        return ns
-
-    def prefix(self, worker: int) -> list[str]:
-        return []
-
-    def host(self, worker: int) -> str:
-        return "127.0.0.1"
-
-    def wire_bytes(self) -> int | None:
-        return None
-
-    def tcp_counters(self) -> dict[str, int] | None:
-        return None
-
-    def close(self) -> None:
-        for ns in reversed(self._made):
-            pids = _ip("netns", "pids", ns, check=False).split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), 9)
-            _ip("netns", "del", ns, check=False)
-        self._made.clear()
-
-
-class PrivateLoopback(Network):
-    """Every worker on the loopback of one namespace of our own: its lo counters are exactly the swarm's bytes."""
-
-    name = "loopback"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ns = self._netns("lo")
-
-    def prefix(self, worker: int) -> list[str]:
-        return ["ip", "netns", "exec", self.ns]
-
-    def wire_bytes(self) -> int:
-        return _tx_bytes(self.ns, "lo")
-
-    def tcp_counters(self) -> dict[str, int]:
-        return _tcp_counters(self.ns)
-
-
-class ShapedLan(Network):
-    """One host namespace per worker on a bridge; each host's link shaped by tbf (upload on its side, download on the bridge's)."""
-
-    name = "shaped"
-
-    def __init__(self, hosts: int, up_mbit: float, down_mbit: float) -> None:
-        super().__init__()
-        self.hosts: list[tuple[str, str]] = []
-        try:
-            self.bridge = self._netns("lan")
-            _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.bridge, "link", "set", "br0", "up")
-            for i in range(hosts):
-                ns, addr, port = self._netns(f"h{i}"), f"10.77.{i // 200}.{i % 200 + 10}", f"p{i}"
-                _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.bridge)
-                _ip("-n", self.bridge, "link", "set", port, "master", "br0")
-                _ip("-n", self.bridge, "link", "set", port, "up")
-                _ip("-n", ns, "addr", "add", f"{addr}/16", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
-                self._shape(ns, "eth0", up_mbit)
-                self._shape(self.bridge, port, down_mbit)
-                self.hosts.append((ns, addr))
-        except BaseException:
-            self.close()
-            raise
-
-    @staticmethod
-    def _shape(ns: str, dev: str, mbit: float) -> None:
-        # burst ~ 10 ms at the rate (at least a few full packets); the queue holds at most 200 ms.
-        burst = max(16_000, int(mbit * 1e6 / 8 / 100))
-        _ip("-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(mbit * 1000)}kbit", "burst", str(burst),
-            "latency", "200ms", tool="tc")
-
-    def prefix(self, worker: int) -> list[str]:
-        return ["ip", "netns", "exec", self.hosts[worker][0]]
-
-    def host(self, worker: int) -> str:
-        return self.hosts[worker][1]
-
-    def wire_bytes(self) -> int:
-        return sum(_tx_bytes(ns, "eth0") + _tx_bytes(ns, "lo") for ns, _ in self.hosts)
-
-    def drops(self) -> int:
-        total = 0
-        for ns, _ in self.hosts:
-            for line in _ip("-n", ns, "-s", "qdisc", "show", "dev", "eth0", tool="tc").splitlines():
-                if "dropped" in line:
-                    total += int(line.split("dropped")[1].split(",")[0])
-        return total
-
-
-class NatWan(Network):
-    """Worker 0 on a public host, every other worker in a home network behind its own masquerading router
-    (bench/net_topology.py: no port forwarding, so homes reach each other only through the public node's relay
-    circuits or through what it re-serves). Each home's upload shaped by tbf where `up_mbit` is set."""
-
-    name = "nat"
-
-    def __init__(self, homes: int, up_mbit: float | None) -> None:
-        super().__init__()
-        import net_topology
-
-        self.topology = net_topology.Topology(homes=homes, uplink_mbit=up_mbit).build()
-        self.hosts = [self.topology.public, *self.topology.home_hosts]
-        self.public_addr = net_topology.PUBLIC_ADDR
-
-    def prefix(self, worker: int) -> list[str]:
-        return self.hosts[worker].command([])
-
-    def host(self, worker: int) -> str:
-        return self.public_addr if worker == 0 else "0.0.0.0"  # as bench/nat_swarm.py's homes listen
-
-    def uploads(self) -> tuple[int, int]:
-        """Bytes sent onto the WAN so far: (the public host's, all home routers' together)."""
-        public = _tx_bytes(self.topology.public.ns, "wan0")
-        return public, sum(_tx_bytes(router.ns, "wan0") for router in self.topology.routers)
-
-    def wire_bytes(self) -> int:
-        return sum(self.uploads())
-
-    def close(self) -> None:
-        self.topology.close()
-
-
-# ----- parent: one run, then the summary -----------------------------------------------------------
 
 
 def plan_nodes(n: int, fastest_s: float, spread: float, seed: int) -> list[dict]:
@@ -620,13 +141,13 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
               logs: Path, label: str, idle_s: float, key_records: int | None) -> dict:
     plans = plan_nodes(n, fastest_s, spread, seed=22)
     groups = [plans[i:i + per_worker] for i in range(0, n, per_worker)]
-    here = str(Path(__file__).resolve())
+    light_nodes = str(Path(__file__).resolve().with_name("light_nodes.py"))
     workers: list[Worker] = []
     started = time.monotonic()
     last_print = [started]
 
     def spawn(slot: int, bootstrap: str) -> Worker:
-        argv = [*network.prefix(slot), sys.executable, "-P", here, "--worker", "--host", network.host(slot),
+        argv = [*network.prefix(slot), sys.executable, "-P", light_nodes, "--host", network.host(slot),
                 "--plan", json.dumps(groups[slot])]
         if key_records:
             argv += ["--key-records", str(key_records)]
@@ -933,9 +454,6 @@ def _row(r: dict) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2:])
-        return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="N = 8 16 on loopback, shorter windows")
     parser.add_argument("--nodes", type=int, nargs="+", default=None, help="loopback sizes (default 8 16 32 64; --quick 8 16)")
