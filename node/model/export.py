@@ -18,6 +18,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hivespec.node.model.loader import stop_token_ids
+from hivespec.node.model.progress_bars import bars_fit_for_a_log
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,7 +34,8 @@ def write_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     model = model.to(EXPORT_DTYPES[dtype]).eval()
     generation = _generation_config(model, tokenizer)
     model.generation_config = generation
-    model.save_pretrained(out)
+    with bars_fit_for_a_log():
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if not (out / "generation_config.json").is_file():  # a model class that cannot generate skips it
         generation.save_pretrained(out)

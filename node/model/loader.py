@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import os
-import re
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, redirect_stderr
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import platformdirs
 import torch
@@ -44,11 +41,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.utils import logging as hf_logging
 
 from hivespec.node.file_lock import flock_within
 from hivespec.node.hub import Snapshot, looks_like_repo_id, resolve_snapshot
 from hivespec.node.model.device import check_device
+from hivespec.node.model.progress_bars import bars_fit_for_a_log, no_loading_bar
 from hivespec.node.model.source import EMBEDDED_MODEL, FORMS, TINY_MODEL, ModelSourceError, check_model_source, embedded_gguf_path
 from hivespec.protocol.errors import UserError
 
@@ -140,7 +137,7 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
     """Dequantise the GGUF and write model + tokenizer to ``target`` atomically."""
     started = time.perf_counter()
     folder, name = str(gguf.parent), gguf.name
-    with _bars_fit_for_a_log():
+    with bars_fit_for_a_log():
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=torch.float32)
     # save_pretrained refuses GGUF-quantized models, but the Q4_1 weights are already
@@ -152,7 +149,7 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        with _bars_fit_for_a_log():
+        with bars_fit_for_a_log():
             model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _MARKER).write_text(json.dumps(identity))
@@ -167,62 +164,6 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log.info("exported %s to %s in %.1f s (one time per machine)", gguf.name, target, time.perf_counter() - started)
-
-
-@contextmanager
-def _bars_fit_for_a_log() -> Iterator[None]:
-    """transformers' progress bars (dequantising the GGUF's 272 tensors, writing the shards) as one line each where
-    stderr is a file or a pipe: a terminal shows them live, a captured log got hundreds of frames on one line."""
-    if sys.stderr is None or sys.stderr.isatty():
-        yield
-        return
-    frames = _LastFrames(sys.stderr)
-    try:
-        with redirect_stderr(frames):  # tqdm takes sys.stderr when a bar starts
-            yield
-    finally:
-        frames.end_line()
-
-
-class _LastFrames(io.TextIOBase):
-    """A text stream that passes lines on, and of a line redrawn after carriage returns (a progress bar) its last frame."""
-
-    def __init__(self, target: TextIO) -> None:
-        self._target = target
-        self._frame = ""  # what was written since the last carriage return or newline
-        self._last = ""  # the line's last frame with text in it (a bar may clear itself before its newline)
-
-    @property
-    def encoding(self) -> str | None:  # tqdm draws its bar in Unicode where the target's encoding allows it
-        return getattr(self._target, "encoding", None)
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        for piece in re.split(r"([\r\n])", text):
-            if piece == "\n":
-                self._target.write(self._line() + "\n")
-                self._frame = self._last = ""
-            elif piece == "\r":
-                self._last = self._line()
-                self._frame = ""
-            else:
-                self._frame += piece
-        return len(text)
-
-    def end_line(self) -> None:
-        """End a line left open (a bar's last frame, text without its newline) and flush."""
-        if pending := self._line():
-            self._target.write(pending + "\n")
-        self._frame = self._last = ""
-        self._target.flush()
-
-    def _line(self) -> str:
-        return self._frame if self._frame.strip() else self._last
-
-    def flush(self) -> None:
-        self._target.flush()
 
 
 def ensure_embedded_cache() -> Path:
@@ -353,7 +294,7 @@ def load_model(
     else:
         folder = _resolve_folder(source, revision, trust_remote_code)
         try:
-            with _no_progress_bar():
+            with no_loading_bar():
                 model = AutoModelForCausalLM.from_pretrained(
                     str(folder), local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code
                 )
@@ -366,19 +307,6 @@ def load_model(
     model.eval()
     log.info("loaded model %s (%s, %s) in %.2f s", source, dtype, device, time.perf_counter() - started)
     return model
-
-
-@contextmanager
-def _no_progress_bar() -> Iterator[None]:
-    """Without transformers' per-tensor "Loading weights" bar: a local folder loads in a fraction of a second, and the bar
-    only wrote a line of carriage returns into every node's log ahead of the node's own "loaded model" line."""
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> str:

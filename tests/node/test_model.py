@@ -26,6 +26,7 @@ from hivespec.node.model.loader import (
     load_tokenizer,
     model_fingerprint,
 )
+from hivespec.node.model.progress_bars import bars_fit_for_a_log
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +178,7 @@ def test_progress_bars_written_to_a_log_keep_their_last_frame(monkeypatch: pytes
 
     log_file = io.StringIO()  # a file, not a terminal
     monkeypatch.setattr(sys, "stderr", log_file)
-    with model_module._bars_fit_for_a_log():
+    with bars_fit_for_a_log():
         for _ in tqdm(range(272), desc="Converting tensors", mininterval=0):
             pass
         print("a warning\n\nand a blank line before it", file=sys.stderr)
