@@ -16,18 +16,20 @@ An accuracy is the mean over questions; its standard error the sample standard d
 questions / sqrt(questions). A difference between two models is paired by question (same
 questions, same sampling keys): its standard error comes from the per-question differences.
 
-`score_model` runs a model (any `TorchEngine`-able causal LM); `compare` and `format_table`
-are pure.
+`score_model` runs a model (any `TorchEngine`-able causal LM), saying how it goes every `PROGRESS_EVERY_S` to whoever
+asks (a CPU takes minutes for the defaults); `compare` and `format_table` are pure.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 EVAL_SEED = 7  # sampling seed of the evaluation: the same requests for every model
+PROGRESS_EVERY_S = 10.0  # score_model's progress reports at most this often
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,12 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0)
 
 
-def score_model(model, tokenizer, tasks, questions: Sequence, settings: EvalSettings, *, label: str, name: str) -> ModelScores:
-    """Generate and score the greedy and sampled completions of ``model`` on ``questions`` (Task objects of ``tasks``)."""
+def score_model(model, tokenizer, tasks, questions: Sequence, settings: EvalSettings, *, label: str, name: str,
+                on_progress: Callable[[str], None] | None = None) -> ModelScores:
+    """Generate and score the greedy and sampled completions of ``model`` on ``questions`` (Task objects of ``tasks``).
+
+    ``on_progress`` hears a line such as "greedy: 512 of at most 1536 tokens in 10 s" every `PROGRESS_EVERY_S`.
+    """
     import torch
 
     from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
@@ -91,21 +97,39 @@ def score_model(model, tokenizer, tasks, questions: Sequence, settings: EvalSett
     prompts = [tuple(tasks.chat_prompt_ids(tokenizer, task)) for task in questions]
     scores = ModelScores(label, name, samples=settings.samples)
 
-    def run(temperature: float, per_question: int) -> list[list[float]]:
+    def run(temperature: float, per_question: int, what: str) -> list[list[float]]:
         requests = [GenerationRequest(prompt, seed=EVAL_SEED, sample_index=q * per_question + j)
                     for q, prompt in enumerate(prompts) for j in range(per_question)]
         params = SamplingParams(temperature=temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens,
                                 stop_token_ids=stops)
+        on_tokens = _reporting(on_progress, what, len(requests) * settings.max_new_tokens) if on_progress else None
         with torch.inference_mode():
-            out = engine.generate(requests, params, speculative=False)
+            out = engine.generate(requests, params, speculative=False, on_tokens=on_tokens)
         rewards = [tasks.reward(questions[i // per_question], tokenizer.decode(o.completion_ids, skip_special_tokens=True))
                    for i, o in enumerate(out)]
         return [rewards[q * per_question:(q + 1) * per_question] for q in range(len(prompts))]
 
-    scores.greedy = [row[0] for row in run(0.0, 1)]
+    scores.greedy = [row[0] for row in run(0.0, 1, "greedy")]
     if settings.samples:
-        scores.correct = [int(sum(row)) for row in run(settings.temperature, settings.samples)]
+        scores.correct = [int(sum(row)) for row in run(settings.temperature, settings.samples, f"{settings.samples} samples a question")]
     return scores
+
+
+def _reporting(report: Callable[[str], None], what: str, most: int) -> Callable[[int], None]:
+    """An engine's ``on_tokens`` that tells ``report`` how ``what`` goes (tokens made of at most ``most``), at most every
+    `PROGRESS_EVERY_S`."""
+    started = last = time.monotonic()
+    made = 0
+
+    def on_tokens(added: int) -> None:
+        nonlocal made, last
+        made += added
+        now = time.monotonic()
+        if now - last >= PROGRESS_EVERY_S:
+            last = now
+            report(f"{what}: {made} of at most {most} tokens in {now - started:.0f} s")
+
+    return on_tokens
 
 
 @dataclass(frozen=True)

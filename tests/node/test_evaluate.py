@@ -76,6 +76,18 @@ def test_eval_asks_held_out_questions_of_the_trained_mix_and_an_unchanged_policy
     assert all(v in (0.0, 1.0) for v in base["greedy_per_question"]) and all(0 <= c <= 2 for c in base["correct_per_question"])
 
 
+def test_eval_says_how_it_goes_on_stderr_beside_its_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("hivespec.node.evaluate.PROGRESS_EVERY_S", 0.0)  # a line after every decode step
+    args = _eval("--home", str(_home(tmp_path, nudge=0.05)))
+    assert args.func(args) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["models"]["trained"]["model"].endswith("policy version 1")  # stdout: the JSON alone
+    lines = captured.err.splitlines()
+    # 4 questions x 4 new tokens at most: greedy 16 tokens, then 2 samples a question 32.
+    assert any(line.startswith("  base, greedy: ") and line.endswith(" s") and "of at most 16 tokens" in line for line in lines)
+    assert any(line.startswith("  trained, 2 samples a question: ") and "of at most 32 tokens" in line for line in lines)
+
+
 def test_eval_of_a_home_and_what_it_refuses(tmp_path, capsys):
     home = _home(tmp_path, nudge=0.05)
     args = _eval("--home", str(home))
