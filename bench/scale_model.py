@@ -361,6 +361,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", help="bench/swarm_scale.py output (its RESULT line or JSON): refit and compare")
     parser.add_argument("--step-s", type=float, default=60.0, help="a real node's step period, for the root key's load")
+    parser.add_argument("--quick", action="store_true", help="the same run (every bench takes --quick; this one is arithmetic, seconds)")
     args = parser.parse_args()
     built = Design()
     size = record_size()

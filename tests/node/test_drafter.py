@@ -1,7 +1,6 @@
 """SuffixDrafter / SuffixIndex: exact counts against brute force, drafting rules, windows and memory bounds."""
 
 import random
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -112,8 +111,10 @@ def test_sessions_keep_their_snapshot_while_new_rollouts_arrive():
     assert drafter.session([1]).propose([2], budget=2).tokens == [9, 9]
 
 
-def test_proposal_cost_per_token_is_small():
-    """Drafting cost: generous bound here (shared CI cores); the bench reports the real figure."""
+def test_a_rollout_seen_with_a_few_tokens_changed_is_drafted_a_run_at_a_time():
+    """Sixteen variants of one 200-token rollout (6 tokens changed in each): decoding the original, most drafts are
+    taken whole, so it needs a fraction of a forward a token. What drafting costs is bench/drafter_replay.py's
+    `draft_us_per_token` (target 50 us): a wall-time bound here would hold on one machine and not the next."""
     rng = random.Random(1)
     base = [rng.randrange(49152) for _ in range(200)]
     drafter = SuffixDrafter()
@@ -124,19 +125,20 @@ def test_proposal_cost_per_token_is_small():
             variant[rng.randrange(200)] = rng.randrange(49152)
         drafter.observe(prompt, variant)
     session = drafter.session(prompt)
-    completion, proposed, started = [], 0, time.perf_counter()
+    completion, proposed, accepted, forwards = [], 0, 0, 0
     while len(completion) < len(base):
         draft = session.propose(completion, budget=8)
+        forwards += 1
         proposed += len(draft.tokens)
         agree = 0
         for token, truth in zip(draft.tokens, base[len(completion) :]):
             if token != truth:
                 break
             agree += 1
+        accepted += agree
         completion = base[: len(completion) + agree + 1]
-    per_token = (time.perf_counter() - started) / proposed
-    assert proposed > 100
-    assert per_token < 500e-6
+    assert completion == base
+    assert forwards < len(base) / 4 and accepted > 0.8 * proposed  # 27 forwards, 174 of 206 drafted tokens taken
 
 
 def test_bad_settings_are_rejected():

@@ -39,10 +39,8 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_tiny_model_is_small_fast_and_seeded(tokenizer) -> None:
-    started = time.perf_counter()
+def test_tiny_model_is_small_and_seeded(tokenizer) -> None:
     model = load_model(TINY_MODEL, seed=3)
-    assert time.perf_counter() - started < 10
     config = model.config
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (len(tokenizer), 64, 128)
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (2, 4, 2)
@@ -217,13 +215,16 @@ def test_fingerprint_is_stable_across_processes(tokenizer) -> None:
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_embedded_cache_is_bit_identical_to_gguf(tokenizer) -> None:
+def test_embedded_cache_is_bit_identical_to_gguf(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
 
     cached_folder = ensure_embedded_cache()
-    started = time.perf_counter()
+
+    def convert_again(*args) -> None:
+        raise AssertionError("a load with the cache in place converted the GGUF again")
+
+    monkeypatch.setattr(model_module, "_export_embedded", convert_again)
     cached = load_model(EMBEDDED_MODEL)
-    cached_seconds = time.perf_counter() - started
     gguf = embedded_gguf_path()
     direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     assert sum(p.numel() for p in cached.parameters()) == 134_515_008
@@ -231,8 +232,6 @@ def test_embedded_cache_is_bit_identical_to_gguf(tokenizer) -> None:
     assert model_fingerprint(direct.config, tokenizer) == model_fingerprint(cached.config, tokenizer)
     assert model_fingerprint(cached.config, tokenizer) != model_fingerprint(load_model(TINY_MODEL).config, tokenizer)
     assert not cached.training and (cached_folder / "model.safetensors").is_file()
-    # Well under 1 s on an idle machine; generous here because the CPU is shared.
-    assert cached_seconds < 5, f"cached load took {cached_seconds:.2f}s"
 
 
 @pytest.mark.real_model
