@@ -465,3 +465,24 @@ def _closing_lines(root: Path, children: list[_Child]) -> None:
     kept = next((c for c in children if (c.home / "policy.json").is_file()), None)
     if kept is not None:
         print(f"export a node's policy: hivespec export --home {kept.home} --out {root / (kept.name + '-model')}", flush=True)
+    print(disk_line(root), flush=True)
+
+
+def disk_line(root: Path) -> str:
+    """What the run left on disk and, where earlier demo runs lie beside it, what they hold together: each run keeps
+    its nodes' float32 policies (1.6 GB for three on the embedded model), and nothing removes a run but the user."""
+    line = f"disk: this run holds {_size(_bytes_under(root))}"
+    earlier = sorted(p for p in root.parent.glob("demo-*") if p != root and (p / "node-0").is_dir())
+    if earlier:
+        total = sum(map(_bytes_under, [root, *earlier]))
+        line += (f"; {root.parent}/ holds {_size(total)} in {len(earlier) + 1} demo runs: remove those you no longer need "
+                 f"(the oldest: rm -r {earlier[0]})")
+    return line
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(entry.stat().st_size for entry in folder.rglob("*") if entry.is_file() and not entry.is_symlink())
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.1f} GB" if count >= 1e9 else f"{count / 1e6:.0f} MB"

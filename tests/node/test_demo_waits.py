@@ -81,3 +81,20 @@ def test_not_ready_in_time_names_each_slow_node_and_its_log(tmp_path, children, 
     text = str(failure.value)
     assert "\n" not in text and "node-0" not in text
     assert text.startswith("not ready after 0s: node-1: starting importing torch") and text.endswith(f"its log: {children[1].log}"), text
+
+
+def test_the_closing_lines_say_what_the_runs_hold_on_disk(tmp_path):
+    def run(name: str, megabytes: int) -> Path:
+        node = tmp_path / name / "node-0"
+        node.mkdir(parents=True)
+        (node / "policy.safetensors").write_bytes(b"w" * megabytes * 1_000_000)
+        return tmp_path / name
+
+    alone = run("demo-20261129-010000", 3)
+    assert demo.disk_line(alone) == "disk: this run holds 3 MB"
+    run("demo-20261128-090000", 1000)
+    (tmp_path / "demo-notes").mkdir()  # not a demo run: no node-0 in it
+    latest = run("demo-20261129-020000", 600)
+    assert demo.disk_line(latest) == (
+        f"disk: this run holds 600 MB; {tmp_path}/ holds 1.6 GB in 3 demo runs: remove those you no longer need "
+        f"(the oldest: rm -r {tmp_path / 'demo-20261128-090000'})")
