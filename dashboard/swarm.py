@@ -72,9 +72,9 @@ class SwarmPanel(Vertical):
         table = self.query_one("#peers", DataTable)
         peers = listed_peers(snapshot, names)
         rows = {peer.peer_id: _peer_cells(snapshot, peer, names) for peer in peers}
-        more = unlisted_peers_line(snapshot, peers)
-        self.query_one("#peers-more", Static).update(more)
-        self.query_one("#peers-more", Static).display = bool(more)
+        more = self.query_one("#peers-more", Static)
+        more.update(unlisted_peers_line(snapshot, peers))
+        more.display = len(peers) < len(snapshot.peers)
         if list(rows) == list(self._rows):
             for peer_id, cells in rows.items():
                 for column, cell, before in zip(PEER_COLUMNS, cells, self._rows[peer_id], strict=True):

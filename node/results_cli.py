@@ -131,9 +131,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if fingerprints[0] != fingerprints[-1]:
             raise InputError(f"{name} has model fingerprint {fingerprints[-1]}, the base {base_name} {fingerprints[0]}: "
                              "they are not the same architecture and tokenizer; pass the base it was trained from with --base")
-        rows.append(score_model(model.to(dtype), tokenizer, source_tasks, questions, settings, label=label, name=name,
-                                on_progress=lambda line, label=label: print(f"  {label}, {line}", file=sys.stderr if args.json else sys.stdout,
-                                                                         flush=True)))
+
+        def say(line: str, label: str = label) -> None:
+            print(f"  {label}, {line}", file=sys.stderr if args.json else sys.stdout, flush=True)  # --json: stdout is the JSON
+
+        rows.append(score_model(model.to(dtype), tokenizer, source_tasks, questions, settings, label=label, name=name, on_progress=say))
         del model
         gc.collect()
     mix = ", ".join(f"{m.family}:d{m.difficulty}" + (f":{m.name}" if m.name else "") for m in task_config.mix)
