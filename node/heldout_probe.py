@@ -10,6 +10,7 @@ runs on the thread that runs the rounds, between rounds, and gives the model bac
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from hivespec.node.config import ConfigError, EvalConfig, NodeConfig
 from hivespec.node.evaluate import EvalSettings, score_model
@@ -42,12 +43,13 @@ class HeldoutProbe:
         """Whether the probe runs after ``rounds_done`` rounds."""
         return rounds_done > 0 and rounds_done % self.every_rounds == 0
 
-    def score(self, model) -> float:
-        """The mean greedy reward of ``model`` over the questions (1.0: every one right)."""
+    def score(self, model, *, on_progress: Callable[[str], None] | None = None) -> float:
+        """The mean greedy reward of ``model`` over the questions (1.0: every one right); ``on_progress`` hears how far
+        it is every few seconds (`score_model`'s lines)."""
         was_training = model.training
         try:
             scores = score_model(model, self._tokenizer, self._tasks, self.questions, self.settings,
-                                 label="policy", name=self._name)
+                                 label="policy", name=self._name, on_progress=on_progress)
         finally:
             model.train(was_training)
         return sum(scores.greedy) / len(scores.greedy)

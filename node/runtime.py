@@ -358,11 +358,18 @@ class Node:
 
     def _heldout_accuracy(self) -> float:
         """The trainer's greedy accuracy on the probe's held-out questions (between rounds, on this thread)."""
+        questions = len(self.heldout.questions)
         self.progress.beat("eval")
+        self.progress.phase("evaluating", f"held-out accuracy after {self.next_round} rounds: {questions} questions")
+
+        def on_progress(line: str) -> None:  # every 10 s of scoring: alive, and how far
+            self.progress.beat("eval")
+            self.progress.phase("evaluating", f"held-out accuracy after {self.next_round} rounds: {line}")
+
         started = time.perf_counter()
-        accuracy = self.heldout.score(self.trainer.model)
-        log.info("held-out accuracy after %d rounds: %.3f (%d questions, %.1f s)", self.next_round, accuracy,
-                 len(self.heldout.questions), time.perf_counter() - started)
+        accuracy = self.heldout.score(self.trainer.model, on_progress=on_progress)
+        log.info("held-out accuracy after %d rounds: %.3f (%d questions, %.1f s)", self.next_round, accuracy, questions,
+                 time.perf_counter() - started)
         return accuracy
 
     # ----- checkpoints ----------------------------------------------------------------------

@@ -35,11 +35,15 @@ def test_a_node_scores_itself_every_n_rounds_as_hivespec_eval_would(tmp_path):
     from hivespec.node.build import build_node
 
     model = make_digit_model(tmp_path / "digit-model")
-    node = build_node(_config(tmp_path, model, **{"eval.every_rounds": "2"}))
+    phases: list[tuple[str, str]] = []
+    node = build_node(_config(tmp_path, model, **{"eval.every_rounds": "2"}), on_phase=lambda *phase: phases.append(phase))
     try:
         mode = node.trainer.model.training
         reports = node.run()
         assert [r.heldout_accuracy is None for r in reports] == [True, False, True, False]
+        # While it scores, the node says so (the demo prints the phase): after rounds 2 and 4.
+        assert [detail for phase, detail in phases if phase == "evaluating"][:1] == ["held-out accuracy after 2 rounds: 6 questions"]
+        assert sum(detail.endswith(": 6 questions") for phase, detail in phases if phase == "evaluating") == 2
         assert [r.to_dict()["heldout_accuracy"] for r in reports][1::2] == [r.heldout_accuracy for r in reports][1::2]
         # The status snapshot carries the curve, through its wire form too (the dashboard reads only those bytes).
         curve = [(r.round, r.heldout_accuracy) for r in reports if r.heldout_accuracy is not None]
