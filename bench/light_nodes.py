@@ -168,8 +168,6 @@ class LightNode:
         self.errors: Counter = Counter()
 
     def body(self, seq: int) -> bytes:
-        import dataclasses
-
         from hivespec.protocol.envelope import Kind, seal
         from hivespec.protocol.rollout import encode_batch
 

@@ -471,10 +471,11 @@ def _closing_lines(root: Path, children: list[_Child]) -> None:
 def disk_line(root: Path) -> str:
     """What the run left on disk and, where earlier demo runs lie beside it, what they hold together: each run keeps
     its nodes' float32 policies (1.6 GB for three on the embedded model), and nothing removes a run but the user."""
-    line = f"disk: this run holds {_size(_bytes_under(root))}"
+    held = _bytes_under(root)
+    line = f"disk: this run holds {_size(held)}"
     earlier = sorted(p for p in root.parent.glob("demo-*") if p != root and (p / "node-0").is_dir())
     if earlier:
-        total = sum(map(_bytes_under, [root, *earlier]))
+        total = held + sum(map(_bytes_under, earlier))
         line += (f"; {root.parent}/ holds {_size(total)} in {len(earlier) + 1} demo runs: remove those you no longer need "
                  f"(the oldest: rm -r {earlier[0]})")
     return line

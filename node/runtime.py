@@ -359,12 +359,13 @@ class Node:
     def _heldout_accuracy(self) -> float:
         """The trainer's greedy accuracy on the probe's held-out questions (between rounds, on this thread)."""
         questions = len(self.heldout.questions)
+        about = f"held-out accuracy after {self.next_round} rounds"
         self.progress.beat("eval")
-        self.progress.phase("evaluating", f"held-out accuracy after {self.next_round} rounds: {questions} questions")
+        self.progress.phase("evaluating", f"{about}: {questions} questions")
 
         def on_progress(line: str) -> None:  # every 10 s of scoring: alive, and how far
             self.progress.beat("eval")
-            self.progress.phase("evaluating", f"held-out accuracy after {self.next_round} rounds: {line}")
+            self.progress.phase("evaluating", f"{about}: {line}")
 
         started = time.perf_counter()
         accuracy = self.heldout.score(self.trainer.model, on_progress=on_progress)
