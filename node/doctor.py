@@ -408,7 +408,7 @@ async def _network_checks(config: NodeConfig, timeout: float) -> list[Check]:
     from hivemind.utils import get_dht_time
     from hivemind.utils.multiaddr import Multiaddr
 
-    from hivespec.node.swarm.nat import start_p2pd
+    from hivespec.node.swarm.p2pd import start_p2pd
 
     checks = []
     started = time.perf_counter()
@@ -500,7 +500,8 @@ async def _reachability_check(config: NodeConfig, timeout: float) -> Check:
     from hivemind.utils.multiaddr import Multiaddr
 
     from hivespec.node.swarm.bootstrap import dial
-    from hivespec.node.swarm.nat import REACH_STREAM, ReachService, check_reachability, listen_ports, relay_candidates, start_p2pd
+    from hivespec.node.swarm.nat import REACH_STREAM, ReachService, check_reachability, listen_ports, relay_candidates
+    from hivespec.node.swarm.p2pd import start_p2pd
 
     swarm = config.swarm
     relays = relay_candidates(swarm.initial_peers) if swarm.use_auto_relay else []

@@ -25,8 +25,10 @@ a hivemind type; import-linter holds that line (`pyproject.toml`). Only
 - `bootstrap.py`: where to join from (`bootstrap_candidates`: config, env, peers file,
   `PeerCache`), `Joiner`, `HomeLock` / `IdentityInUse` (one process per home),
   `load_private_swarm`.
-- `nat.py`: behind NAT: `start_p2pd`, relay and circuit addresses, `ReachService` /
-  `check_reachability` (peers measure our reachability).
+- `p2pd.py`: `start_p2pd` (p2pd in a session of its own, its sockets in a directory of ours,
+  stale ones swept; static relays behind NAT).
+- `nat.py`: behind NAT: relay and circuit addresses, `ReachService` / `check_reachability`
+  (peers measure our reachability).
 - `clock.py`: `ClockCheck` (our clock against our peers', asked after each (re)join).
 - `ports.py`: `port_in_use`, `wait_for_port` (a fixed `swarm.port` another process listens on,
   asked before p2pd starts: p2pd would share it silently), `PortClaim` (the port number claimed

@@ -49,7 +49,8 @@ from hivespec.node.swarm.clock import ClockCheck
 from hivespec.node.swarm.dht_guard import AnnounceValidator, harden
 from hivespec.node.swarm.fetching import Fetched, Fetcher
 from hivespec.node.swarm.machinery import Machinery
-from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates, start_p2pd
+from hivespec.node.swarm.nat import REACH_STREAM, ReachService, relay_candidates
+from hivespec.node.swarm.p2pd import start_p2pd
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.ports import PortClaim, wait_for_port
 from hivespec.node.swarm.records import IndexRecords

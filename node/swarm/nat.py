@@ -1,4 +1,4 @@
-"""Behind NAT: the p2pd relay settings hivemind does not expose, relay circuit addresses, and a truthful reachability check.
+"""Behind NAT: relay circuit addresses and a truthful reachability check (the relay settings p2pd gets: `p2pd.py`).
 
 What makes two NATed nodes talk (measured in network namespaces, tests/net/): each NATed node
 reserves a slot on its bootstrap peers as circuit-relay-v2 relays and announces
@@ -6,7 +6,7 @@ reserves a slot on its bootstrap peers as circuit-relay-v2 relays and announces
 address and p2pd splices the stream through the relay. hivemind's ``P2P.create`` cannot say
 this by itself: its autorelay waits for relay *discovery* (four candidates or a 3-minute boot
 delay) and for AutoNAT to call us private (a boot delay, often never with one peer). So
-`start_p2pd` adds ``-relayDiscovery=0`` (static relays: the bootstrap peers, reserved at once)
+`p2pd.start_p2pd` adds ``-relayDiscovery=0`` (static relays: the bootstrap peers, reserved at once)
 and forces reachability private. p2pd does not list relay addresses in `identify`, so we build
 them (`circuit_maddrs`), as bytes: hivemind's multiaddr encodes ``/p2p/<id>`` as a CID, which
 go-multiaddr rejects. Hole punching (DCUtR) is on in p2pd with AutoNAT, but it needs observed
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,62 +93,6 @@ def to_transport(maddr: str) -> Multiaddr:
 def relay_candidates(bootstrap: Sequence[str]) -> list[str]:
     """Bootstrap multiaddrs usable as static relays: direct ip/tcp addresses ending in /p2p/<id>."""
     return [m for m in bootstrap if not is_circuit(m) and "/tcp/" in m and "/p2p/" in m]
-
-
-async def start_p2pd(
-    *,
-    host_maddrs: Sequence[str],
-    announce_maddrs: Sequence[str] | None,
-    use_relay: bool,
-    nat_port_map: bool,
-    relays: Sequence[str],
-    identity_path: str | None,
-    startup_timeout: float,
-) -> P2P:
-    """p2pd via hivemind's P2P.create; with `relays` it reserves slots on them at once (see the module doc)."""
-    if identity_path is not None and not os.path.isfile(identity_path):
-        # Made here rather than by P2P.create, which announces it on stderr in the middle of our one-line messages.
-        P2P.generate_identity(identity_path)
-    kwargs: dict[str, Any] = {
-        "host_maddrs": list(host_maddrs),
-        "announce_maddrs": list(announce_maddrs) if announce_maddrs else None,
-        "nat_port_map": nat_port_map,
-        "use_relay": use_relay or bool(relays),
-        "startup_timeout": startup_timeout,
-        "identity_path": identity_path,
-    }
-    if not relays:
-        return await _SessionP2P.create(**kwargs)
-    return await _RelayedP2P.create(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private", **kwargs)
-
-
-# Run by the interpreter that runs us, which then becomes p2pd (same pid: hivemind's handle on its child still holds).
-_OWN_SESSION = "import os, sys; os.setsid(); os.execv(sys.argv[1], sys.argv[1:])"
-
-
-class _SessionP2P(P2P):
-    """P2P whose p2pd runs in a session of its own, still our child.
-
-    hivemind starts p2pd in our process group, so a terminal's Ctrl-C (SIGINT to the whole foreground
-    group) stopped p2pd at once while the node went on to its round's next safe point: whatever it
-    still did over gossip until then failed, p2pd printed an error on the way out, and the node's
-    shutdown then waited 10 s on the dead daemon. Now the signal reaches the node alone, and the node
-    stops p2pd when it shuts down (a p2pd whose node was killed exits once its client is gone).
-    """
-
-    @staticmethod
-    def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:  # static as in P2P: testable without a daemon
-        command = P2P._make_process_args(*args, **kwargs)
-        return [sys.executable, "-I", "-S", "-c", _OWN_SESSION, *command] if hasattr(os, "setsid") and sys.executable else command
-
-
-class _RelayedP2P(_SessionP2P):
-    """P2P whose p2pd takes its trusted relays as static relays instead of waiting for discovery."""
-
-    @staticmethod
-    def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
-        kwargs["relayDiscovery"] = False
-        return _SessionP2P._make_process_args(*args, **kwargs)
 
 
 # ----- the reachability check -----------------------------------------------------------------

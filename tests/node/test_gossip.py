@@ -725,7 +725,7 @@ def _start_node_process(*args: str) -> tuple[subprocess.Popen, int, int, int]:
 def test_ctrl_c_reaches_the_node_and_not_its_p2pd_which_the_node_then_stops_cleanly() -> None:
     """A terminal's Ctrl-C sends SIGINT to the whole foreground process group. p2pd runs in a session of its own, so it
     outlives the signal and the node's shutdown stops it cleanly; in the node's group it died at once, printed an error,
-    and left the shutdown waiting for it (`nat._SessionP2P`)."""
+    and left the shutdown waiting for it (`p2pd._SessionP2P`)."""
     child, p2pd, group, own_group = _start_node_process()
     try:
         assert group != own_group and psutil.Process(p2pd).ppid() == child.pid  # its own group, still our child

@@ -1,8 +1,8 @@
-"""node/swarm/nat.py's address handling (pure), and its p2pd flags as p2pd receives them."""
+"""node/swarm/nat.py's address handling (pure)."""
 
 from hivemind.p2p import PeerID
 
-from hivespec.node.swarm.nat import _RelayedP2P, circuit_maddr, listen_ports, relay_candidates, to_transport
+from hivespec.node.swarm.nat import circuit_maddr, listen_ports, relay_candidates, to_transport
 
 RELAY = "/ip4/203.0.113.10/tcp/31337/p2p/QmS7nAbcy4J9msTgYy1y2mKLnsRFwE4CPb5crSZjVZCCqo"
 TARGET = "12D3KooWFzTYQLCFbyKSq27JYw868N2b12KbkavryJTsQM5eYC4w"
@@ -32,7 +32,3 @@ def test_listen_ports_are_deduplicated_and_capped():
     maddrs = [f"/ip4/10.1.0.2/tcp/{p}/p2p/{TARGET}" for p in (5, 5, 6, 7, 8, 9)] + ["/ip4/1.2.3.4/udp/3"]
     assert listen_ports(maddrs) == [5, 6, 7, 8]
 
-
-def test_relayed_p2pd_gets_static_relays_and_no_discovery():
-    args = _RelayedP2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY, forceReachabilityPrivate=1)
-    assert "-relayDiscovery=0" in args and "-autoRelay=1" in args and f"-trustedRelays={RELAY}" in args
