@@ -1,0 +1,169 @@
+"""Volunteers behind home NAT, as real training nodes: do they learn from the swarm, and the swarm from them?
+
+bench/nat_swarm.py checks the network part with gossip-only nodes; this runs the product. Three
+`hivespec join` processes on the demo model with the `public` preset as it ships (no waiting,
+`swarm.use_auto_relay` on), in the network namespaces of bench/net_topology.py: one on the public
+host (203.0.113.10:31337, a machine with a public address) and one in each of two home networks,
+each behind its own masquerading router with no port forwarding, its upload capped at
+`--uplink-mbit` (tbf on the router's WAN side). The homes join through the public node and cannot
+dial each other: what one home makes reaches the other only through the public node (a relay
+circuit for small bodies, the public node's own copy of the batch for larger ones).
+
+Counted over the steady window (from the moment every node has published a batch to the end):
+  nodes.<name>.steps, foreign_step_share   steps, and the share of them that trained on foreign samples
+                                            (samples that carried a gradient)
+  nodes.<name>.trained_from                 foreign samples the node trained on, by author (node names)
+  nodes.<name>.reachability                 the node's own verdict (node/swarm/nat.py) in its last step
+  nodes.<name>.upload_bytes_per_step        a home's upload (its router's WAN counter) per step of its own
+  share_both_ways                           every node trained on samples of each of the two others:
+                                            home to home included, through the public node
+  foreign_age_s                             age of the foreign samples the homes trained on, median and p95
+  clean_stops                               every node stopped by SIGTERM exited 0 with no traceback in its log
+
+    python bench/nat_nodes.py            # 6 minutes
+    python bench/nat_nodes.py --quick    # 3 minutes
+
+Needs root (namespaces); prints `RESULT {"skipped": reason}` where the kernel forbids them.
+Ends with one line `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import net_topology
+from hetero_swarm import _percentiles, steady
+from swarm_harness import SwarmNode, prepare_model, wait_ready, work_dir
+
+PUBLIC_PORT = 31337
+POLL_S = 0.5
+PRINT_EVERY_S = 30.0
+# Equal nodes, each step 2 prompts x 4 completions; no status server, no checkpoints (they would only cost disk here).
+COMMON = ["rollout.prompts_per_round=2", "rollout.num_generations=4", "swarm.bootstrap_timeout=60",
+          "status.enabled=false", "checkpoint.every_rounds=0", "checkpoint.at_exit=false"]
+
+
+class NamespacedNode(SwarmNode):
+    """A `hivespec join` of the `public` preset run inside a network namespace (`ip netns exec` execs it: same pid)."""
+
+    preset: ClassVar[str] = "public"
+
+    def __init__(self, name: str, home: Path, sets: list[str], host: net_topology.Host) -> None:
+        super().__init__(name, home, sets, local_nodes=3)
+        self.host = host
+
+    def command(self, initial_peers: list[str]) -> list[str]:
+        return self.host.command(super().command(initial_peers))
+
+
+def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable[[dict], bool] | None = None,
+        ) -> tuple[list[NamespacedNode], dict, float, dict]:
+    """Start the public node, then the two homes through it; run `minutes` (or until `until(summary)` holds, summing up
+    what came so far); stop them. Nodes, each node's (arrival time, step) list, the end, each home's upload in bytes."""
+    public = NamespacedNode("public", root / "public", COMMON + [f"swarm.host={net_topology.PUBLIC_ADDR}",
+                                                                 f"swarm.port={PUBLIC_PORT}", "seed=1"], topo.public)
+    homes = [NamespacedNode(f"home{i + 1}", root / f"home{i + 1}", COMMON + ["swarm.port=0", f"seed={2 + i}"], host)
+             for i, host in enumerate(topo.home_hosts)]
+    nodes = [public, *homes]
+    arrivals: dict[str, list[tuple[float, dict]]] = {n.name: [] for n in nodes}
+    started = time.monotonic()
+    try:
+        public.start([])
+        entry = [m for m in wait_ready(public) if net_topology.PUBLIC_ADDR in m]
+        for home in homes:
+            home.start(entry)
+        for home in homes:
+            wait_ready(home)
+        uploads_at_start = [topo.wan_bytes_sent(router) for router in topo.routers]
+        print(f"3 nodes up after {time.monotonic() - started:.0f}s (homes joined through {entry[0]}); running {minutes:g} min",
+              flush=True)
+        end = time.monotonic() + minutes * 60
+        next_print = time.monotonic() + PRINT_EVERY_S
+        while time.monotonic() < end and not (until is not None and until(summary(nodes, arrivals, time.monotonic(), {}))):
+            for node in nodes:
+                for event in node.poll():
+                    if event["event"] == "round":
+                        arrivals[node.name].append((time.monotonic(), event))
+                if not node.alive():
+                    raise RuntimeError(f"{node.name} exited ({node.process.returncode}):\n{node.log_text()[-3000:]}")
+            if time.monotonic() >= next_print:
+                next_print += PRINT_EVERY_S
+                counts = ", ".join(f"{n}: {len(a)} steps, {sum(e['foreign_trained'] > 0 for _, e in a)} with foreign"
+                                   for n, a in arrivals.items())
+                print(f"[{time.monotonic() - started:5.0f}s] {counts}", flush=True)
+            time.sleep(POLL_S)
+        end = time.monotonic()
+        uploads = {home.name: topo.wan_bytes_sent(router) - at_start
+                   for home, router, at_start in zip(homes, topo.routers, uploads_at_start, strict=True)}
+    finally:
+        for node in nodes:
+            node.stop(timeout=60)
+    return nodes, arrivals, end, uploads
+
+
+def summary(nodes: list[NamespacedNode], arrivals: dict, end: float, uploads: dict) -> dict:
+    """The RESULT's keys (the module doc) from the steps that came until `end`."""
+    seconds, steps = steady(arrivals, end)
+    names = {e["peer_id"]: n.name for n in nodes for e in n.events if e["event"] == "ready"}
+    per_node = {}
+    for node in nodes:
+        own = steps[node.name]
+        trained_from: dict[str, int] = {}
+        for event in own:
+            for source, stats in (event.get("importance_by_source") or {}).items():
+                if source != "own":
+                    author = names.get(source, source)
+                    trained_from[author] = trained_from.get(author, 0) + stats["samples"]
+        per_node[node.name] = {
+            "steps": len(own),
+            "foreign_step_share": round(sum(e["foreign_trained"] > 0 for e in own) / len(own), 3) if own else 0.0,
+            "trained_from": trained_from,
+            "reachability": own[-1]["swarm_reachability"] if own else None,
+        }
+        if node.name in uploads and own:
+            per_node[node.name]["upload_bytes_per_step"] = round(uploads[node.name] / len(arrivals[node.name]))
+    both_ways = all(per_node[n.name]["trained_from"].get(other.name, 0) > 0
+                    for n in nodes for other in nodes if other is not n)
+    clean = all(n.process is not None and n.process.poll() == 0 and "Traceback" not in n.log_text() for n in nodes)
+    ages = [a for n in nodes if n.name != "public" for e in steps[n.name] for a in e["foreign_ages_s"]]
+    return {"nodes": per_node, "share_both_ways": both_ways,
+            "foreign_step_share_min": min(p["foreign_step_share"] for p in per_node.values()),
+            "foreign_age_s": _percentiles(ages), "steady_seconds": round(seconds), "clean_stops": clean}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 minutes instead of 6")
+    parser.add_argument("--minutes", type=float, help="minutes to run (default 6, quick 3)")
+    parser.add_argument("--uplink-mbit", type=float, default=10.0, help="each home's upload cap, Mbit/s (default 10)")
+    parser.add_argument("--dir", help="keep node homes and logs here (default: a temporary folder, removed at the end)")
+    args = parser.parse_args()
+    reason = net_topology.unavailable()
+    if reason is not None:
+        print(f"nat_nodes: skipped: {reason}", flush=True)
+        print("RESULT " + json.dumps({"skipped": reason}), flush=True)
+        return 0
+    minutes = args.minutes or (3.0 if args.quick else 6.0)
+    from hivespec.node.model.precision import cpu_facts
+
+    prepare_model()
+    with work_dir(args.dir, "nat-nodes-") as root, net_topology.Topology(homes=2, uplink_mbit=args.uplink_mbit) as topo:
+        print(f"nat_nodes: {minutes:g} min, home uplinks {args.uplink_mbit:g} Mbit/s, in {root}; "
+              f"CPU {json.dumps(cpu_facts())}", flush=True)
+        nodes, arrivals, end, uploads = run(topo, root, minutes)
+        result = summary(nodes, arrivals, end, uploads)
+    for name, node in result["nodes"].items():
+        print(f"{name}: {node}", flush=True)
+    result |= {"minutes": minutes, "uplink_mbit": args.uplink_mbit}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
