@@ -14,7 +14,8 @@ Counted over the steady window (from the moment every node has published a batch
                                             (samples that carried a gradient)
   nodes.<name>.trained_from                 foreign samples the node trained on, by author (node names)
   nodes.<name>.reachability                 the node's own verdict (node/swarm/nat.py) in its last step
-  nodes.<name>.upload_bytes_per_step        a home's upload (its router's WAN counter) per step of its own
+  nodes.<name>.upload_bytes_per_step        the node's upload per step of its own (the WAN link's counter: a home's
+                                            router, the public host's own link; over the whole run)
   share_both_ways                           every node trained on samples of each of the two others:
                                             home to home included, through the public node
   foreign_age_s                             age of the foreign samples the homes trained on, median and p95
@@ -65,7 +66,7 @@ class NamespacedNode(SwarmNode):
 def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable[[dict], bool] | None = None,
         ) -> tuple[list[NamespacedNode], dict, float, dict]:
     """Start the public node, then the two homes through it; run `minutes` (or until `until(summary)` holds, summing up
-    what came so far); stop them. Nodes, each node's (arrival time, step) list, the end, each home's upload in bytes."""
+    what came so far); stop them. Nodes, each node's (arrival time, step) list, the end, each node's upload in bytes."""
     public = NamespacedNode("public", root / "public", COMMON + [f"swarm.host={net_topology.PUBLIC_ADDR}",
                                                                  f"swarm.port={PUBLIC_PORT}", "seed=1"], topo.public)
     homes = [NamespacedNode(f"home{i + 1}", root / f"home{i + 1}", COMMON + ["swarm.port=0", f"seed={2 + i}"], host)
@@ -80,7 +81,8 @@ def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable
             home.start(entry)
         for home in homes:
             wait_ready(home)
-        uploads_at_start = [topo.wan_bytes_sent(router) for router in topo.routers]
+        links = {"public": topo.public} | {home.name: router for home, router in zip(homes, topo.routers, strict=True)}
+        uploads_at_start = {name: topo.wan_bytes_sent(link) for name, link in links.items()}
         print(f"3 nodes up after {time.monotonic() - started:.0f}s (homes joined through {entry[0]}); running {minutes:g} min",
               flush=True)
         end = time.monotonic() + minutes * 60
@@ -99,8 +101,7 @@ def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable
                 print(f"[{time.monotonic() - started:5.0f}s] {counts}", flush=True)
             time.sleep(POLL_S)
         end = time.monotonic()
-        uploads = {home.name: topo.wan_bytes_sent(router) - at_start
-                   for home, router, at_start in zip(homes, topo.routers, uploads_at_start, strict=True)}
+        uploads = {name: topo.wan_bytes_sent(link) - uploads_at_start[name] for name, link in links.items()}
     finally:
         for node in nodes:
             node.stop(timeout=60)

@@ -254,9 +254,9 @@ class Topology:
         _ip("-n", router.ns, "qdisc", "add", "dev", "wan0", "root", "tbf", "rate", f"{int(mbit * 1000)}kbit",
             "burst", str(burst), "latency", "200ms", tool="tc")
 
-    def wan_bytes_sent(self, router: Host) -> int:
-        """Bytes a router sent towards the internet (its WAN veth's tx counter): the home's upload."""
-        out = router.run(["cat", "/sys/class/net/wan0/statistics/tx_bytes"]).stdout
+    def wan_bytes_sent(self, host: Host) -> int:
+        """Bytes `host` sent towards the internet (its WAN veth's tx counter): a router's is its home's upload."""
+        out = host.run(["cat", "/sys/class/net/wan0/statistics/tx_bytes"]).stdout
         return int(out.strip())
 
     def close(self) -> None:
