@@ -64,10 +64,8 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from swarm_harness import SwarmNode, prepare_model, wait_ready, work_dir
+from swarm_harness import SwarmNode, prepare_model, wait_ready, watch_steps, work_dir
 
-POLL_S = 0.5
-PRINT_EVERY_S = 30.0
 SHARE_TARGET = 0.9  # issue 22: every node trains foreign samples in at least this share of its steps
 COMMON = [
     "swarm.host=127.0.0.1", "swarm.port=0", "swarm.use_auto_relay=false", "swarm.bootstrap_timeout=20",
@@ -99,7 +97,6 @@ def run_phase(root: Path, minutes: float, *, shared: bool, fast_sets: list[str])
             for i in range(2)]
     nodes = [fast, *slow]
     started = time.monotonic()
-    arrivals: dict[str, list[tuple[float, dict]]] = {n.name: [] for n in nodes}
     try:
         slow[0].start([])
         first = wait_ready(slow[0])
@@ -108,22 +105,7 @@ def run_phase(root: Path, minutes: float, *, shared: bool, fast_sets: list[str])
         for node in nodes[:2]:
             wait_ready(node)
         print(f"[{name}] 3 nodes up after {time.monotonic() - started:.0f}s; running {minutes:g} min", flush=True)
-        end = time.monotonic() + minutes * 60
-        next_print = time.monotonic() + PRINT_EVERY_S
-        while time.monotonic() < end:
-            for node in nodes:
-                for event in node.poll():
-                    if event["event"] == "round":
-                        arrivals[node.name].append((time.monotonic(), event))
-                if not node.alive():
-                    raise RuntimeError(f"{node.name} exited ({node.process.returncode}):\n{node.log_text()[-3000:]}")
-            if time.monotonic() >= next_print:
-                next_print += PRINT_EVERY_S
-                counts = ", ".join(
-                    f"{n}: {len(a)} steps, {sum(e['foreign_trained'] > 0 for _, e in a)} with foreign" for n, a in arrivals.items()
-                )
-                print(f"[{name} {time.monotonic() - started:5.0f}s] {counts}", flush=True)
-            time.sleep(POLL_S)
+        arrivals = watch_steps(nodes, minutes, started=started, label=f"{name} ")
     finally:
         for node in nodes:
             node.stop(timeout=30)

@@ -40,11 +40,9 @@ from typing import ClassVar
 
 import net_topology
 from hetero_swarm import _percentiles, steady
-from swarm_harness import SwarmNode, prepare_model, wait_ready, work_dir
+from swarm_harness import SwarmNode, prepare_model, wait_ready, watch_steps, work_dir
 
 PUBLIC_PORT = 31337
-POLL_S = 0.5
-PRINT_EVERY_S = 30.0
 # Equal nodes, each step 2 prompts x 4 completions; no status server, no checkpoints (they would only cost disk here).
 COMMON = ["rollout.prompts_per_round=2", "rollout.num_generations=4", "swarm.bootstrap_timeout=60",
           "status.enabled=false", "checkpoint.every_rounds=0", "checkpoint.at_exit=false"]
@@ -72,7 +70,6 @@ def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable
     homes = [NamespacedNode(f"home{i + 1}", root / f"home{i + 1}", COMMON + ["swarm.port=0", f"seed={2 + i}"], host)
              for i, host in enumerate(topo.home_hosts)]
     nodes = [public, *homes]
-    arrivals: dict[str, list[tuple[float, dict]]] = {n.name: [] for n in nodes}
     started = time.monotonic()
     try:
         public.start([])
@@ -85,21 +82,8 @@ def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable
         uploads_at_start = {name: topo.wan_bytes_sent(link) for name, link in links.items()}
         print(f"3 nodes up after {time.monotonic() - started:.0f}s (homes joined through {entry[0]}); running {minutes:g} min",
               flush=True)
-        end = time.monotonic() + minutes * 60
-        next_print = time.monotonic() + PRINT_EVERY_S
-        while time.monotonic() < end and not (until is not None and until(summary(nodes, arrivals, time.monotonic(), {}))):
-            for node in nodes:
-                for event in node.poll():
-                    if event["event"] == "round":
-                        arrivals[node.name].append((time.monotonic(), event))
-                if not node.alive():
-                    raise RuntimeError(f"{node.name} exited ({node.process.returncode}):\n{node.log_text()[-3000:]}")
-            if time.monotonic() >= next_print:
-                next_print += PRINT_EVERY_S
-                counts = ", ".join(f"{n}: {len(a)} steps, {sum(e['foreign_trained'] > 0 for _, e in a)} with foreign"
-                                   for n, a in arrivals.items())
-                print(f"[{time.monotonic() - started:5.0f}s] {counts}", flush=True)
-            time.sleep(POLL_S)
+        seen = None if until is None else lambda arrivals: until(summary(nodes, arrivals, time.monotonic(), {}))
+        arrivals = watch_steps(nodes, minutes, started=started, until=seen)
         end = time.monotonic()
         uploads = {name: topo.wan_bytes_sent(link) - uploads_at_start[name] for name, link in links.items()}
     finally:

@@ -18,13 +18,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 READY_TIMEOUT_S = 240.0
+POLL_S = 0.5
+PRINT_EVERY_S = 30.0
 
 
 @dataclass
@@ -150,6 +152,32 @@ def wait_ready(node: SwarmNode, timeout: float = READY_TIMEOUT_S) -> list[str]:
             raise RuntimeError(f"{node.name} exited with {node.process.returncode} before it was ready:\n{node.log_text()[-3000:]}")
         time.sleep(0.2)
     raise RuntimeError(f"{node.name} not ready after {timeout:.0f} s:\n{node.log_text()[-3000:]}")
+
+
+def watch_steps(nodes: list[SwarmNode], minutes: float, *, started: float, label: str = "",
+                until: Callable[[dict[str, list[tuple[float, dict]]]], bool] | None = None) -> dict[str, list[tuple[float, dict]]]:
+    """Each node's steps as they come, with their arrival time, for `minutes` or until `until(arrivals)` holds.
+
+    Says every 30 s how many steps each node has run and how many of them trained on foreign samples
+    (seconds since `started`, after `label`); raises where a node exits.
+    """
+    arrivals: dict[str, list[tuple[float, dict]]] = {n.name: [] for n in nodes}
+    end = time.monotonic() + minutes * 60
+    next_print = time.monotonic() + PRINT_EVERY_S
+    while time.monotonic() < end and not (until is not None and until(arrivals)):
+        for node in nodes:
+            for event in node.poll():
+                if event["event"] == "round":
+                    arrivals[node.name].append((time.monotonic(), event))
+            if not node.alive():
+                raise RuntimeError(f"{node.name} exited ({node.process.returncode}):\n{node.log_text()[-3000:]}")
+        if time.monotonic() >= next_print:
+            next_print += PRINT_EVERY_S
+            counts = ", ".join(f"{n}: {len(a)} steps, {sum(e['foreign_trained'] > 0 for _, e in a)} with foreign"
+                               for n, a in arrivals.items())
+            print(f"[{label}{time.monotonic() - started:5.0f}s] {counts}", flush=True)
+        time.sleep(POLL_S)
+    return arrivals
 
 
 def start_swarm(root: Path, count: int, sets: list[str]) -> list[SwarmNode]:

@@ -4,7 +4,7 @@ A public node and two home nodes, each home behind its own masquerading router w
 upload and no port forwarding: the homes cannot dial each other, yet each node must train on the
 samples of both others (home to home through the public node), the nodes must call their own
 reachability right, and all three must stop cleanly. The run ends as soon as that sharing is seen
-(about a minute and a half of steps on a 2-core CPU), or fails after eight. Skipped, with the
+(57-103 s with start-up on a 2-core CPU), or fails after eight minutes. Skipped, with the
 reason, where the kernel or sandbox forbids namespaces or NAT.
 """
 
