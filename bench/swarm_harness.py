@@ -1,7 +1,8 @@
-"""Local swarm harness for the churn and soak benchmarks: real `hivespec join` processes on 127.0.0.1.
+"""Local swarm harness for the benches with real nodes (churn, soak, hetero_swarm, nat_nodes): `hivespec join` processes.
 
 Each node is a child process with its own home (identity, journal, checkpoints), an events file
-(JSON lines: ready, round, done) and a log. A node can be SIGKILLed, SIGSTOPped and restarted with
+(JSON lines: ready, round, done) and a log; on 127.0.0.1 unless a subclass runs its command
+elsewhere (bench/nat_nodes.py: in a network namespace). `watch_steps` collects their steps as they come. A node can be SIGKILLed, SIGSTOPped and restarted with
 the same home (so it resumes from its checkpoint), optionally with `HIVESPEC_FAULTS` armed so it
 kills itself at an exact point (mid-save, mid-store). Imported by the bench scripts from their
 own folder; never put the repository root on sys.path.

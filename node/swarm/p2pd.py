@@ -9,7 +9,7 @@ when it stops p2pd itself. Three things differ here:
 - **The sockets** live in ``<tmp>/hivespec-<uid>/``, named after the process that owns them:
   ``<pid>-p2pd-<id>.sock``. A node killed by SIGKILL or the OOM killer removes nothing, and a
   p2pd that died first kept its socket in hivemind's hands too; such files piled up in /tmp
-  (619 of them on a machine that ran the test suite and the benches for a few weeks). Now a
+  (619 of them on one machine after two days of test suites and benches). Now a
   node removes its p2pd's socket whatever ended it, and `start_p2pd` sweeps the sockets of
   processes that are gone. Where that directory cannot be ours (another user made it, or the
   path would pass the 107 bytes a unix socket's name may have) hivemind's /tmp names are used.
