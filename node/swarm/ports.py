@@ -15,6 +15,7 @@ until its p2pd listens: the second node's question then comes after the first's 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -63,43 +64,59 @@ class PortClaim:
     """A machine-wide claim on a TCP port number among hivespec processes: an advisory lock (flock) on a file named for
     the port in the system's temporary directory, so nodes of any home and any user on this machine see it.
 
-    `PortClaim(port, timeout)` waits up to `timeout` s for the claim and holds it until `release()` (safe to call again);
-    the OS lets go of it when the process dies, so a crash leaves nothing to clean up. Port 0 (any free port) claims
-    nothing. Where the claim cannot be had (no flock here, a lock file we may not open, another process holding it past
+    `PortClaim(port, timeout)` waits up to `timeout` s for the claim and holds it until `release()` (safe to call again),
+    which removes the file as it lets go, so claims leave no files behind: a claim that finds its file gone once it
+    holds it starts over on the file now at that path (two claims never hold two files of one name). The OS lets go of
+    the lock when the process dies; the file a crash left is the next claim's. Port 0 (any free port) claims nothing.
+    Where the claim cannot be had (no flock here, a lock file we may not open, another process holding it past
     `timeout`) it goes on without one and says so at debug level: the claim narrows a race, the port's question decides.
     """
 
     def __init__(self, port: int, timeout: float) -> None:
         self.port = port
         self._fd: int | None = None
+        self._path: Path | None = None
         self._release_lock = threading.Lock()  # the gossip loop releases once p2pd listens, start() again on its way out
         if port and flock_within is not None:
-            self._fd = self._acquire(Path(tempfile.gettempdir()) / f"hivespec-port-{port}.lock", timeout)
+            path = Path(tempfile.gettempdir()) / f"hivespec-port-{port}.lock"
+            self._fd = self._acquire(path, time.monotonic() + timeout)
+            self._path = path if self._fd is not None else None
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
-    def _acquire(self, path: Path, timeout: float) -> int | None:
-        try:
-            # Read-only is enough for flock; an existing file of another user in a sticky /tmp may refuse O_CREAT.
-            fd = os.open(path, os.O_RDONLY) if path.exists() else os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-        except OSError as exc:
-            log.debug("no claim on port %d: cannot open %s (%s)", self.port, path, exc)
+    def _acquire(self, path: Path, deadline: float) -> int | None:
+        while True:
+            try:
+                # Read-only is enough for flock; an existing file of another user in a sticky /tmp may refuse O_CREAT.
+                fd = os.open(path, os.O_RDONLY) if path.exists() else os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+            except OSError as exc:  # FileNotFoundError too: removed by a claim letting go between our two looks
+                if isinstance(exc, FileNotFoundError) and time.monotonic() < deadline:
+                    time.sleep(_CLAIM_POLL_S)
+                    continue
+                log.debug("no claim on port %d: cannot open %s (%s)", self.port, path, exc)
+                return None
+            try:
+                if not flock_within(fd, max(0.0, deadline - time.monotonic()), _CLAIM_POLL_S):
+                    log.debug("no claim on port %d: another process held %s past the wait", self.port, path)
+                elif _is_at(fd, path):
+                    return fd
+                elif time.monotonic() < deadline:  # the claim we waited on removed this file as it let go: start over
+                    os.close(fd)
+                    continue
+            except OSError as exc:  # a file system without locks
+                log.debug("no claim on port %d: flock on %s failed (%s)", self.port, path, exc)
+            os.close(fd)
             return None
-        try:
-            if flock_within(fd, timeout, _CLAIM_POLL_S):
-                return fd
-            log.debug("no claim on port %d: another process has held %s for %g s", self.port, path, timeout)
-        except OSError as exc:  # a file system without locks
-            log.debug("no claim on port %d: flock on %s failed (%s)", self.port, path, exc)
-        os.close(fd)
-        return None
 
     def release(self) -> None:
         with self._release_lock:  # two threads closing one descriptor number: the second could close a reused one
-            fd, self._fd = self._fd, None
+            fd, self._fd, path = self._fd, None, self._path
         if fd is not None:
+            if path is not None:  # while still held: a claim waiting on this file then sees it gone and starts over
+                with contextlib.suppress(OSError):  # another user's file in a sticky /tmp stays
+                    path.unlink()
             os.close(fd)  # closing the only descriptor of the lock's open file releases it
 
     def __enter__(self) -> Self:
@@ -107,3 +124,13 @@ class PortClaim:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is still the file at `path` (not removed or replaced since it was opened)."""
+    try:
+        at = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +141,36 @@ def test_a_port_claim_is_held_by_one_process_at_a_time_and_let_go_on_release() -
     with PortClaim(port, timeout=0.2) as after:
         assert after.held
     assert not PortClaim(0, timeout=1.0).held  # any free port: nothing to claim
+    assert not _claim_file(port).exists()  # a claim leaves no file behind
+
+
+def _claim_file(port: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"hivespec-port-{port}.lock"
+
+
+def test_a_claim_waiting_on_a_file_its_holder_removed_claims_the_file_now_at_that_path() -> None:
+    from hivespec.node.swarm.ports import PortClaim
+
+    port = _free_port()
+    first = PortClaim(port, timeout=1.0)
+    waiting: list[PortClaim] = []
+    waiter = threading.Thread(target=lambda: waiting.append(PortClaim(port, timeout=5.0)))
+    waiter.start()
+    time.sleep(0.3)  # the waiter has opened the held file and polls its lock
+    first.release()  # removes that file, then lets go: the waiter's lock is on a file no longer at the path
+    waiter.join()
+    second = waiting[0]
+    assert second.held and _claim_file(port).exists()  # it started over on a file at the path, and holds it
+    assert not PortClaim(port, timeout=0.2).held  # so a newcomer opening that path waits on the same claim
+    second.release()
+    assert not _claim_file(port).exists()
+
+
+def test_a_claim_file_a_crashed_node_left_is_claimed_and_removed() -> None:
+    from hivespec.node.swarm.ports import PortClaim
+
+    port = _free_port()
+    _claim_file(port).touch()  # its holder died: the OS let go of the lock, the file stayed
+    with PortClaim(port, timeout=0.2) as claim:
+        assert claim.held
+    assert not _claim_file(port).exists()
