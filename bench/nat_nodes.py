@@ -7,11 +7,14 @@ host (203.0.113.10:31337, a machine with a public address) and one in each of tw
 each behind its own masquerading router with no port forwarding, its upload capped at
 `--uplink-mbit` (tbf on the router's WAN side). The homes join through the public node and cannot
 dial each other: what one home makes reaches the other only through the public node (a relay
-circuit for small bodies, the public node's own copy of the batch for larger ones).
+circuit for small bodies, the public node's own copy of the batch for larger ones). Every node
+runs 2 prompts x 4 completions a step; with `--hetero` home1 runs 1 x 2 and the two others 4 x 4
+(bench/hetero_swarm.py's fast and slow nodes: a fast laptop at home among slower peers).
 
 Counted over the steady window (from the moment every node has published a batch to the end):
-  nodes.<name>.steps, foreign_step_share   steps, and the share of them that trained on foreign samples
-                                            (samples that carried a gradient)
+  nodes.<name>.steps, steps_per_min         steps, and the same a minute
+  nodes.<name>.foreign_step_share           the share of its steps that trained on foreign samples (samples that
+                                            carried a gradient)
   nodes.<name>.trained_from                 foreign samples the node trained on, by author (node names)
   nodes.<name>.reachability                 the node's own verdict (node/swarm/nat.py) in its last step
   nodes.<name>.upload_bytes_per_step        the node's upload per step of its own (the WAN link's counter: a home's
@@ -23,6 +26,7 @@ Counted over the steady window (from the moment every node has published a batch
 
     python bench/nat_nodes.py            # 6 minutes
     python bench/nat_nodes.py --quick    # 3 minutes
+    python bench/nat_nodes.py --hetero   # a fast home among slow peers
 
 Needs root (namespaces); prints `RESULT {"skipped": reason}` where the kernel forbids them.
 Ends with one line `RESULT {json}`.
@@ -43,9 +47,11 @@ from hetero_swarm import _percentiles, steady
 from swarm_harness import SwarmNode, prepare_model, wait_ready, watch_steps, work_dir
 
 PUBLIC_PORT = 31337
-# Equal nodes, each step 2 prompts x 4 completions; no status server, no checkpoints (they would only cost disk here).
-COMMON = ["rollout.prompts_per_round=2", "rollout.num_generations=4", "swarm.bootstrap_timeout=60",
-          "status.enabled=false", "checkpoint.every_rounds=0", "checkpoint.at_exit=false"]
+# No status server, no checkpoints (they would only cost disk here).
+COMMON = ["swarm.bootstrap_timeout=60", "status.enabled=false", "checkpoint.every_rounds=0", "checkpoint.at_exit=false"]
+EQUAL = ["rollout.prompts_per_round=2", "rollout.num_generations=4"]  # every node's step by default
+# --hetero: home1 is bench/hetero_swarm.py's fast node (an eighth of the others' work per step), the others its slow ones.
+FAST, SLOW = ["rollout.prompts_per_round=1", "rollout.num_generations=2"], ["rollout.prompts_per_round=4", "rollout.num_generations=4"]
 
 
 class NamespacedNode(SwarmNode):
@@ -61,13 +67,16 @@ class NamespacedNode(SwarmNode):
         return self.host.command(super().command(initial_peers))
 
 
-def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable[[dict], bool] | None = None,
-        ) -> tuple[list[NamespacedNode], dict, float, dict]:
+def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable[[dict], bool] | None = None, *,
+        hetero: bool = False) -> tuple[list[NamespacedNode], dict, float, dict]:
     """Start the public node, then the two homes through it; run `minutes` (or until `until(summary)` holds, summing up
-    what came so far); stop them. Nodes, each node's (arrival time, step) list, the end, each node's upload in bytes."""
-    public = NamespacedNode("public", root / "public", COMMON + [f"swarm.host={net_topology.PUBLIC_ADDR}",
-                                                                 f"swarm.port={PUBLIC_PORT}", "seed=1"], topo.public)
-    homes = [NamespacedNode(f"home{i + 1}", root / f"home{i + 1}", COMMON + ["swarm.port=0", f"seed={2 + i}"], host)
+    what came so far); stop them. Nodes, each node's (arrival time, step) list, the end, each node's upload in bytes.
+    `hetero`: home1 does an eighth of the others' work per step."""
+    work = {"public": SLOW, "home1": FAST, "home2": SLOW} if hetero else {"public": EQUAL, "home1": EQUAL, "home2": EQUAL}
+    public = NamespacedNode("public", root / "public", COMMON + work["public"] + [
+        f"swarm.host={net_topology.PUBLIC_ADDR}", f"swarm.port={PUBLIC_PORT}", "seed=1"], topo.public)
+    homes = [NamespacedNode(f"home{i + 1}", root / f"home{i + 1}", COMMON + work[f"home{i + 1}"] + ["swarm.port=0", f"seed={2 + i}"],
+                            host)
              for i, host in enumerate(topo.home_hosts)]
     nodes = [public, *homes]
     started = time.monotonic()
@@ -107,6 +116,7 @@ def summary(nodes: list[NamespacedNode], arrivals: dict, end: float, uploads: di
                     trained_from[author] = trained_from.get(author, 0) + stats["samples"]
         per_node[node.name] = {
             "steps": len(own),
+            "steps_per_min": round(len(own) / (seconds / 60), 2) if seconds > 0 else 0.0,
             "foreign_step_share": round(sum(e["foreign_trained"] > 0 for e in own) / len(own), 3) if own else 0.0,
             "trained_from": trained_from,
             "reachability": own[-1]["swarm_reachability"] if own else None,
@@ -127,6 +137,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 minutes instead of 6")
     parser.add_argument("--minutes", type=float, help="minutes to run (default 6, quick 3)")
     parser.add_argument("--uplink-mbit", type=float, default=10.0, help="each home's upload cap, Mbit/s (default 10)")
+    parser.add_argument("--hetero", action="store_true",
+                        help="home1 does an eighth of the others' work per step (1 prompt x 2 completions against 4 x 4)")
     parser.add_argument("--dir", help="keep node homes and logs here (default: a temporary folder, removed at the end)")
     args = parser.parse_args()
     reason = net_topology.unavailable()
@@ -141,11 +153,11 @@ def main() -> int:
     with work_dir(args.dir, "nat-nodes-") as root, net_topology.Topology(homes=2, uplink_mbit=args.uplink_mbit) as topo:
         print(f"nat_nodes: {minutes:g} min, home uplinks {args.uplink_mbit:g} Mbit/s, in {root}; "
               f"CPU {json.dumps(cpu_facts())}", flush=True)
-        nodes, arrivals, end, uploads = run(topo, root, minutes)
+        nodes, arrivals, end, uploads = run(topo, root, minutes, hetero=args.hetero)
         result = summary(nodes, arrivals, end, uploads)
     for name, node in result["nodes"].items():
         print(f"{name}: {node}", flush=True)
-    result |= {"minutes": minutes, "uplink_mbit": args.uplink_mbit}
+    result |= {"minutes": minutes, "uplink_mbit": args.uplink_mbit, "hetero": args.hetero}
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
