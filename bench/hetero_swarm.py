@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from swarm_harness import SwarmNode, prepare_model, wait_ready, watch_steps, work_dir
+from swarm_harness import SwarmNode, median_p95, prepare_model, steady, wait_ready, watch_steps, work_dir
 
 SHARE_TARGET = 0.9  # issue 22: every node trains foreign samples in at least this share of its steps
 COMMON = [
@@ -77,14 +77,6 @@ SLOW = ["rollout.prompts_per_round=4", "rollout.num_generations=4"]
 
 class PublicNode(SwarmNode):
     preset: ClassVar[str] = "public"
-
-
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"median": None, "p95": None, "samples": 0}
-    ordered = sorted(values)
-    return {"median": round(statistics.median(ordered), 2), "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 2),
-            "samples": len(ordered)}
 
 
 def run_phase(root: Path, minutes: float, *, shared: bool, fast_sets: list[str]) -> dict:
@@ -153,15 +145,6 @@ def trained_per_min(steps: list[dict], seconds: float) -> float:
     return round(sum(e["trained_samples"] for e in steps) / (seconds / 60), 2) if seconds > 0 else 0.0
 
 
-def steady(arrivals: dict[str, list[tuple[float, dict]]], end: float) -> tuple[float, dict[str, list[dict]]]:
-    """The window from the moment every node has finished (so published) a step, and each node's steps that ended in it."""
-    firsts = [records[0][0] for records in arrivals.values() if records]
-    if len(firsts) < len(arrivals):
-        return 0.0, {name: [] for name in arrivals}
-    start = max(firsts)
-    return end - start, {name: [e for t, e in records if t > start] for name, records in arrivals.items()}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 minutes per phase instead of 7")
@@ -219,8 +202,8 @@ def main() -> int:
         "fast_step": profiles,
         "steps": {name: len(s) for name, s in steps.items()},
         "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
-        "foreign_age_s": _percentiles(ages),
-        "foreign_version_lag": _percentiles(lags),
+        "foreign_age_s": median_p95(ages),
+        "foreign_version_lag": median_p95(lags),
         "foreign_use": use,
         "minutes_per_phase": minutes,
         "fast_set": args.fast_set,

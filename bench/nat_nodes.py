@@ -43,8 +43,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import net_topology
-from hetero_swarm import _percentiles, steady
-from swarm_harness import SwarmNode, prepare_model, wait_ready, watch_steps, work_dir
+from swarm_harness import SwarmNode, median_p95, prepare_model, steady, wait_ready, watch_steps, work_dir
 
 PUBLIC_PORT = 31337
 # No status server, no checkpoints (they would only cost disk here).
@@ -129,7 +128,7 @@ def summary(nodes: list[NamespacedNode], arrivals: dict, end: float, uploads: di
     ages = [a for n in nodes if n.name != "public" for e in steps[n.name] for a in e["foreign_ages_s"]]
     return {"nodes": per_node, "share_both_ways": both_ways,
             "foreign_step_share_min": min(p["foreign_step_share"] for p in per_node.values()),
-            "foreign_age_s": _percentiles(ages), "steady_seconds": round(seconds), "clean_stops": clean}
+            "foreign_age_s": median_p95(ages), "steady_seconds": round(seconds), "clean_stops": clean}
 
 
 def main() -> int:

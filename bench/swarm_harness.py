@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -179,6 +180,24 @@ def watch_steps(nodes: list[SwarmNode], minutes: float, *, started: float, label
             print(f"[{label}{time.monotonic() - started:5.0f}s] {counts}", flush=True)
         time.sleep(POLL_S)
     return arrivals
+
+
+def steady(arrivals: dict[str, list[tuple[float, dict]]], end: float) -> tuple[float, dict[str, list[dict]]]:
+    """The window from the moment every node has finished (so published) a step, and each node's steps that ended in it."""
+    firsts = [records[0][0] for records in arrivals.values() if records]
+    if len(firsts) < len(arrivals):
+        return 0.0, {name: [] for name in arrivals}
+    start = max(firsts)
+    return end - start, {name: [e for t, e in records if t > start] for name, records in arrivals.items()}
+
+
+def median_p95(values: list[float]) -> dict[str, float | None]:
+    """Median and 95th percentile of `values` (None where there are none), and how many."""
+    if not values:
+        return {"median": None, "p95": None, "samples": 0}
+    ordered = sorted(values)
+    return {"median": round(statistics.median(ordered), 2), "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 2),
+            "samples": len(ordered)}
 
 
 def start_swarm(root: Path, count: int, sets: list[str]) -> list[SwarmNode]:
