@@ -46,6 +46,7 @@ def test_p2pd_sockets_are_ours_and_go_with_it_even_when_p2pd_died_first():
 
 def test_the_sockets_of_processes_that_are_gone_are_swept_and_no_others():
     directory = socket_dir()
+    assert directory is not None
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     stale = [directory / f"{gone.pid}-p2pd-sweeptest01.sock", directory / f"{gone.pid}-p2pclient-sweeptest01.sock"]
