@@ -38,7 +38,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -66,11 +65,11 @@ class NamespacedNode(SwarmNode):
         return self.host.command(super().command(initial_peers))
 
 
-def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable[[dict], bool] | None = None, *,
+def run(topo: net_topology.Topology, root: Path, minutes: float, *, until_shared: bool = False,
         hetero: bool = False) -> tuple[list[NamespacedNode], dict, float, dict]:
-    """Start the public node, then the two homes through it; run `minutes` (or until `until(summary)` holds, summing up
-    what came so far); stop them. Nodes, each node's (arrival time, step) list, the end, each node's upload in bytes.
-    `hetero`: home1 does an eighth of the others' work per step."""
+    """Start the public node, then the two homes through it; run `minutes` (`until_shared`: or until every node has
+    trained on samples of both others); stop them. Nodes, each node's (arrival time, step) list, the end, each node's
+    upload in bytes. `hetero`: home1 does an eighth of the others' work per step."""
     work = {"public": SLOW, "home1": FAST, "home2": SLOW} if hetero else {"public": EQUAL, "home1": EQUAL, "home2": EQUAL}
     public = NamespacedNode("public", root / "public", COMMON + work["public"] + [
         f"swarm.host={net_topology.PUBLIC_ADDR}", f"swarm.port={PUBLIC_PORT}", "seed=1"], topo.public)
@@ -90,8 +89,10 @@ def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable
         uploads_at_start = {name: topo.wan_bytes_sent(link) for name, link in links.items()}
         print(f"3 nodes up after {time.monotonic() - started:.0f}s (homes joined through {entry[0]}); running {minutes:g} min",
               flush=True)
-        seen = None if until is None else lambda arrivals: until(summary(nodes, arrivals, time.monotonic(), {}))
-        arrivals = watch_steps(nodes, minutes, started=started, until=seen)
+        def shared(arrivals: dict) -> bool:
+            return shares_both_ways(nodes, trained_from(nodes, steady(arrivals, time.monotonic())[1]))
+
+        arrivals = watch_steps(nodes, minutes, started=started, until=shared if until_shared else None)
         end = time.monotonic()
         uploads = {name: topo.wan_bytes_sent(link) - uploads_at_start[name] for name, link in links.items()}
     finally:
@@ -100,33 +101,44 @@ def run(topo: net_topology.Topology, root: Path, minutes: float, until: Callable
     return nodes, arrivals, end, uploads
 
 
-def summary(nodes: list[NamespacedNode], arrivals: dict, end: float, uploads: dict) -> dict:
-    """The RESULT's keys (the module doc) from the steps that came until `end`."""
-    seconds, steps = steady(arrivals, end)
+def trained_from(nodes: list[NamespacedNode], steps: dict[str, list[dict]]) -> dict[str, dict[str, int]]:
+    """Per node, the foreign samples its `steps` trained on, by author (node names)."""
     names = {e["peer_id"]: n.name for n in nodes for e in n.events if e["event"] == "ready"}
-    per_node = {}
+    counts: dict[str, dict[str, int]] = {}
     for node in nodes:
-        own = steps[node.name]
-        trained_from: dict[str, int] = {}
-        for event in own:
+        by_author = counts[node.name] = {}
+        for event in steps[node.name]:
             for source, stats in (event.get("importance_by_source") or {}).items():
                 if source != "own":
                     author = names.get(source, source)
-                    trained_from[author] = trained_from.get(author, 0) + stats["samples"]
+                    by_author[author] = by_author.get(author, 0) + stats["samples"]
+    return counts
+
+
+def shares_both_ways(nodes: list[NamespacedNode], trained: dict[str, dict[str, int]]) -> bool:
+    """Every node trained on samples of each of the others."""
+    return all(trained[n.name].get(other.name, 0) > 0 for n in nodes for other in nodes if other is not n)
+
+
+def summary(nodes: list[NamespacedNode], arrivals: dict, end: float, uploads: dict) -> dict:
+    """The RESULT's keys (the module doc) from the steps that came until `end`."""
+    seconds, steps = steady(arrivals, end)
+    trained = trained_from(nodes, steps)
+    per_node = {}
+    for node in nodes:
+        own = steps[node.name]
         per_node[node.name] = {
             "steps": len(own),
             "steps_per_min": round(len(own) / (seconds / 60), 2) if seconds > 0 else 0.0,
             "foreign_step_share": round(sum(e["foreign_trained"] > 0 for e in own) / len(own), 3) if own else 0.0,
-            "trained_from": trained_from,
+            "trained_from": trained[node.name],
             "reachability": own[-1]["swarm_reachability"] if own else None,
         }
         if node.name in uploads and own:
             per_node[node.name]["upload_bytes_per_step"] = round(uploads[node.name] / len(arrivals[node.name]))
-    both_ways = all(per_node[n.name]["trained_from"].get(other.name, 0) > 0
-                    for n in nodes for other in nodes if other is not n)
     clean = all(n.process is not None and n.process.poll() == 0 and "Traceback" not in n.log_text() for n in nodes)
     ages = [a for n in nodes if n.name != "public" for e in steps[n.name] for a in e["foreign_ages_s"]]
-    return {"nodes": per_node, "share_both_ways": both_ways,
+    return {"nodes": per_node, "share_both_ways": shares_both_ways(nodes, trained),
             "foreign_step_share_min": min(p["foreign_step_share"] for p in per_node.values()),
             "foreign_age_s": median_p95(ages), "steady_seconds": round(seconds), "clean_stops": clean}
 

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"network namespace
 def test_volunteers_behind_nat_train_on_each_others_samples_through_the_public_node(tmp_path):
     prepare_model()
     with net_topology.Topology(homes=2, uplink_mbit=10.0, tag="v") as topo:
-        run = nat_nodes.run(topo, tmp_path, minutes=8.0, until=lambda seen: seen["share_both_ways"])
+        run = nat_nodes.run(topo, tmp_path, minutes=8.0, until_shared=True)
         result = nat_nodes.summary(*run)
     nodes = result["nodes"]
     assert result["share_both_ways"], nodes
