@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import ClassVar
 
 READY_TIMEOUT_S = 240.0
+# The most one demo-model node process takes while it trains (fp32 trainer + Adam + bf16 engine + interpreter + a micro
+# batch's activations): its resident size was 3.7-4.1 GB in bench/swarm_vs_solo.py's runs, 4.9 GB at a 2 x 4 step with
+# 8 foreign samples (the kernel's count of the one it killed when five nodes ran on a 24 GiB machine).
+NODE_GB = 4.9
 POLL_S = 0.5
 PRINT_EVERY_S = 30.0
 
@@ -142,6 +146,17 @@ class SwarmNode:
     def log_text(self) -> str:
         path = self.home / "node.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def check_memory(processes: int, node_gb: float = NODE_GB) -> None:
+    """Refuse to start `processes` nodes that would not fit in the memory available now: past it the kernel kills
+    one mid-run (or a swapping box stalls every job on it, not just this bench)."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    available = info["MemAvailable"] / 2**20
+    if available < processes * node_gb:
+        raise SystemExit(f"{processes} nodes need ~{processes * node_gb:.0f} GB ({node_gb:g} GB each at most), "
+                         f"{available:.1f} GB available: run fewer nodes or wait for other jobs to finish")
 
 
 def wait_ready(node: SwarmNode, timeout: float = READY_TIMEOUT_S) -> list[str]:

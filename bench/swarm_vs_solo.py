@@ -25,9 +25,10 @@ decode, so `--only-spec --spec-dtype float32` runs a float32 pair (on and off) b
 Why processes, not Node objects in one process: this is the real system (gossip, intake, the
 round wait, checkpoint at exit), and each node's torch runs in its own interpreter, so N nodes
 on 2 cores do not queue on one GIL. Memory decides N: a demo-preset node process (fp32 trainer +
-Adam + bf16 engine + interpreter) measured 3.7-4.1 GB resident, so N = 4 needs ~17 GB; on a
-24 GiB box shared with other jobs N = 3 is what fits (`check_memory` refuses to start nodes that
-do not fit in MemAvailable: a swapping box stalls every job on it). The two conditions run one
+Adam + bf16 engine + interpreter) measured 3.7-4.1 GB resident here and up to 4.9 GB in
+bench/nat_nodes.py (`swarm_harness.NODE_GB`), so N = 4 needs ~20 GB; on a 24 GiB box shared with
+other jobs N = 3 is what fits (`check_memory` refuses to start nodes that do not fit in
+MemAvailable: a swapping box stalls every job on it). The two conditions run one
 after the other, never together, and the parent holds no model while nodes run. Each node gets
 cores // N torch threads (--local-nodes N), the same in both conditions and in the speculation
 runs, which keeps solo numerics reproducible.
@@ -61,11 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from swarm_harness import (
-    SwarmNode,
-    prepare_model,
-    wait_ready,
-)
+from swarm_harness import SwarmNode, check_memory, prepare_model, wait_ready
 
 SEED_BASE = 1000  # node i runs with seed SEED_BASE + i in every condition
 EVAL_SEED = 7  # sampling seed of the held-out evaluation (the same requests for every model)
@@ -121,20 +118,6 @@ def node_sets(
         "checkpoint.every_rounds=0",
         f"checkpoint.at_exit={'true' if checkpoint else 'false'}",
     ]
-
-
-NODE_GB = 4.2  # resident size of one demo-preset node process (measured: 3.7-4.1 GB while training)
-
-
-def check_memory(processes: int) -> None:
-    """Refuse to start `processes` nodes that would not fit in the memory available now (a swapping box
-    stalls every session on it, not just this bench)."""
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-    available = info["MemAvailable"] / 2**20
-    if available < processes * NODE_GB:
-        raise SystemExit(f"{processes} nodes need ~{processes * NODE_GB:.0f} GB, {available:.1f} GB available: "
-                         "lower --nodes or wait for other jobs to finish")
 
 
 def run_phase(name: str, nodes: list[BenchNode], *, bootstrap_first: bool, progress: Path) -> dict[str, list[dict]]:
