@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from hivespec.node.config import NodeConfig
+from hivespec.node.model.footprint import nodes_that_fit
 from hivespec.node.report import REPORT_HEADER, format_report_line
 from hivespec.protocol.errors import UserError
 
@@ -38,6 +39,7 @@ STATUS_EVERY_S = 10.0  # a status line per node at least this often while the de
 # The demo gives a node that much plus this margin without any event, then calls it stuck.
 SILENT_MARGIN_S = 60.0
 STOP_GRACE_S = 60.0  # after a stop, how long the nodes get to reach a safe point and save
+DEFAULT_NODES = 3  # without --nodes: this many, or as many as the memory available holds
 TRACE_KEY = "speculation.trace_file"
 PARENT_ENV = "HIVESPEC_DEMO_PARENT"  # pid of the demo parent that started this node (see `cli._stop_with_parent`)
 
@@ -169,7 +171,7 @@ def _signal(child: _Child, signum: int) -> None:
 def run_demo(
     config: NodeConfig,
     *,
-    nodes: int,
+    nodes: int | None,
     preset: str,
     overrides: Mapping[str, str],
     workdir: str | None = None,
@@ -177,11 +179,12 @@ def run_demo(
 ) -> int:
     """Run the local swarm to completion; returns a process exit code.
 
+    `nodes` None: DEFAULT_NODES, or fewer where the memory available does not hold that many (`nodes_to_run`).
     The first SIGINT/SIGTERM is forwarded once to every node (each stops at its next safe point
     and says what it kept); the parent reports and exits 130/143. A second one stops them at once.
     A node that exits on a user's error (code 2, one line) raises that line as a `UserError`.
     """
-    if nodes < 1:
+    if nodes is not None and nodes < 1:
         print(f"hivespec demo: --nodes must be >= 1, got {nodes}", file=sys.stderr)
         return 2
     started = time.perf_counter()
@@ -191,7 +194,6 @@ def run_demo(
     except OSError as exc:
         print(f"hivespec demo: cannot create the work directory {root} ({exc.strerror}); pass another --dir", file=sys.stderr)
         return 2
-    print(f"hivespec demo: {nodes} nodes x {config.rounds} rounds, model {config.model.name}, data in {root}/", flush=True)
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     children = stop.children
@@ -199,6 +201,8 @@ def run_demo(
         _prepare_model(config.model.name)
         if stop.signum:  # stopped while the model was converting: no node started yet
             raise _Stopped
+        nodes = _nodes_for_this_machine(config, nodes)
+        print(f"hivespec demo: {nodes} nodes x {config.rounds} rounds, model {config.model.name}, data in {root}/", flush=True)
         first = _spawn(0, root, preset, overrides, nodes, initial_peers=[])
         children.append(first)
         maddrs = _wait_ready(children, [first], started, stop)
@@ -228,6 +232,46 @@ def run_demo(
     _summary(children, time.perf_counter() - started)
     _closing_lines(root, children)
     return 0
+
+
+def _nodes_for_this_machine(config: NodeConfig, requested: int | None) -> int:
+    """`nodes_to_run` for this config and the memory available now; says why where that is fewer than the default."""
+    import psutil
+
+    from hivespec.node.model.footprint import config_peak_bytes, model_shape
+
+    try:
+        per_node = config_peak_bytes(config, model_shape(config.model.name, config.model.revision))
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # the node's own start says what is wrong with the model
+        print(f"hivespec demo: cannot size a node of {config.model.name} ({exc}); not checking memory", file=sys.stderr)
+        return requested or DEFAULT_NODES
+    nodes, why = nodes_to_run(requested, per_node, psutil.virtual_memory().available)
+    if why:
+        print(f"hivespec demo: {why}", file=sys.stderr, flush=True)
+    return nodes
+
+
+def nodes_to_run(requested: int | None, per_node: int, available: int) -> tuple[int, str]:
+    """How many nodes to start, and what to tell the user ("" where nothing is amiss).
+
+    Without `requested`: DEFAULT_NODES, or as many as `available` bytes hold at `per_node` each (a node OOM-killed
+    mid-run loses the run; swapping stalls the machine); none fitting is the user's error. A requested count is
+    kept, with a warning where it does not fit: the estimate is an upper bound, and the user chose.
+    """
+    gib = 1 << 30
+    fit = nodes_that_fit(per_node, available)
+    each = f"a node needs up to ~{per_node / gib:.1f} GiB while it trains, {available / gib:.1f} GiB is available"
+    if requested is not None:
+        if requested <= fit:
+            return requested, ""
+        return requested, (f"warning: {requested} nodes may not fit: {each}; the kernel may stop one mid-run "
+                           f"({f'--nodes {fit} fits' if fit else 'close other programs'}, or lower train.micro_batch_size)")
+    if fit == 0:
+        raise UserError(f"not enough memory for one node: {each}. Close other programs, or run a "
+                        "smaller step (--set train.micro_batch_size=2) or the tiny model (--model tiny)")
+    if fit < DEFAULT_NODES:
+        return fit, f"starting {fit} node{'s' if fit > 1 else ''}, not {DEFAULT_NODES}: {each} (--nodes N to choose)"
+    return DEFAULT_NODES, ""
 
 
 class _DemoFailure(RuntimeError):
@@ -445,6 +489,9 @@ def _summary(children: list[_Child], wall: float) -> None:
             f"  round {index}: {slowest:6.1f}s  mean reward {reward:.2f}  "
             f"foreign rollouts accepted by every node: {'yes' if accepted else 'no'}"
         )
+    peaks = [(c.name, c.reports[-1].get("peak_resident_mb")) for c in children if c.reports]
+    if all(mb is not None for _, mb in peaks):
+        print("  memory at most: " + ", ".join(f"{name} {mb / 1000:.1f} GB" for name, mb in peaks))
 
 
 def _closing_lines(root: Path, children: list[_Child]) -> None:

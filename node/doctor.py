@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from hivespec.node.config import NodeConfig, node_home
+from hivespec.node.model.footprint import ModelShape, config_peak_bytes, model_shape
 from hivespec.node.swarm.ports import port_in_use
 from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
@@ -80,61 +81,25 @@ def check_torch(config: NodeConfig) -> Check:
     return Check("torch", "ok", f"torch {torch.__version__}, CPU only (no CUDA device; fine for the CPU demo and the tiny model)")
 
 
-def parameter_count(model_name: str, revision: str | None = None) -> int:
-    """Parameters of the configured model, read from file headers (no weights are loaded); a hub id from its cached snapshot."""
-    from hivespec.node.hub import looks_like_repo_id
-    from hivespec.node.model.loader import EMBEDDED_MODEL, TINY_MODEL, embedded_gguf_path, load_model, resolve_hub_model
-
-    if model_name == TINY_MODEL:
-        return sum(p.numel() for p in load_model(TINY_MODEL).parameters())
-    if model_name == EMBEDDED_MODEL:
-        import gguf
-
-        return sum(int(t.n_elements) for t in gguf.GGUFReader(embedded_gguf_path()).tensors)
-    from safetensors import safe_open
-
-    total = 0
-    folder = resolve_hub_model(model_name, revision).folder if looks_like_repo_id(model_name) else Path(model_name).expanduser()
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_name}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shape = f.get_slice(key).get_shape()
-                total += int(torch.tensor(shape).prod()) if shape else 1
-    return total
-
-
-def check_model(config: NodeConfig) -> tuple[Check, int | None]:
+def check_model(config: NodeConfig) -> tuple[Check, ModelShape | None]:
     try:
-        params = parameter_count(config.model.name, config.model.revision)
-    except (FileNotFoundError, OSError, ValueError, RuntimeError) as exc:  # RuntimeError: HubError
+        shape = model_shape(config.model.name, config.model.revision)
+    except (FileNotFoundError, OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: HubError
         return Check("model", "fail", f"{config.model.name!r}: {exc}"), None
-    return Check("model", "ok", f"{config.model.name}: {params / 1e6:.1f}M parameters"), params
+    return Check("model", "ok", f"{config.model.name}: {shape.params / 1e6:.1f}M parameters"), shape
 
 
-def training_bytes(params: int, engine_dtype: str) -> int:
-    """RAM a node needs: trainer weights, gradients and AdamW state in fp32, the engine copy, headroom."""
-    engine = {"bfloat16": 2, "float32": 4, "float64": 8, "auto": 4}[engine_dtype]  # auto: at most float32
-    return params * (_ADAM_BYTES_PER_PARAM + engine) + _HEADROOM_BYTES
-
-
-def check_memory(config: NodeConfig, params: int | None) -> list[Check]:
+def check_memory(config: NodeConfig, shape: ModelShape | None) -> list[Check]:
+    """The host memory available now against the most one node of this config takes (`config_peak_bytes`)."""
     available = psutil.virtual_memory().available
-    checks = []
-    if params is None:
-        checks.append(Check("ram", "skip", f"{_gib(available)} available; model size unknown (see the model line)"))
-    else:
-        need = training_bytes(params, config.model.engine_dtype)
-        if config.model.device.startswith("cuda"):
-            need = _HEADROOM_BYTES  # weights and optimizer live in VRAM
-        if available < need:
-            checks.append(Check("ram", "fail", f"{_gib(available)} available, a node needs ~{_gib(need)}: close other "
-                                "programs, run fewer local nodes, or use a smaller model"))
-        else:
-            checks.append(Check("ram", "ok", f"{_gib(available)} available, a node needs ~{_gib(need)}"))
-    return checks
+    if shape is None:
+        return [Check("ram", "skip", f"{_gib(available)} available; model size unknown (see the model line)")]
+    need = config_peak_bytes(config, shape)
+    if available < need:
+        return [Check("ram", "fail", f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains: "
+                      "close other programs, run fewer local nodes, lower train.micro_batch_size, or use a smaller model")]
+    return [Check("ram", "ok", f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains "
+                  f"({available // need} such nodes fit)")]
 
 
 def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default") -> list[Check]:
@@ -565,8 +530,9 @@ def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.
                 on_check(check)
 
     add(check_python(), check_torch(config))
-    model, params = check_model(config)
-    add(model, *check_memory(config, params), *check_gpu(config, params))
+    model, shape = check_model(config)
+    params = shape.params if shape is not None else None
+    add(model, *check_memory(config, shape), *check_gpu(config, params))
     if params is not None:
         add(*check_precision(config))
     add(check_vllm())

@@ -123,6 +123,9 @@ class RoundReport:
     # This process's resident memory (MB) right after the C heap was trimmed at the end of this round; None when the
     # round ended without a trim (at most one every 30 s). Always taken at that point of the loop, it is the floor a leak raises.
     resident_mb_after_trim: float | None = None
+    # The most resident memory (MB) this process has held so far, this round included (None where the OS does not say):
+    # what the machine must have free for this node.
+    peak_resident_mb: float | None = None
 
     @property
     def policy_version(self) -> int:
@@ -207,6 +210,7 @@ class RoundReport:
             "foreign_pending": self.foreign_pending,
             "heldout_accuracy": self.heldout_accuracy,
             "resident_mb_after_trim": self.resident_mb_after_trim,
+            "peak_resident_mb": self.peak_resident_mb,
         }
         return event
 
@@ -222,6 +226,7 @@ EVENT_FIELDS = (
     "peer_scores", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_tokens_per_forward",
     "spec_draft_seconds", "drafter_rollouts", "policy_hash", "foreign_ages_s", "foreign_version_lags",
     "foreign_room", "foreign_pending", "heldout_accuracy", "resident_mb_after_trim",
+    "peak_resident_mb",
 )
 
 

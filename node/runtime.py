@@ -46,7 +46,7 @@ from hivespec.node.speculation.policy import CurveCalibration, where_drafting_pa
 from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.status.board import BoardSources, NodeFacts, RoundStopped, RunControl, StatusBoard
 from hivespec.node.status.server import StatusServer, remove_status_file, write_status_file
-from hivespec.node.supervise import HeapTrimmer, Watchdog, train_step_with_oom_retry
+from hivespec.node.supervise import HeapTrimmer, Watchdog, peak_resident_mb, train_step_with_oom_retry
 from hivespec.node.swarm.bootstrap import HomeLock
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.peers import PeerScores
@@ -205,6 +205,7 @@ class Node:
                 self._saved_state = True
             if self.heldout is not None and self.heldout.due(self.next_round):
                 report = replace(report, heldout_accuracy=self._heldout_accuracy())
+            report = replace(report, peak_resident_mb=peak_resident_mb())
             if heap.maybe_trim():
                 report = replace(report, resident_mb_after_trim=heap.resident_mb)
             self.status.record_round(report)

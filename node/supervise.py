@@ -13,6 +13,8 @@
   threads that made them, and without a trim a node's RSS holds its largest round's peak for good.
   The resident memory right after a trim is the round report's `resident_mb_after_trim`: taken at
   the same point of every round, it is the floor that a leak raises and a round's swing does not.
+  `peak_resident_mb()` is the most the process has held (the round report's `peak_resident_mb`):
+  what the machine must have free for a node, its largest training step included.
 """
 
 from __future__ import annotations
@@ -87,6 +89,18 @@ def _resident_mb() -> float | None:
     except (OSError, IndexError, ValueError):
         return None
     return round(resident_pages * os.sysconf("SC_PAGE_SIZE") / 1e6, 1)
+
+
+def peak_resident_mb() -> float | None:
+    """The most resident memory this process has held, in MB (the kernel's high-water mark, VmHWM in
+    /proc/self/status; None where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) * 1024 / 1e6, 1)
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
 
 
 # ----- watchdog -----------------------------------------------------------------------------

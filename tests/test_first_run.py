@@ -20,6 +20,10 @@ import time
 
 import pytest
 
+from hivespec.node.config import load_config
+from hivespec.node.model.footprint import config_peak_bytes, model_shape
+from hivespec.node.model.loader import EMBEDDED_MODEL
+
 ROUNDS = 2
 NODES = 3
 MAX_SILENCE_S = 30.0  # the demo prints every node's status every 10 s; allow for a loaded CI machine
@@ -28,7 +32,7 @@ MAX_SILENCE_S = 30.0  # the demo prints every node's status every 10 s; allow fo
 @pytest.mark.slow  # ~4-8 min on a 2-core CPU: three real nodes, two rounds
 @pytest.mark.real_model
 @pytest.mark.timeout(1500)
-def test_the_demo_runs_from_empty_caches_and_talks_throughout(tmp_path):
+def test_the_demo_runs_from_empty_caches_and_talks_throughout(tmp_path, monkeypatch):
     env = dict(os.environ)
     for name in ("HIVESPEC_CACHE_DIR", "HIVESPEC_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME"):
         env[name] = str(tmp_path / name.lower())
@@ -74,6 +78,13 @@ def test_the_demo_runs_from_empty_caches_and_talks_throughout(tmp_path):
     calibrated = [detail for seen in phases.values() for detail in seen.get("calibrating", []) if detail.startswith("done in")]
     assert calibrated, phases
     assert list((tmp_path / "hivespec_cache_dir" / "speculation").glob("verify-cost-*.json")), phases
+    # Every node held at most what the demo sized the machine by (node/model/footprint.py).
+    monkeypatch.setenv("HIVESPEC_CACHE_DIR", env["HIVESPEC_CACHE_DIR"])  # the model's config from the demo's own cache
+    bound = config_peak_bytes(load_config("demo"), model_shape(EMBEDDED_MODEL))
+    for name in phases:
+        events = [json.loads(line) for line in (tmp_path / "demo" / name / "events.jsonl").read_text().splitlines()]
+        peak = max(e["peak_resident_mb"] for e in events if e["event"] == "round")
+        assert peak * 1e6 <= bound, (name, peak, bound)
     # The demo never goes quiet for long.
     stamps = [0.0] + [t for t, _ in lines]
     silences = [b - a for a, b in itertools.pairwise(stamps)]

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from hivespec.node.config import load_config
+from hivespec.node.model.footprint import config_peak_bytes, model_shape
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -45,3 +48,9 @@ def test_three_nodes_two_rounds_every_node_accepts_foreign_rollouts(tmp_path):
         assert (tmp_path / name / record["weights"]).is_file()
         assert f"{name}: policy {tmp_path / name / 'policy.json'}" in result.stdout
     assert f"export a node's policy: hivespec export --home {tmp_path / 'node-0'}" in result.stdout
+    # Each node's high-water mark, within the estimate the demo sized itself by, and in its summary.
+    bound = config_peak_bytes(load_config("tiny"), model_shape("tiny"))
+    for name, rounds in reports.items():
+        peaks = [r["peak_resident_mb"] for r in rounds]
+        assert peaks == sorted(peaks) and 0 < peaks[-1] * 1e6 <= bound, (name, peaks, bound)
+    assert "  memory at most: node-0 " in result.stdout

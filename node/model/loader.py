@@ -193,7 +193,7 @@ def ensure_embedded_cache() -> Path:
 _MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
 
 
-def _resolve_folder(source: str, revision: str | None = None, trust_remote_code: bool = False) -> Path:
+def model_folder(source: str, revision: str | None = None, trust_remote_code: bool = False) -> Path:
     """Local folder holding the HF files for ``source``: the embedded name, a local folder or a hub id."""
     if source == EMBEDDED_MODEL:
         return ensure_embedded_cache()
@@ -214,7 +214,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, trust_remote_co
 
 def load_tokenizer(source: str = EMBEDDED_MODEL, *, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Tokenizer for ``source``: the embedded name, ``"tiny"`` (shares the embedded vocabulary), a local folder or a hub id."""
-    folder = _resolve_folder(EMBEDDED_MODEL if source == TINY_MODEL else source, revision, trust_remote_code)
+    folder = model_folder(EMBEDDED_MODEL if source == TINY_MODEL else source, revision, trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as error:
@@ -292,7 +292,7 @@ def load_model(
     if source == TINY_MODEL:
         model = _tiny_model(seed)
     else:
-        folder = _resolve_folder(source, revision, trust_remote_code)
+        folder = model_folder(source, revision, trust_remote_code)
         try:
             with no_loading_bar():
                 model = AutoModelForCausalLM.from_pretrained(

@@ -50,7 +50,7 @@ def test_a_model_loads_by_hub_id_from_the_cache(hub_cache: Path) -> None:
     assert model.config._commit_hash == COMMITS[1]  # main
     assert tokenizer.chat_template, "the chat template comes from the tokenizer"
     assert stop_token_ids(tokenizer, model.generation_config) == (tokenizer.eos_token_id, 1)
-    from hivespec.node.doctor import parameter_count
+    from hivespec.node.model.footprint import parameter_count
 
     assert parameter_count(REPO) == sum(p.numel() for p in model.parameters())  # `hivespec doctor` reads the snapshot
 

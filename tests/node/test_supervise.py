@@ -62,6 +62,26 @@ def test_the_heap_trimmer_gives_freed_pages_back_when_due():
     assert given_back_mib > 200
 
 
+_PEAK_CHILD = textwrap.dedent("""
+    import psutil, torch
+    from hivespec.node.supervise import peak_resident_mb
+    start = peak_resident_mb()
+    block = torch.ones(64 * 2**20)  # 256 MiB, touched
+    held = psutil.Process().memory_info().rss / 1e6
+    del block
+    print(start, held, peak_resident_mb(), psutil.Process().memory_info().rss / 1e6)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_the_peak_resident_memory_keeps_a_freed_step_s_high_water_mark():
+    """What a node reports as the memory it needs: the most it held, not what it holds between steps."""
+    out = subprocess.run([sys.executable, "-P", "-c", _PEAK_CHILD], check=True, capture_output=True, text=True, timeout=120)
+    start, held, peak, now = map(float, out.stdout.split())
+    assert peak >= held - 1 > start + 200  # the 256 MiB block counted while it lived
+    assert now < peak - 200  # and kept in the peak after it was freed
+
+
 def test_watchdog_reports_a_silent_loop_once_per_period_and_its_recovery(caplog):
     clock = _Clock()
     watchdog = Watchdog(stall_after=60, check_every=1, clock=clock)
