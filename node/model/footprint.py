@@ -2,17 +2,18 @@
 
 A CPU node holds, for as long as it runs, the trainer's float32 weights and AdamW's two moments,
 the engine's copy of the weights, and the interpreter with torch and transformers loaded. Each
-training step adds, for the length of a micro batch, the gradients, autocast's low-precision copy
-of the weights, the activations kept for the backward and (where the trainer picked eager
-attention) the attention probabilities, at most `EAGER_ATTENTION_BYTES` (node/model/attention.py). The step is what decides
-whether N nodes fit a machine: five demo-model nodes fit a 24 GiB machine between steps and the
-kernel killed one in its step (4.9 GB resident then).
+training step adds, for the length of a micro batch, the gradients, autocast's 16-bit copy of the
+weights, the activations kept for the backward and (where the trainer picked eager attention) the
+attention probabilities, at most `EAGER_ATTENTION_BYTES` (node/model/attention.py). The step is
+what decides whether N nodes fit a machine: five public-preset nodes of the embedded model fit a
+24 GiB machine between steps, and the kernel killed one in its step.
 
-`node_peak_bytes` adds these up from the model's shape and the config; it is an upper bound
-checked against real nodes' `peak_resident_mb` (the round report: the kernel's high-water mark)
-in tests/node/test_footprint.py. The activations per token and layer are a Llama block's saved
-tensors under autocast (about 20 bytes per hidden unit and 8 per MLP unit); a prompt is counted
-as `PROMPT_TOKENS` tokens, more than the bundled tasks' prompts with their chat template.
+`node_peak_bytes` adds these up from the model's shape and the config, times `MARGIN`: an upper
+bound that tests/test_swarm.py (tiny nodes) and tests/test_first_run.py (the embedded model's
+demo) check against real nodes' `peak_resident_mb` (the round report: the kernel's high-water
+mark). The activations per token and layer are a Llama block's saved tensors, about 10 values per
+hidden unit and 4 per MLP unit, 16-bit under autocast and 32-bit without; a prompt is counted as
+`PROMPT_TOKENS` tokens, more than the bundled tasks' prompts with their chat template.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 
 RUNTIME_BYTES = 900 * 10**6  # interpreter, torch, transformers, tokenizer, hivemind client, drafter, journal
 PROMPT_TOKENS = 160  # a bundled task's prompt with its chat template is under 100 tokens
+# The heap's fragmentation and what the sum leaves out: three demo nodes' high-water marks came to 0.94-0.99 of the
+# sum without it (5.3-5.5 GB against 5.6 GB, bf16 autocast, on a 2-core AMD EPYC).
+MARGIN = 1.1
 _ENGINE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "auto": 4}  # auto: at most float32
 
 
@@ -88,24 +92,33 @@ def parameter_count(model_name: str, revision: str | None = None) -> int:
 
 def config_peak_bytes(config: NodeConfig, shape: ModelShape) -> int:
     """`node_peak_bytes` for a node of this config."""
-    return node_peak_bytes(shape, engine_dtype=config.model.engine_dtype, on_gpu=config.model.device.startswith("cuda"),
+    model = config.model
+    return node_peak_bytes(shape, engine_dtype=model.engine_dtype, autocast=model.autocast, on_gpu=model.device.startswith("cuda"),
                            micro_batch_size=config.train.micro_batch_size,
                            max_completion_length=config.rollout.max_completion_length)
 
 
-def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, on_gpu: bool, micro_batch_size: int,
+def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool | str, on_gpu: bool, micro_batch_size: int,
                     max_completion_length: int) -> int:
-    """The most host memory one node takes: its lasting state plus one training step (the module doc). A GPU node
+    """The most host memory one node takes: its lasting state plus one training step (the module doc), with MARGIN.
+    `autocast` "auto" takes the larger of its two outcomes (a CPU without native bf16 trains in float32). A GPU node
     keeps weights, optimizer and activations in device memory; the host holds the runtime and a staging copy."""
     if on_gpu:
         return RUNTIME_BYTES + shape.params * 4
     state = shape.params * (4 + 8 + _ENGINE_BYTES.get(engine_dtype, 4))  # fp32 weights, AdamW moments, engine copy
-    step_weights = shape.params * (4 + 2)  # gradients, autocast's bf16 copy of the weights
     length = PROMPT_TOKENS + max_completion_length
-    activations = micro_batch_size * length * shape.layers * (20 * shape.hidden + 8 * shape.intermediate)
     # eager attention's saved probabilities (MicroBatchAttention.choose): within its budget, or not eager at all
     probabilities = min(micro_batch_size * length * length * shape.heads * shape.layers * 8, EAGER_ATTENTION_BYTES)
-    return RUNTIME_BYTES + state + step_weights + activations + probabilities
+
+    def step(value_bytes: int) -> int:
+        """Gradients, autocast's copy of the weights (16-bit only), the saved activations: ~10 values per hidden unit
+        and 4 per MLP unit, per token and layer."""
+        weight_copy = shape.params * 2 if value_bytes == 2 else 0
+        activations = micro_batch_size * length * shape.layers * value_bytes * (10 * shape.hidden + 4 * shape.intermediate)
+        return shape.params * 4 + weight_copy + activations + probabilities
+
+    steps = [step(2)] if autocast is True else [step(4)] if autocast is False else [step(2), step(4)]
+    return int(MARGIN * (RUNTIME_BYTES + state + max(steps)))
 
 
 def nodes_that_fit(per_node: int, available: int) -> int:
