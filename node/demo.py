@@ -24,7 +24,6 @@ from pathlib import Path
 import yaml
 
 from hivespec.node.config import NodeConfig
-from hivespec.node.model.footprint import nodes_that_fit
 from hivespec.node.report import REPORT_HEADER, format_report_line
 from hivespec.protocol.errors import UserError
 
@@ -259,7 +258,7 @@ def nodes_to_run(requested: int | None, per_node: int, available: int) -> tuple[
     kept, with a warning where it does not fit: the estimate is an upper bound, and the user chose.
     """
     gib = 1 << 30
-    fit = nodes_that_fit(per_node, available)
+    fit = available // per_node
     each = f"a node needs up to ~{per_node / gib:.1f} GiB while it trains, {available / gib:.1f} GiB is available"
     if requested is not None:
         if requested <= fit:

@@ -54,13 +54,16 @@ def model_shape(model_name: str, revision: str | None = None, *, params: int | N
         config = tiny_config(load_tokenizer()).to_dict()
     else:
         config = json.loads((model_folder(model_name, revision) / "config.json").read_text())
+    return shape_of(config, parameter_count(model_name, revision) if params is None else params)
+
+
+def shape_of(config: dict, params: int) -> ModelShape:
+    """A model's shape from its config as a dict (config.json, or a loaded model's `config.to_dict()`)."""
     config = config.get("text_config", config)  # a multimodal wrapper keeps its language model's config inside
-    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
-    intermediate = int(config.get("intermediate_size") or 4 * hidden)
-    heads = int(config.get("num_attention_heads") or 1)
-    if params is None:
-        params = parameter_count(model_name, revision)
-    return ModelShape(params=params, layers=layers, hidden=hidden, intermediate=intermediate, heads=heads)
+    hidden = int(config["hidden_size"])
+    return ModelShape(params=params, layers=int(config["num_hidden_layers"]), hidden=hidden,
+                      intermediate=int(config.get("intermediate_size") or 4 * hidden),
+                      heads=int(config.get("num_attention_heads") or 1))
 
 
 def parameter_count(model_name: str, revision: str | None = None) -> int:
@@ -121,6 +124,13 @@ def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool | st
     return int(MARGIN * (RUNTIME_BYTES + state + max(steps)))
 
 
-def nodes_that_fit(per_node: int, available: int) -> int:
-    """How many such nodes the memory available now holds."""
-    return max(0, available // per_node)
+def memory_warning(config: NodeConfig, shape: ModelShape, *, available: int, resident: int) -> str | None:
+    """What to tell a node's user where the memory available now will not hold its training step: what it may still
+    take (its bound less the `resident` bytes it holds already) against `available`; None where it fits."""
+    peak = config_peak_bytes(config, shape)
+    if available >= peak - resident:
+        return None
+    gib = 1 << 30
+    return (f"this node may take up to ~{peak / gib:.1f} GiB while it trains, ~{(peak - resident) / gib:.1f} GiB more than "
+            f"now, and {available / gib:.1f} GiB is available: the kernel may stop it mid-round. Close other programs, "
+            "or lower train.micro_batch_size")

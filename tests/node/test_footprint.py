@@ -8,7 +8,8 @@ import pytest
 
 from hivespec.node.config import load_config
 from hivespec.node.demo import DEFAULT_NODES, nodes_to_run
-from hivespec.node.model.footprint import ModelShape, config_peak_bytes, node_peak_bytes
+from hivespec.node.model.footprint import ModelShape, config_peak_bytes, memory_warning, model_shape, node_peak_bytes, shape_of
+from hivespec.node.model.loader import load_model
 from hivespec.protocol.errors import UserError
 
 GIB = 1 << 30
@@ -46,3 +47,15 @@ def test_a_step_s_activations_and_attention_follow_the_micro_batch_and_the_compl
     # The embedded model at the demo's step: over the 5.3-5.5 GB three demo nodes held (bf16), not far over.
     assert 5.5e9 < peak() < 6.5e9
     assert peak() < config_peak_bytes(load_config("demo"), SMOLLM2_135M) < 7.5e9
+
+
+def test_a_node_is_warned_at_start_where_its_training_step_will_not_fit_the_memory_available():
+    tiny = load_model("tiny")
+    config = load_config("tiny")
+    shape = shape_of(tiny.config.to_dict(), sum(p.numel() for p in tiny.parameters()))
+    assert shape == model_shape("tiny")  # the loaded model and its config alone agree
+    peak = config_peak_bytes(config, shape)
+    assert memory_warning(config, shape, available=peak, resident=0) is None
+    assert memory_warning(config, shape, available=peak // 2, resident=peak // 2) is None  # it holds half already
+    warning = memory_warning(config, shape, available=peak // 4, resident=peak // 2)
+    assert warning is not None and "the kernel may stop it mid-round" in warning and "train.micro_batch_size" in warning
