@@ -102,4 +102,9 @@ class SyncPanel(Vertical):
         older, newer = gossip.counters.get("peers_older_protocol", 0), gossip.counters.get("peers_newer_protocol", 0)
         if older or newer:  # peers of another hivespec version: their records are refused, nothing is shared with them
             data.append(f"\n              other hivespec versions: {older} older, {newer} newer peers (no sharing)", style="yellow")
+        if supervision.resident_mb is not None:  # last: a small screen keeps the warnings above
+            peak = supervision.peak_resident_mb
+            data.append("\nmemory        ", style="bold")
+            data.append(f"{supervision.resident_mb / 1000:.1f} GB now"
+                        + (f", {peak / 1000:.1f} GB at most (its largest training step)" if peak is not None else ""))
         self.query_one("#data-facts", Static).update(data)

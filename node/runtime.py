@@ -39,6 +39,7 @@ from hivespec.node.model.loader import stop_token_ids
 from hivespec.node.model.precision import PrecisionPlan
 from hivespec.node.model.vllm_engine import VllmEngine
 from hivespec.node.own_rollouts import derive_seed, make_rollouts
+from hivespec.node.process_memory import peak_resident_mb
 from hivespec.node.progress import PhaseListener, RoundProgress
 from hivespec.node.report import RolloutStats, RoundReport, SupervisionStats, SwarmStats
 from hivespec.node.speculation.feed import DrafterFeed
@@ -46,7 +47,7 @@ from hivespec.node.speculation.policy import CurveCalibration, where_drafting_pa
 from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.status.board import BoardSources, NodeFacts, RoundStopped, RunControl, StatusBoard
 from hivespec.node.status.server import StatusServer, remove_status_file, write_status_file
-from hivespec.node.supervise import HeapTrimmer, Watchdog, peak_resident_mb, train_step_with_oom_retry
+from hivespec.node.supervise import HeapTrimmer, Watchdog, train_step_with_oom_retry
 from hivespec.node.swarm.bootstrap import HomeLock
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.peers import PeerScores

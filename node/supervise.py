@@ -13,8 +13,8 @@
   threads that made them, and without a trim a node's RSS holds its largest round's peak for good.
   The resident memory right after a trim is the round report's `resident_mb_after_trim`: taken at
   the same point of every round, it is the floor that a leak raises and a round's swing does not.
-  `peak_resident_mb()` is the most the process has held (the round report's `peak_resident_mb`):
-  what the machine must have free for a node, its largest training step included.
+  `process_memory.peak_resident_mb()` is the most the process has held (the round report's
+  `peak_resident_mb`): what the machine must have free for a node, its largest training step included.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-import os
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+from hivespec.node.process_memory import resident_mb
 
 if TYPE_CHECKING:
     from hivespec.node.training.trainer import StepStats, Trainer, TrainSample
@@ -67,7 +67,7 @@ class HeapTrimmer:
         started = time.perf_counter()
         self._trim(0)
         self._last = self.clock()
-        self.resident_mb = _resident_mb()
+        self.resident_mb = resident_mb()
         log.debug("malloc_trim took %.3f s; resident %s MB", time.perf_counter() - started, self.resident_mb)
         return True
 
@@ -80,27 +80,6 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL(name).malloc_trim  # glibc only: musl and others have no malloc_trim
     except (OSError, AttributeError):
         return None
-
-
-def _resident_mb() -> float | None:
-    """This process's resident memory in MB (from /proc/self/statm; None where there is none)."""
-    try:
-        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return round(resident_pages * os.sysconf("SC_PAGE_SIZE") / 1e6, 1)
-
-
-def peak_resident_mb() -> float | None:
-    """The most resident memory this process has held, in MB (the kernel's high-water mark, VmHWM in
-    /proc/self/status; None where there is none)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) * 1024 / 1e6, 1)
-    except (OSError, IndexError, ValueError):
-        return None
-    return None
 
 
 # ----- watchdog -----------------------------------------------------------------------------

@@ -198,11 +198,13 @@ class StoreStatus:
 
 @dataclass(frozen=True)
 class SupervisionStatus:
-    """Self-healing counters since the node started (None: not reported)."""
+    """Self-healing counters since the node started, and its memory (None: not reported)."""
 
     oom_retries: int | None = None  # out-of-memory batch splits and retries
     gossip_restarts: int | None = None  # gossip rebuilt after p2pd died or hung
     watchdog_stalls: int | None = None  # round loop stalls reported
+    resident_mb: float | None = None  # the node process's resident memory when the snapshot was taken
+    peak_resident_mb: float | None = None  # the most it has held: its largest training step included
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hivespec.node.process_memory import peak_resident_mb, resident_mb
 from hivespec.protocol.codec import safe_unpack
 from hivespec.protocol.identity import PUBLIC_KEY_BYTES, peer_id_of, readable_name
 from hivespec.protocol.status import (
@@ -380,6 +381,8 @@ class StatusBoard:
             oom_retries=oom_retries,
             gossip_restarts=report.supervision.gossip_restarts if report is not None else None,
             watchdog_stalls=report.supervision.watchdog_stalls if report is not None else None,
+            resident_mb=resident_mb(),
+            peak_resident_mb=peak_resident_mb(),
         )
         return StatusSnapshot(
             version=STATUS_VERSION,

@@ -19,6 +19,7 @@ from hivespec.protocol.status import (
     SourceStats,
     StatusSnapshot,
     StoreStatus,
+    SupervisionStatus,
     SyncStatus,
     TrainerStatus,
 )
@@ -83,6 +84,7 @@ def make_snapshot(rounds: int = 6, *, paused: bool = False, name: str = "node-0"
         intake=IntakeStatus(accepted_rollouts=16 * (2 * rounds - 1), outcomes={"accept": 2 * rounds - 1, "reject": 1},
                             reasons={"ok": 2 * rounds - 1, "reward_mismatch": 1}),
         store=StoreStatus(own=16 * rounds, foreign=16 * (2 * rounds - 1), total=16 * (3 * rounds - 1)),
+        supervision=SupervisionStatus(resident_mb=2839.0, peak_resident_mb=5271.7),
         logs=[LogLine(time=now - 300, level="WARNING", logger="hivespec.node.swarm.gossip", message="fetch from hsfedcba98 timed out"),
               LogLine(time=now - 200, level="ERROR", logger="hivespec.node.training.intake", message="reject envelope: reward_mismatch")],
     )

@@ -1,6 +1,7 @@
 """RoundReport: nested from the parts' own records, flat and stable as a JSON event, and what the status board makes of it."""
 
 import json
+import sys
 
 import numpy as np
 
@@ -122,6 +123,8 @@ def test_the_status_board_reads_the_report_and_its_sources(tmp_path):
     assert [s.source for s in snapshot.trainer.sources] == ["own", "foreign", "peer-a"]
     assert snapshot.trainer.foreign_share == 2 / 6 and snapshot.sync.density == 0.01
     assert snapshot.supervision.oom_retries == 1
+    if sys.platform.startswith("linux"):  # this process's memory now and its high-water mark (/proc)
+        assert 0 < snapshot.supervision.resident_mb <= snapshot.supervision.peak_resident_mb
     assert [p.peer_id for p in snapshot.peers] == ["peer-a"]  # the live score table, not the report's
     assert snapshot.store.total == 0 and snapshot.gossip.bytes_out == 20
 

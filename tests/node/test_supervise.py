@@ -64,7 +64,7 @@ def test_the_heap_trimmer_gives_freed_pages_back_when_due():
 
 _PEAK_CHILD = textwrap.dedent("""
     import psutil, torch
-    from hivespec.node.supervise import peak_resident_mb
+    from hivespec.node.process_memory import peak_resident_mb
     start = peak_resident_mb()
     block = torch.ones(64 * 2**20)  # 256 MiB, touched
     held = psutil.Process().memory_info().rss / 1e6
