@@ -9,7 +9,7 @@ from textual.widgets import Label, Sparkline, Static
 
 from hivespec.protocol.status import StatusSnapshot
 
-from .view import DASH, fmt_ago, fmt_bytes, fmt_int, fmt_percent
+from .view import DASH, fmt_ago, fmt_bytes, fmt_int, fmt_percent, memory_text
 
 
 class SyncPanel(Vertical):
@@ -102,9 +102,7 @@ class SyncPanel(Vertical):
         older, newer = gossip.counters.get("peers_older_protocol", 0), gossip.counters.get("peers_newer_protocol", 0)
         if older or newer:  # peers of another hivespec version: their records are refused, nothing is shared with them
             data.append(f"\n              other hivespec versions: {older} older, {newer} newer peers (no sharing)", style="yellow")
-        if supervision.resident_mb is not None:  # last: a small screen keeps the warnings above
-            peak = supervision.peak_resident_mb
+        if memory := memory_text(supervision):  # last: a small screen keeps the warnings above
             data.append("\nmemory        ", style="bold")
-            data.append(f"{supervision.resident_mb / 1000:.1f} GB now"
-                        + (f", {peak / 1000:.1f} GB at most (its largest training step)" if peak is not None else ""))
+            data.append(f"{memory} (its largest training step)" if supervision.peak_resident_mb is not None else memory)
         self.query_one("#data-facts", Static).update(data)

@@ -14,6 +14,7 @@ from .view import (
     health,
     is_active,
     listed_peers,
+    memory_text,
     peer_label,
     phase_text,
     short_id,
@@ -34,6 +35,8 @@ def render_text(snapshot: StatusSnapshot) -> str:
         title,
         f"state: {phase_text(snapshot)[1]}",
     ]
+    if memory := memory_text(snapshot.supervision):
+        lines.append(f"memory: {memory}")
     if node.engine_dtype:
         lines.append(f"precision: engine {node.engine_dtype}, trainer {node.train_precision or DASH}")
         lines += [f"  {role} {reason}" for role, reason in (("engine", node.engine_dtype_reason),

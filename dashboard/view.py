@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from hivespec.protocol.status import PeerRow, StatusSnapshot
+from hivespec.protocol.status import PeerRow, StatusSnapshot, SupervisionStatus
 
 Level = Literal["good", "warn", "bad", "unknown"]
 DASH = "-"
@@ -75,6 +75,14 @@ def fmt_duration(seconds: float | None) -> str:
 
 def fmt_ago(seconds: float | None) -> str:
     return DASH if seconds is None else f"{fmt_duration(seconds)} ago"
+
+
+def memory_text(supervision: SupervisionStatus) -> str | None:
+    """The node's memory now and at most ("2.8 GB now, 5.3 GB at most"); None where the node does not say."""
+    if supervision.resident_mb is None:
+        return None
+    peak = supervision.peak_resident_mb
+    return f"{supervision.resident_mb / 1000:.1f} GB now" + (f", {peak / 1000:.1f} GB at most" if peak is not None else "")
 
 
 def short_id(peer_id: str) -> str:

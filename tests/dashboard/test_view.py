@@ -108,6 +108,7 @@ def test_a_large_swarm_lists_the_peers_heard_from_last_senders_first():
 def test_status_text_answers_the_four_questions():
     text = render_text(make_snapshot())
     for expected in ("node-0 (hs00112233)", "peers  1 connected", "rollouts  both ways", "speculation  pays",
-                     "reward  rising", "swift-otter-3fa2", "calm-heron-07b1", "last round 5: reward 0.56"):
+                     "reward  rising", "swift-otter-3fa2", "calm-heron-07b1", "last round 5: reward 0.56",
+                     "memory: 2.8 GB now, 5.3 GB at most"):
         assert expected in text, expected
     assert PEER_B not in text  # names, not raw ids, when the node knows them
