@@ -29,7 +29,7 @@ from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.inputs import check_home
 from hivespec.node.model import attention
 from hivespec.node.model.engine import TorchEngine
-from hivespec.node.model.footprint import memory_warning, shape_of
+from hivespec.node.model.footprint import fit_micro_batch, shape_of
 from hivespec.node.model.loader import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.model.precision import (
     DTYPES,
@@ -235,16 +235,18 @@ def _trace_writer(config: NodeConfig, identity: Identity) -> TraceWriter:
     )
 
 
-def _warn_if_memory_is_short(config: NodeConfig, model: torch.nn.Module) -> None:
-    """Say so before the first round where this node's training step may not fit the memory available now
-    (model/footprint.py), rather than have the kernel kill it minutes later."""
+def _fit_memory(config: NodeConfig, model: torch.nn.Module) -> NodeConfig:
+    """The config with a micro batch whose training step fits the memory available now (model/footprint.py), said in
+    the log where that is smaller than asked, or where even one sample may not fit: better than the kernel killing
+    the node minutes into its first round."""
     import psutil
 
     shape = shape_of(model.config.to_dict(), sum(p.numel() for p in model.parameters()))
-    warning = memory_warning(config, shape, available=psutil.virtual_memory().available,
-                             resident=psutil.Process().memory_info().rss)
-    if warning:
-        log.warning("memory: %s", warning)
+    size, why = fit_micro_batch(config, shape, available=psutil.virtual_memory().available,
+                                resident=psutil.Process().memory_info().rss)
+    if why:
+        log.warning("memory: %s", why)
+    return replace(config, train=replace(config.train, micro_batch_size=size))
 
 
 def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threads: int) -> tuple[NodeConfig, PrecisionPlan]:
@@ -325,9 +327,9 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     else:
         engine = TorchEngine.from_config(engine_model, config.rollout)
     sync = WeightSync(trainer_model, engine.sync_parameters())
+    config = _fit_memory(config, trainer_model)
     trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype,
                                   eager_attention=attention_plan.trainer.eager, share_prompts=attention_plan.sharing.share)
-    _warn_if_memory_is_short(config, trainer_model)
     journal_hours = config.checkpoint.journal_hours
     store = RolloutStore(home / "rollouts.sqlite", keep_seconds=None if journal_hours is None else journal_hours * 3600)
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)

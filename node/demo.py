@@ -254,8 +254,9 @@ def nodes_to_run(requested: int | None, per_node: int, available: int) -> tuple[
     """How many nodes to start, and what to tell the user ("" where nothing is amiss).
 
     Without `requested`: DEFAULT_NODES, or as many as `available` bytes hold at `per_node` each (a node OOM-killed
-    mid-run loses the run; swapping stalls the machine); none fitting is the user's error. A requested count is
-    kept, with a warning where it does not fit: the estimate is an upper bound, and the user chose.
+    mid-run loses the run; swapping stalls the machine), and at least one (a node short of memory trains in smaller
+    micro batches, and says so: `footprint.fit_micro_batch`). A requested count is kept, with a warning where it does
+    not fit: the estimate is an upper bound, and the user chose.
     """
     gib = 1 << 30
     fit = available // per_node
@@ -264,12 +265,11 @@ def nodes_to_run(requested: int | None, per_node: int, available: int) -> tuple[
         if requested <= fit:
             return requested, ""
         return requested, (f"warning: {requested} nodes may not fit: {each}; the kernel may stop one mid-run "
-                           f"({f'--nodes {fit} fits' if fit else 'close other programs'}, or lower train.micro_batch_size)")
-    if fit == 0:
-        raise UserError(f"not enough memory for one node: {each}. Close other programs, or run a "
-                        "smaller step (--set train.micro_batch_size=2) or the tiny model (--model tiny)")
+                           f"({f'--nodes {fit} fits' if fit else 'close other programs'})")
     if fit < DEFAULT_NODES:
-        return fit, f"starting {fit} node{'s' if fit > 1 else ''}, not {DEFAULT_NODES}: {each} (--nodes N to choose)"
+        nodes = max(1, fit)
+        return nodes, (f"starting {nodes} node{'s' if nodes > 1 else ''}, not {DEFAULT_NODES}: {each} (--nodes N to choose)"
+                       + ("; it trains in smaller micro batches to fit" if fit == 0 else ""))
     return DEFAULT_NODES, ""
 
 

@@ -14,12 +14,15 @@ demo) check against real nodes' `peak_resident_mb` (the round report: the kernel
 mark). The activations per token and layer are a Llama block's saved tensors, about 10 values per
 hidden unit and 4 per MLP unit, 16-bit under autocast and 32-bit without; a prompt is counted as
 `PROMPT_TOKENS` tokens, more than the bundled tasks' prompts with their chat template.
+
+A node short of memory trains in smaller micro batches (`fit_micro_batch`, at start-up): the
+optimizer steps once over the same samples whatever the micro batch, so only the time changes.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hivespec.node.model.attention import EAGER_ATTENTION_BYTES
@@ -124,13 +127,23 @@ def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool | st
     return int(MARGIN * (RUNTIME_BYTES + state + max(steps)))
 
 
-def memory_warning(config: NodeConfig, shape: ModelShape, *, available: int, resident: int) -> str | None:
-    """What to tell a node's user where the memory available now will not hold its training step: what it may still
-    take (its bound less the `resident` bytes it holds already) against `available`; None where it fits."""
-    peak = config_peak_bytes(config, shape)
-    if available >= peak - resident:
-        return None
+def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int) -> tuple[int, str]:
+    """The micro batch to train in: the config's, or the largest smaller one whose step fits the memory `available`
+    now beside the `resident` bytes the node holds already (the optimizer steps once over the same samples whatever
+    the micro batch, so only the time changes); and what to tell the user ("" where the config's fits)."""
+    wanted = config.train.micro_batch_size
+
+    def need(size: int) -> int:
+        return config_peak_bytes(replace(config, train=replace(config.train, micro_batch_size=size)), shape) - resident
+
+    if need(wanted) <= available:
+        return wanted, ""
     gib = 1 << 30
-    return (f"this node may take up to ~{peak / gib:.1f} GiB while it trains, ~{(peak - resident) / gib:.1f} GiB more than "
-            f"now, and {available / gib:.1f} GiB is available: the kernel may stop it mid-round. Close other programs, "
-            "or lower train.micro_batch_size")
+    size = next((n for n in range(wanted - 1, 0, -1) if need(n) <= available), None)
+    if size is not None:
+        return size, (f"training in micro batches of {size} samples, not {wanted}: {wanted} would take up to "
+                      f"~{need(wanted) / gib:.1f} GiB more than this node holds now, and {available / gib:.1f} GiB is "
+                      "available (the same updates, in more passes)")
+    return 1, (f"this node may take ~{need(1) / gib:.1f} GiB more than it holds now while it trains, even in micro "
+               f"batches of one sample, and {available / gib:.1f} GiB is available: the kernel may stop it mid-round. "
+               "Close other programs, or run a smaller model")

@@ -4,13 +4,12 @@ The estimate is checked against real nodes' high-water marks where they run: tes
 (three tiny nodes) and tests/test_first_run.py (three nodes of the embedded model).
 """
 
-import pytest
+from dataclasses import replace
 
 from hivespec.node.config import load_config
 from hivespec.node.demo import DEFAULT_NODES, nodes_to_run
-from hivespec.node.model.footprint import ModelShape, config_peak_bytes, memory_warning, model_shape, node_peak_bytes, shape_of
+from hivespec.node.model.footprint import ModelShape, config_peak_bytes, fit_micro_batch, model_shape, node_peak_bytes, shape_of
 from hivespec.node.model.loader import load_model
-from hivespec.protocol.errors import UserError
 
 GIB = 1 << 30
 SMOLLM2_135M = ModelShape(params=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9)
@@ -21,9 +20,10 @@ def test_the_default_demo_starts_as_many_nodes_as_the_memory_holds():
     nodes, why = nodes_to_run(None, 5 * GIB, 12 * GIB)
     assert nodes == 2 and why.startswith("starting 2 nodes, not 3: a node needs up to ~5.0 GiB while it trains, 12.0 GiB")
     assert "--nodes N" in why
-    assert nodes_to_run(None, 5 * GIB, 6 * GIB)[0] == 1
-    with pytest.raises(UserError, match="not enough memory for one node: a node needs up to ~5.0 GiB.*micro_batch_size"):
-        nodes_to_run(None, 5 * GIB, 4 * GIB)
+    one = "starting 1 node, not 3: a node needs up to ~5.0 GiB while it trains, 6.0 GiB is available (--nodes N to choose)"
+    assert nodes_to_run(None, 5 * GIB, 6 * GIB) == (1, one)
+    nodes, why = nodes_to_run(None, 5 * GIB, 4 * GIB)  # one node still: it fits its micro batch to the memory
+    assert nodes == 1 and why.endswith("; it trains in smaller micro batches to fit")
 
 
 def test_a_chosen_node_count_is_kept_and_warned_about_where_it_may_not_fit():
@@ -49,13 +49,23 @@ def test_a_step_s_activations_and_attention_follow_the_micro_batch_and_the_compl
     assert peak() < config_peak_bytes(load_config("demo"), SMOLLM2_135M) < 7.5e9
 
 
-def test_a_node_is_warned_at_start_where_its_training_step_will_not_fit_the_memory_available():
+def test_a_loaded_model_and_its_config_alone_give_one_shape():
+    """A node sizes itself from its loaded model (build.py), the demo and the doctor from the config: they agree."""
     tiny = load_model("tiny")
-    config = load_config("tiny")
-    shape = shape_of(tiny.config.to_dict(), sum(p.numel() for p in tiny.parameters()))
-    assert shape == model_shape("tiny")  # the loaded model and its config alone agree
-    peak = config_peak_bytes(config, shape)
-    assert memory_warning(config, shape, available=peak, resident=0) is None
-    assert memory_warning(config, shape, available=peak // 2, resident=peak // 2) is None  # it holds half already
-    warning = memory_warning(config, shape, available=peak // 4, resident=peak // 2)
-    assert warning is not None and "the kernel may stop it mid-round" in warning and "train.micro_batch_size" in warning
+    assert shape_of(tiny.config.to_dict(), sum(p.numel() for p in tiny.parameters())) == model_shape("tiny")
+
+
+def test_a_node_short_of_memory_trains_in_smaller_micro_batches_and_says_so():
+    config = load_config("demo")  # as a node has it once its precision is known
+    config = replace(config, model=replace(config.model, autocast=True, engine_dtype="bfloat16"))
+    shape = SMOLLM2_135M
+    need = config_peak_bytes(config, shape)
+    assert fit_micro_batch(config, shape, available=need, resident=0) == (8, "")
+    assert fit_micro_batch(config, shape, available=need // 2, resident=need - need // 2) == (8, "")  # it holds half already
+    size, why = fit_micro_batch(config, shape, available=need * 3 // 4, resident=0)
+    assert 1 <= size < 8 and why.startswith(f"training in micro batches of {size} samples, not 8")
+    smaller = replace(config, train=replace(config.train, micro_batch_size=size))
+    assert config_peak_bytes(smaller, shape) <= need * 3 // 4 < config_peak_bytes(
+        replace(config, train=replace(config.train, micro_batch_size=size + 1)), shape)  # the largest that fits
+    size, why = fit_micro_batch(config, shape, available=GIB, resident=0)
+    assert size == 1 and "even in micro batches of one sample" in why and "the kernel may stop it mid-round" in why
