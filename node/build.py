@@ -41,6 +41,7 @@ from hivespec.node.model.precision import (
     weight_sample,
 )
 from hivespec.node.model.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
+from hivespec.node.process_memory import available_bytes
 from hivespec.node.runtime import Node, PhaseListener
 from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation
 from hivespec.node.speculation.trace import TraceWriter
@@ -242,7 +243,7 @@ def _fit_memory(config: NodeConfig, model: torch.nn.Module) -> NodeConfig:
     import psutil
 
     shape = shape_of(model.config.to_dict(), sum(p.numel() for p in model.parameters()))
-    size, why = fit_micro_batch(config, shape, available=psutil.virtual_memory().available,
+    size, why = fit_micro_batch(config, shape, available=available_bytes(),
                                 resident=psutil.Process().memory_info().rss)
     if why:
         log.warning("memory: %s", why)

@@ -235,16 +235,15 @@ def run_demo(
 
 def _nodes_for_this_machine(config: NodeConfig, requested: int | None) -> int:
     """`nodes_to_run` for this config and the memory available now; says why where that is fewer than the default."""
-    import psutil
-
     from hivespec.node.model.footprint import config_peak_bytes, model_shape
+    from hivespec.node.process_memory import available_bytes
 
     try:
         per_node = config_peak_bytes(config, model_shape(config.model.name, config.model.revision))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # the node's own start says what is wrong with the model
         print(f"hivespec demo: cannot size a node of {config.model.name} ({exc}); not checking memory", file=sys.stderr)
         return requested or DEFAULT_NODES
-    nodes, why = nodes_to_run(requested, per_node, psutil.virtual_memory().available)
+    nodes, why = nodes_to_run(requested, per_node, available_bytes())
     if why:
         print(f"hivespec demo: {why}", file=sys.stderr, flush=True)
     return nodes

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import psutil
 import torch
 
 from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.model.footprint import ModelShape, config_peak_bytes, model_shape
+from hivespec.node.process_memory import available_bytes
 from hivespec.node.swarm.ports import port_in_use
 from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 
@@ -90,8 +90,9 @@ def check_model(config: NodeConfig) -> tuple[Check, ModelShape | None]:
 
 
 def check_memory(config: NodeConfig, shape: ModelShape | None) -> list[Check]:
-    """The host memory available now against the most one node of this config takes (`config_peak_bytes`)."""
-    available = psutil.virtual_memory().available
+    """The host memory available now (within this process's control group) against the most one node of this config
+    takes (`config_peak_bytes`)."""
+    available = available_bytes()
     if shape is None:
         return [Check("ram", "skip", f"{_gib(available)} available; model size unknown (see the model line)")]
     need = config_peak_bytes(config, shape)

@@ -25,3 +25,53 @@ def peak_resident_mb() -> float | None:
     except (OSError, IndexError, ValueError):
         return None
     return None
+
+
+def available_bytes() -> int:
+    """Memory this process can still take: the machine's available memory (MemAvailable), or less where the control
+    group it runs in (a container's memory limit, a systemd slice) leaves less. What a node sizes its step by."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    rooms = [room for room in map(_room_in, _memory_cgroups()) if room is not None]
+    return min([available, *rooms])
+
+
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number
+
+
+def _memory_cgroups() -> list[Path]:
+    """The folders of this process's memory control group and its ancestors, as mounted here (v2 and v1)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    folders = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and not controllers:
+            root = Path("/sys/fs/cgroup")
+        elif "memory" in controllers.split(","):
+            root = Path("/sys/fs/cgroup/memory")
+        else:
+            continue
+        group = root / path.strip("/")
+        # A container sees its own group at the mount's root: the path named here may not exist inside it.
+        folders += [folder for folder in (group, *group.parents) if folder.is_relative_to(root) and folder.is_dir()]
+    return folders
+
+
+def _room_in(folder: Path) -> int | None:
+    """What the group's limit leaves: limit less usage, less the page cache it can drop; None without a limit."""
+    v2 = (folder / "memory.max").exists()
+    names = ("memory.max", "memory.current", "inactive_file") if v2 else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    try:
+        limit_text = (folder / names[0]).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= _UNLIMITED:
+            return None
+        usage = int((folder / names[1]).read_text())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if len(line.split()) == 2)
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit_text) - usage + int(stat.get(names[2], 0)))
