@@ -25,7 +25,7 @@ from hivespec.node.model.footprint import config_peak_bytes, model_shape
 from hivespec.node.model.loader import EMBEDDED_MODEL
 
 ROUNDS = 2
-NODES = 3
+NODES = 3  # the demo's default where the machine's memory holds three (node/demo.py: nodes_to_run)
 MAX_SILENCE_S = 30.0  # the demo prints every node's status every 10 s; allow for a loaded CI machine
 
 
@@ -61,19 +61,26 @@ def test_the_demo_runs_from_empty_caches_and_talks_throughout(tmp_path, monkeypa
 
     texts = [line for _, line in lines]
     assert any(line.startswith("model ready in") for line in texts), output[-6000:]
+    # Three nodes, or as many as this machine's memory holds, and then it says so.
+    started = [line for line in texts if line.startswith("hivespec demo: ") and " nodes x " in line]
+    assert len(started) == 1, output[-6000:]
+    nodes = int(started[0].split()[2])
+    assert nodes == NODES or any(line.startswith(f"hivespec demo: starting {nodes} node") for line in texts), output[-6000:]
     summary = [line for line in texts if line.strip().startswith("round ") and "accepted by every node" in line]
     assert len(summary) == ROUNDS, output[-6000:]
-    assert all(line.endswith("foreign rollouts accepted by every node: yes") for line in summary), output[-6000:]
+    if nodes > 1:
+        assert all(line.endswith("foreign rollouts accepted by every node: yes") for line in summary), output[-6000:]
     # Every node reported every round, as it happened (one row per node per round).
     rows = [line for line in texts if line[:3].strip().isdigit() and " node-" in line]
-    assert len(rows) == NODES * ROUNDS, output[-6000:]
+    assert len(rows) == nodes * ROUNDS, output[-6000:]
     # Every node announced every phase of every round, and the first round measured the verify-cost curve.
-    phases = {name: _phases(tmp_path / "demo" / name / "events.jsonl") for name in (f"node-{i}" for i in range(NODES))}
+    phases = {name: _phases(tmp_path / "demo" / name / "events.jsonl") for name in (f"node-{i}" for i in range(nodes))}
     for name, seen in phases.items():
         for phase in ("loading", "starting gossip"):
             assert phase in seen, (name, seen)
         for round_index in range(ROUNDS):
-            for phase in ("generating", "waiting for peers", "training", "syncing"):
+            # A lone node waits for nobody: it fetches what its step has room for.
+            for phase in ("generating", "waiting for peers" if nodes > 1 else "fetching peers' batches", "training", "syncing"):
                 assert f"round {round_index}" in seen.get(phase, []), (name, phase, seen)
     calibrated = [detail for seen in phases.values() for detail in seen.get("calibrating", []) if detail.startswith("done in")]
     assert calibrated, phases
