@@ -124,11 +124,14 @@ def test_dashboard_attaches_pauses_and_resumes_a_real_node(swarm):
         app = DashboardApp([HttpSource(url) for url in urls], poll_interval=0.3)
         async with app.run_test(size=(100, 30)) as pilot:
             deadline = time.monotonic() + 30
-            while "both ways" not in screen_text(app) or "[node-0]" not in screen_text(app):
+
+            def attached(text: str) -> bool:  # the peer named after its node once the app has read node-1 too
+                peers = text.split("last seen", 1)[1] if "last seen" in text else ""
+                return "both ways" in text and "[node-0]" in text and "1 connected" in text and "node-1" in peers
+
+            while not attached(screen_text(app)):
                 assert time.monotonic() < deadline, screen_text(app)
                 await pilot.pause(0.1)
-            text = screen_text(app)
-            assert "1 connected" in text and "node-1" in text.split("last seen")[1]  # peer named after its node
             await pilot.press("p")
             while not HttpSource(urls[0]).fetch().node.paused:
                 assert time.monotonic() < deadline + 30
