@@ -41,7 +41,7 @@ from hivespec.node.model.precision import (
     weight_sample,
 )
 from hivespec.node.model.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
-from hivespec.node.process_memory import available_bytes
+from hivespec.node.process_memory import anonymous_bytes, available_bytes
 from hivespec.node.runtime import Node, PhaseListener
 from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation
 from hivespec.node.speculation.trace import TraceWriter
@@ -240,11 +240,8 @@ def _fit_memory(config: NodeConfig, model: torch.nn.Module) -> NodeConfig:
     """The config with a micro batch whose training step fits the memory available now (model/footprint.py), said in
     the log where that is smaller than asked, or where even one sample may not fit: better than the kernel killing
     the node minutes into its first round."""
-    import psutil
-
     shape = shape_of(model.config.to_dict(), sum(p.numel() for p in model.parameters()))
-    size, why = fit_micro_batch(config, shape, available=available_bytes(),
-                                resident=psutil.Process().memory_info().rss)
+    size, why = fit_micro_batch(config, shape, available=available_bytes(), resident=anonymous_bytes())
     if why:
         log.warning("memory: %s", why)
     return replace(config, train=replace(config.train, micro_batch_size=size))

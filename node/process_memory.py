@@ -27,6 +27,20 @@ def peak_resident_mb() -> float | None:
     return None
 
 
+def anonymous_bytes() -> int:
+    """The memory this process holds of its own (RssAnon: heap and tensors, not the shared libraries' file pages,
+    which another process or group may have paid for); its whole resident size where the OS does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def available_bytes() -> int:
     """Memory this process can still take: the machine's available memory (MemAvailable), or less where the control
     group it runs in (a container's memory limit, a systemd slice) leaves less. What a node sizes its step by."""

@@ -12,7 +12,8 @@ what decides whether N nodes fit a machine: five public-preset nodes of the embe
 bound that tests/test_swarm.py (tiny nodes) and tests/test_first_run.py (the embedded model's
 demo) check against real nodes' `peak_resident_mb` (the round report: the kernel's high-water
 mark). The activations per token and layer are a Llama block's saved tensors, about 10 values per
-hidden unit and 4 per MLP unit, 16-bit under autocast and 32-bit without; a prompt is counted as
+hidden unit and 4 per MLP unit, 16-bit under autocast and 32-bit without (`auto` precision is taken
+as the CPU will likely pick it: bf16 where it has native bf16); a prompt is counted as
 `PROMPT_TOKENS` tokens, more than the bundled tasks' prompts with their chat template.
 
 A node short of memory trains in smaller micro batches (`fit_micro_batch`, at start-up): the
@@ -26,16 +27,21 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hivespec.node.model.attention import EAGER_ATTENTION_BYTES
+from hivespec.node.model.precision import cpu_facts
 
 if TYPE_CHECKING:
     from hivespec.node.config import NodeConfig
 
-RUNTIME_BYTES = 900 * 10**6  # interpreter, torch, transformers, tokenizer, hivemind client, drafter, journal
+# Interpreter, torch, transformers, tokenizer, hivemind client, drafter, journal, and what the heap keeps of freed
+# steps: a demo-model node held 0.6-0.9 GB of its own beyond weights, engine copy, gradients and AdamW's moments,
+# plus 0.15-0.5 GB of shared libraries' pages (RssAnon and RSS sampled every 0.1 s over three rounds).
+RUNTIME_BYTES = 1300 * 10**6
 PROMPT_TOKENS = 160  # a bundled task's prompt with its chat template is under 100 tokens
-# The heap's fragmentation and what the sum leaves out: three demo nodes' high-water marks came to 0.94-0.99 of the
-# sum without it (5.3-5.5 GB against 5.6 GB, bf16 autocast, on a 2-core AMD EPYC).
+# What the sum leaves out: the demo's nodes' high-water marks came to 0.84-0.87 of the bound with it (5.3-5.5 GB
+# against 6.3 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC), a node in micro batches of one to 0.89
+# (4.14 GB against 4.66).
 MARGIN = 1.1
-_ENGINE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "auto": 4}  # auto: at most float32
+_ENGINE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -97,18 +103,24 @@ def parameter_count(model_name: str, revision: str | None = None) -> int:
 
 
 def config_peak_bytes(config: NodeConfig, shape: ModelShape) -> int:
-    """`node_peak_bytes` for a node of this config."""
+    """`node_peak_bytes` for a node of this config. `auto` precision (before the node has measured its machine) is
+    taken as what a CPU with native bf16 picks (bf16 autocast and engine, measured so on every such CPU seen) and as
+    float32 on any other; a node that measures otherwise fits its micro batch again once it knows (`fit_micro_batch`)."""
     model = config.model
-    return node_peak_bytes(shape, engine_dtype=model.engine_dtype, autocast=model.autocast, on_gpu=model.device.startswith("cuda"),
+    on_gpu = model.device.startswith("cuda")
+    bf16 = not on_gpu and bool(cpu_facts()["native_bf16_flags"])
+    autocast = bf16 if model.autocast == "auto" else bool(model.autocast)
+    engine_dtype = ("bfloat16" if bf16 else "float32") if model.engine_dtype == "auto" else model.engine_dtype
+    return node_peak_bytes(shape, engine_dtype=engine_dtype, autocast=autocast, on_gpu=on_gpu,
                            micro_batch_size=config.train.micro_batch_size,
                            max_completion_length=config.rollout.max_completion_length)
 
 
-def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool | str, on_gpu: bool, micro_batch_size: int,
+def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool, on_gpu: bool, micro_batch_size: int,
                     max_completion_length: int) -> int:
     """The most host memory one node takes: its lasting state plus one training step (the module doc), with MARGIN.
-    `autocast` "auto" takes the larger of its two outcomes (a CPU without native bf16 trains in float32). A GPU node
-    keeps weights, optimizer and activations in device memory; the host holds the runtime and a staging copy."""
+    A GPU node keeps weights, optimizer and activations in device memory; the host holds the runtime and a staging
+    copy."""
     if on_gpu:
         return RUNTIME_BYTES + shape.params * 4
     state = shape.params * (4 + 8 + _ENGINE_BYTES.get(engine_dtype, 4))  # fp32 weights, AdamW moments, engine copy
@@ -123,14 +135,14 @@ def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool | st
         activations = micro_batch_size * length * shape.layers * value_bytes * (10 * shape.hidden + 4 * shape.intermediate)
         return shape.params * 4 + weight_copy + activations + probabilities
 
-    steps = [step(2)] if autocast is True else [step(4)] if autocast is False else [step(2), step(4)]
-    return int(MARGIN * (RUNTIME_BYTES + state + max(steps)))
+    return int(MARGIN * (RUNTIME_BYTES + state + step(2 if autocast else 4)))
 
 
 def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int) -> tuple[int, str]:
     """The micro batch to train in: the config's, or the largest smaller one whose step fits the memory `available`
-    now beside the `resident` bytes the node holds already (the optimizer steps once over the same samples whatever
-    the micro batch, so only the time changes); and what to tell the user ("" where the config's fits)."""
+    now beside the `resident` bytes the node holds already of its own (its anonymous memory: a library's pages that
+    another process paid for would count twice); the optimizer steps once over the same samples whatever the micro
+    batch, so only the time changes. And what to tell the user ("" where the config's fits)."""
     wanted = config.train.micro_batch_size
 
     def need(size: int) -> int:
