@@ -1,4 +1,6 @@
-"""This process's memory, from /proc (Linux; None elsewhere): what a node reports in its rounds and its status."""
+"""This process's memory, from /proc and the control group it runs in (Linux): what a node holds (`resident_mb`,
+`anonymous_bytes`), the most it has held (`peak_resident_mb`), and what it may still take (`available_bytes`). Where
+the OS does not say: None, the whole resident size, and the machine's available memory."""
 
 from __future__ import annotations
 
