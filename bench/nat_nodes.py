@@ -83,8 +83,10 @@ def run(topo: net_topology.Topology, root: Path, minutes: float, *, until_shared
 
     public = NamespacedNode("public", root / "public", COMMON + work("public") + [
         f"swarm.host={net_topology.PUBLIC_ADDR}", f"swarm.port={PUBLIC_PORT}", "seed=1"], topo.public, count)
-    homes = [NamespacedNode(name, root / name, COMMON + work(name) + ["swarm.port=0", f"seed={2 + i}"], host, count)
-             for i, host in enumerate(topo.home_hosts) for name in [f"home{i + 1}"]]
+    homes = []
+    for i, host in enumerate(topo.home_hosts):
+        name = f"home{i + 1}"
+        homes.append(NamespacedNode(name, root / name, COMMON + work(name) + ["swarm.port=0", f"seed={2 + i}"], host, count))
     nodes = [public, *homes]
     started = time.monotonic()
     try:

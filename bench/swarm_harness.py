@@ -29,7 +29,8 @@ from typing import ClassVar
 READY_TIMEOUT_S = 240.0
 # The most one demo-model node process takes while it trains (fp32 trainer + Adam + bf16 engine + interpreter + a micro
 # batch's activations): its resident size was 3.7-4.1 GB in bench/swarm_vs_solo.py's runs, 4.9 GB at a 2 x 4 step with
-# 8 foreign samples (the kernel's count of the one it killed when five nodes ran on a 24 GiB machine).
+# 8 foreign samples (the kernel's count of the one it killed when five nodes ran on a 24 GiB machine). Measured, for the
+# benches' shapes on this machine kind; the product sizes a node by node/model/footprint.py's upper bound instead.
 NODE_GB = 4.9
 POLL_S = 0.5
 PRINT_EVERY_S = 30.0
