@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # plus 0.15-0.5 GB of shared libraries' pages (RssAnon and RSS sampled every 0.1 s over three rounds).
 RUNTIME_BYTES = 1300 * 10**6
 PROMPT_TOKENS = 160  # a bundled task's prompt with its chat template is under 100 tokens
-# What the sum leaves out: the demo's nodes' high-water marks came to 0.84-0.87 of the bound with it (5.3-5.5 GB
+# What the sum leaves out: the demo's nodes' high-water marks came to 0.84-0.89 of the bound with it (5.3-5.6 GB
 # against 6.3 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC), a node in micro batches of one to 0.89
 # (4.14 GB against 4.66).
 MARGIN = 1.1
