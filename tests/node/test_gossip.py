@@ -657,11 +657,16 @@ def test_a_body_outlives_its_author_through_a_holder() -> None:
         author.publish_rollouts(body, version=1)
         got = relay.sample_rollouts(k=1, max_age_s=120, timeout=30)
         assert [f.body for f in got] == [body]
-        deadline = time.monotonic() + 10
-        while relay.stats().get("relay_records", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)  # the relay re-stores its record in the background
+        deadline = time.monotonic() + 30
+        while relay.stats().get("relay_records", 0) < 1:  # the relay stores its own record in the background
+            assert time.monotonic() < deadline, f"the relay stored no record of the batch it holds: {relay.stats()}"
+            time.sleep(0.1)
         author.shutdown()
+        deadline = time.monotonic() + 60
         got = late.sample_rollouts(k=1, max_age_s=120, timeout=30)
+        while not got and time.monotonic() < deadline:  # a node reads the index again at its next step
+            time.sleep(1.0)
+            got = late.sample_rollouts(k=1, max_age_s=120, timeout=30)
         assert [(f.author_peer_id, f.holder, f.body) for f in got] == [(author.identity.peer_id, relay.identity.peer_id, body)]
         assert late.stats()["bodies_fetched_from_relay"] == 1
     finally:
