@@ -150,11 +150,12 @@ class SwarmNode:
 
 
 def check_memory(processes: int, node_gb: float = NODE_GB) -> None:
-    """Refuse to start `processes` nodes that would not fit in the memory available now: past it the kernel kills
-    one mid-run (or a swapping box stalls every job on it, not just this bench)."""
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-    available = info["MemAvailable"] / 2**20
+    """Refuse to start `processes` nodes that would not fit in the memory available now (a node's own measure,
+    `process_memory.available_bytes`: a container's limit counts): past it the kernel kills one mid-run (or a
+    swapping box stalls every job on it, not just this bench)."""
+    from hivespec.node.process_memory import available_bytes
+
+    available = available_bytes() / 2**30
     if available < processes * node_gb:
         raise SystemExit(f"{processes} nodes need ~{processes * node_gb:.0f} GB ({node_gb:g} GB each at most), "
                          f"{available:.1f} GB available: run fewer nodes or wait for other jobs to finish")

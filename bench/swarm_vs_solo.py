@@ -27,8 +27,8 @@ round wait, checkpoint at exit), and each node's torch runs in its own interpret
 on 2 cores do not queue on one GIL. Memory decides N: a demo-preset node process (fp32 trainer +
 Adam + bf16 engine + interpreter) measured 3.7-4.1 GB resident here and up to 4.9 GB in
 bench/nat_nodes.py (`swarm_harness.NODE_GB`), so N = 4 needs ~20 GB; on a 24 GiB box shared with
-other jobs N = 3 is what fits (`check_memory` refuses to start nodes that do not fit in
-MemAvailable: a swapping box stalls every job on it). The two conditions run one
+other jobs N = 3 is what fits (`check_memory` refuses to start nodes that do not fit in the
+memory available, a container's limit included: a swapping box stalls every job on it). The two conditions run one
 after the other, never together, and the parent holds no model while nodes run. Each node gets
 cores // N torch threads (--local-nodes N), the same in both conditions and in the speculation
 runs, which keeps solo numerics reproducible.

@@ -20,27 +20,30 @@ def resident_mb() -> float | None:
 def peak_resident_mb() -> float | None:
     """The most resident memory this process has held, in MB (the kernel's high-water mark, VmHWM in
     /proc/self/status; None where there is none)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) * 1024 / 1e6, 1)
-    except (OSError, IndexError, ValueError):
-        return None
-    return None
+    kib = _status_kib("VmHWM")
+    return None if kib is None else round(kib * 1024 / 1e6, 1)
 
 
 def anonymous_bytes() -> int:
     """The memory this process holds of its own (RssAnon: heap and tensors, not the shared libraries' file pages,
     which another process or group may have paid for); its whole resident size where the OS does not say."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, IndexError, ValueError):
-        pass
+    kib = _status_kib("RssAnon")
+    if kib is not None:
+        return kib * 1024
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def _status_kib(field: str) -> int | None:
+    """A "<field>: <n> kB" line of /proc/self/status, in KiB; None where there is none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
 
 
 def available_bytes() -> int:
