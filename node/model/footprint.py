@@ -108,10 +108,12 @@ def config_peak_bytes(config: NodeConfig, shape: ModelShape) -> int:
     float32 on any other; a node that measures otherwise fits its micro batch again once it knows (`fit_micro_batch`)."""
     model = config.model
     on_gpu = model.device.startswith("cuda")
-    bf16 = not on_gpu and bool(cpu_facts()["native_bf16_flags"])
-    autocast = bf16 if model.autocast == "auto" else bool(model.autocast)
-    engine_dtype = ("bfloat16" if bf16 else "float32") if model.engine_dtype == "auto" else model.engine_dtype
-    return node_peak_bytes(shape, engine_dtype=engine_dtype, autocast=autocast, on_gpu=on_gpu,
+    autocast, engine_dtype = model.autocast, model.engine_dtype
+    if "auto" in (autocast, engine_dtype):  # a node that knows its precision (fit_micro_batch's case) asks nothing
+        bf16 = not on_gpu and bool(cpu_facts()["native_bf16_flags"])
+        autocast = bf16 if autocast == "auto" else autocast
+        engine_dtype = ("bfloat16" if bf16 else "float32") if engine_dtype == "auto" else engine_dtype
+    return node_peak_bytes(shape, engine_dtype=engine_dtype, autocast=bool(autocast), on_gpu=on_gpu,
                            micro_batch_size=config.train.micro_batch_size,
                            max_completion_length=config.rollout.max_completion_length)
 
