@@ -9,7 +9,7 @@ from textual.widgets import Label, Sparkline, Static
 
 from hivespec.protocol.status import StatusSnapshot
 
-from .view import DASH, fmt_ago, fmt_bytes, fmt_int, fmt_percent, memory_text
+from .view import DASH, fmt_ago, fmt_bytes, fmt_int, fmt_percent, memory_text, micro_batch_text
 
 
 class SyncPanel(Vertical):
@@ -105,4 +105,6 @@ class SyncPanel(Vertical):
         if memory := memory_text(supervision):  # last: a small screen keeps the warnings above
             data.append("\nmemory        ", style="bold")
             data.append(f"{memory} (its largest training step)" if supervision.peak_resident_mb is not None else memory)
+            if shrunk := micro_batch_text(supervision):
+                data.append(f"\n              {shrunk}", style="yellow")
         self.query_one("#data-facts", Static).update(data)

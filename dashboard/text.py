@@ -15,6 +15,7 @@ from .view import (
     is_active,
     listed_peers,
     memory_text,
+    micro_batch_text,
     peer_label,
     phase_text,
     short_id,
@@ -36,7 +37,8 @@ def render_text(snapshot: StatusSnapshot) -> str:
         f"state: {phase_text(snapshot)[1]}",
     ]
     if memory := memory_text(snapshot.supervision):
-        lines.append(f"memory: {memory}")
+        shrunk = micro_batch_text(snapshot.supervision)
+        lines.append(f"memory: {memory}" + (f"; {shrunk}" if shrunk else ""))
     if node.engine_dtype:
         lines.append(f"precision: engine {node.engine_dtype}, trainer {node.train_precision or DASH}")
         lines += [f"  {role} {reason}" for role, reason in (("engine", node.engine_dtype_reason),

@@ -85,6 +85,15 @@ def memory_text(supervision: SupervisionStatus) -> str | None:
     return f"{supervision.resident_mb / 1000:.1f} GB now" + (f", {peak / 1000:.1f} GB at most" if peak is not None else "")
 
 
+def micro_batch_text(supervision: SupervisionStatus) -> str | None:
+    """"micro batches of 3 samples, not 8, to fit the memory" where the node's last step took fewer than its config's;
+    else None."""
+    size, wanted = supervision.micro_batch_size, supervision.micro_batch_wanted
+    if size is None or wanted is None or size >= wanted:
+        return None
+    return f"micro batches of {size} sample{'s' if size != 1 else ''}, not {wanted}, to fit the memory"
+
+
 def short_id(peer_id: str) -> str:
     """The first 10 characters of a peer id ("hs" + 8 hex): enough to tell peers apart on screen."""
     return peer_id[:10]

@@ -29,7 +29,7 @@ from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.inputs import check_home
 from hivespec.node.model import attention
 from hivespec.node.model.engine import TorchEngine
-from hivespec.node.model.footprint import fit_micro_batch, shape_of
+from hivespec.node.model.footprint import shape_of
 from hivespec.node.model.loader import configure_threads, load_model, load_tokenizer, model_fingerprint
 from hivespec.node.model.precision import (
     DTYPES,
@@ -41,11 +41,10 @@ from hivespec.node.model.precision import (
     weight_sample,
 )
 from hivespec.node.model.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
-from hivespec.node.process_memory import anonymous_bytes, available_bytes
 from hivespec.node.runtime import Node, PhaseListener
 from hivespec.node.speculation.policy import CurveCalibration, LengthAwarePolicy, build_speculation
 from hivespec.node.speculation.trace import TraceWriter
-from hivespec.node.supervise import Watchdog
+from hivespec.node.supervise import MicroBatchFit, Watchdog
 from hivespec.node.swarm.bootstrap import (
     CACHE_FILE,
     P2P_KEY_FILE,
@@ -236,17 +235,6 @@ def _trace_writer(config: NodeConfig, identity: Identity) -> TraceWriter:
     )
 
 
-def _fit_memory(config: NodeConfig, model: torch.nn.Module) -> NodeConfig:
-    """The config with a micro batch whose training step fits the memory available now (model/footprint.py), said in
-    the log where that is smaller than asked, or where even one sample may not fit: better than the kernel killing
-    the node minutes into its first round."""
-    shape = shape_of(model.config.to_dict(), sum(p.numel() for p in model.parameters()))
-    size, why = fit_micro_batch(config, shape, available=available_bytes(), resident=anonymous_bytes())
-    if why:
-        log.warning("memory: %s", why)
-    return replace(config, train=replace(config.train, micro_batch_size=size))
-
-
 def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threads: int) -> tuple[NodeConfig, PrecisionPlan]:
     """Decide model.engine_dtype and model.autocast where they are "auto" (node/model/precision.py).
 
@@ -325,9 +313,12 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     else:
         engine = TorchEngine.from_config(engine_model, config.rollout)
     sync = WeightSync(trainer_model, engine.sync_parameters())
-    config = _fit_memory(config, trainer_model)
     trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype,
                                   eager_attention=attention_plan.trainer.eager, share_prompts=attention_plan.sharing.share)
+    # Better said now than the kernel stopping the node minutes into its first round; a CPU node fits it again before
+    # every step (a GPU's device memory is the out-of-memory retry's).
+    memory = MicroBatchFit(config, shape_of(trainer_model.config.to_dict(), sum(p.numel() for p in trainer_model.parameters())))
+    memory.fit(trainer)
     journal_hours = config.checkpoint.journal_hours
     store = RolloutStore(home / "rollouts.sqlite", keep_seconds=None if journal_hours is None else journal_hours * 3600)
     checkpoints = CheckpointManager(Path(config.checkpoint.dir) if config.checkpoint.dir else home / "checkpoints", keep=config.checkpoint.keep)
@@ -383,6 +374,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         calibration=calibration,
         on_phase=on_phase,
         heldout=HeldoutProbe.from_config(config, tasks, tokenizer),
+        memory=None if config.model.device.startswith("cuda") else memory,
         trackers=RoundTrackers.from_config(config, home),
     )
     if policy is not None:  # its adaptive state is part of a checkpoint

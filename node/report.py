@@ -211,6 +211,7 @@ class RoundReport:
             "heldout_accuracy": self.heldout_accuracy,
             "resident_mb_after_trim": self.resident_mb_after_trim,
             "peak_resident_mb": self.peak_resident_mb,
+            "micro_batch_size": train.micro_batch_size,
         }
         return event
 
@@ -226,7 +227,7 @@ EVENT_FIELDS = (
     "peer_scores", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_tokens_per_forward",
     "spec_draft_seconds", "drafter_rollouts", "policy_hash", "foreign_ages_s", "foreign_version_lags",
     "foreign_room", "foreign_pending", "heldout_accuracy", "resident_mb_after_trim",
-    "peak_resident_mb",
+    "peak_resident_mb", "micro_batch_size",
 )
 
 

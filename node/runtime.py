@@ -47,7 +47,7 @@ from hivespec.node.speculation.policy import CurveCalibration, where_drafting_pa
 from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.status.board import BoardSources, NodeFacts, RoundStopped, RunControl, StatusBoard
 from hivespec.node.status.server import StatusServer, remove_status_file, write_status_file
-from hivespec.node.supervise import HeapTrimmer, Watchdog, train_step_with_oom_retry
+from hivespec.node.supervise import HeapTrimmer, MicroBatchFit, Watchdog, train_step_with_oom_retry
 from hivespec.node.swarm.bootstrap import HomeLock
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.peers import PeerScores
@@ -99,8 +99,10 @@ class Node:
         on_phase: PhaseListener | None = None,
         heldout: HeldoutProbe | None = None,
         trackers: RoundTrackers | None = None,
+        memory: MicroBatchFit | None = None,
     ) -> None:
         self.config = config
+        self.memory = memory  # fits the micro batch to the memory available before each step (a CPU node's), else None
         self.trackers = trackers  # report_to: each round's figures to tensorboard / wandb, None when none
         self.heldout = heldout  # the held-out accuracy probe (eval.every_rounds), None when off
         self.precision = precision  # what model.engine_dtype / model.autocast "auto" became, and why
@@ -147,7 +149,7 @@ class Node:
             NodeFacts(
                 name=self.name, peer_id=identity.peer_id, swarm=config.swarm.swarm, model=config.model.name,
                 device=config.model.device, rounds_target=config.rounds, precision=NodeFacts.precision_fields(precision),
-                attention=attention,
+                attention=attention, micro_batch_wanted=config.train.micro_batch_size,
             ),
             BoardSources(  # read from the status server's threads; gossip may be rebuilt, so read through the node
                 policy_version=lambda: self.trainer.version,
@@ -273,6 +275,8 @@ class Node:
                        "foreign_room": need, "foreign_pending": len(self.pool)}
         samples = [TrainSample.from_rollout(r, OWN) for r in own] + [TrainSample.from_rollout(p.rollout, p.author, advantage=p.advantage) for p in foreign]
         self.trainer.between_micro_batches = self.progress.training(round_index)
+        if self.memory is not None:
+            self.memory.fit(self.trainer)
         try:
             step = train_step_with_oom_retry(self.trainer, samples, on_retry=self._count_oom)
         except RoundStopped:

@@ -8,6 +8,10 @@
   batch (generation: the request list; training: the micro-batch size) and retries. Keyed
   sampling makes a completion independent of its batch, and the optimizer steps once over the
   same samples whatever the micro-batch size, so a retry changes no result.
+- `MicroBatchFit`: before each training step of a CPU node, the micro batch that fits the memory
+  available now (`model/footprint.py`): smaller while other programs hold memory, the config's again
+  once they let it go. On a CPU a step past the machine's memory is no error to retry: the kernel
+  stops the node. The same updates whatever the micro batch, as above.
 - `HeapTrimmer`: between rounds, at most every `every_s`, hands the C heap's free pages back to the
   OS (glibc's `malloc_trim`): a round's activations and gradients are freed into the heaps of the
   threads that made them, and without a trim a node's RSS holds its largest round's peak for good.
@@ -28,20 +32,65 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from hivespec.node.process_memory import resident_mb
+from hivespec.node.model.footprint import fit_micro_batch
+from hivespec.node.process_memory import anonymous_bytes, available_bytes, resident_mb
 
 if TYPE_CHECKING:
+    from hivespec.node.config import NodeConfig
+    from hivespec.node.model.footprint import ModelShape
     from hivespec.node.training.trainer import StepStats, Trainer, TrainSample
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+# ----- memory ------------------------------------------------------------------------------
+
+
+class MicroBatchFit:
+    """The micro batch a node's training step fits in, chosen again before every step (`fit`).
+
+    The config's micro batch (`wanted`), or the largest smaller one whose step fits beside what the node holds in the
+    memory available now (`footprint.fit_micro_batch`). The choice is said in the log when it changes: a warning when
+    it shrinks (or where even one sample a micro batch may not fit), a line when it grows back. `ceiling` is `wanted`
+    until an out-of-memory retry lowers it (a GPU's: `train_step_with_oom_retry`), which then holds for later steps.
+    `available` and `resident` read this process's memory (node/process_memory.py) and are swapped for fixed figures
+    in tests of the choice.
+    """
+
+    def __init__(self, config: NodeConfig, shape: ModelShape, *, available: Callable[[], int] = available_bytes,
+                 resident: Callable[[], int] = anonymous_bytes) -> None:
+        self.config = config
+        self.shape = shape
+        self.wanted = self.ceiling = self.size = config.train.micro_batch_size
+        self._available = available
+        self._resident = resident
+        self._fits = True  # the last choice's step fits the memory available (False: even one sample may not)
+
+    def fit(self, trainer: Trainer) -> int:
+        """Set `trainer.micro_batch_size` to what fits now (within `ceiling`), say so where that changed; returns it."""
+        if trainer.micro_batch_size < self.size:  # an out-of-memory retry lowered it since the last fit: it holds
+            self.ceiling = self.size = trainer.micro_batch_size
+        config = self.config
+        if self.ceiling < config.train.micro_batch_size:
+            config = replace(config, train=replace(config.train, micro_batch_size=self.ceiling))
+        available = self._available()
+        choice = fit_micro_batch(config, self.shape, available=available, resident=self._resident())
+        if choice.why and (choice.size, choice.fits) != (self.size, self._fits):
+            log.warning("memory: %s", choice.why)
+        elif not choice.why and self.size != choice.size:
+            log.info("memory: training in micro batches of %d samples again (%.1f GiB available)", choice.size,
+                     available / (1 << 30))
+        self.size, self._fits = choice.size, choice.fits
+        trainer.micro_batch_size = choice.size
+        return choice.size
 
 
 # ----- the C heap ----------------------------------------------------------------------------

@@ -205,6 +205,8 @@ class SupervisionStatus:
     watchdog_stalls: int | None = None  # round loop stalls reported
     resident_mb: float | None = None  # the node process's resident memory when the snapshot was taken
     peak_resident_mb: float | None = None  # the most it has held: its largest training step included
+    micro_batch_size: int | None = None  # samples a forward and backward of its last step took at most
+    micro_batch_wanted: int | None = None  # the config's: a smaller micro_batch_size is what fit the memory available
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,16 @@ hidden unit and 4 per MLP unit, 16-bit under autocast and 32-bit without (`auto`
 as the CPU will likely pick it: bf16 where it has native bf16); a prompt is counted as
 `PROMPT_TOKENS` tokens, more than the bundled tasks' prompts with their chat template.
 
-A node short of memory trains in smaller micro batches (`fit_micro_batch`, at start-up): the
-optimizer steps once over the same samples whatever the micro batch, so only the time changes.
+A node short of memory trains in smaller micro batches (`fit_micro_batch`, before every step of a CPU node:
+node/supervise.py `MicroBatchFit`): the optimizer steps once over the same samples whatever the micro batch, so
+only the time changes.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from hivespec.node.model.attention import EAGER_ATTENTION_BYTES
 from hivespec.node.model.precision import cpu_facts
@@ -140,24 +141,34 @@ def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool, on_
     return int(MARGIN * (RUNTIME_BYTES + state + step(2 if autocast else 4)))
 
 
-def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int) -> tuple[int, str]:
+class MicroBatchChoice(NamedTuple):
+    """`fit_micro_batch`'s answer: the micro batch to train in, what to tell the user ("" where the config's fits),
+    and whether its step fits the memory available (False: not even one sample a micro batch may)."""
+
+    size: int
+    why: str
+    fits: bool
+
+
+def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int) -> MicroBatchChoice:
     """The micro batch to train in: the config's, or the largest smaller one whose step fits the memory `available`
     now beside the `resident` bytes the node holds already of its own (its anonymous memory: a library's pages that
     another process paid for would count twice); the optimizer steps once over the same samples whatever the micro
-    batch, so only the time changes. And what to tell the user ("" where the config's fits)."""
+    batch, so only the time changes."""
     wanted = config.train.micro_batch_size
 
     def need(size: int) -> int:
         return config_peak_bytes(replace(config, train=replace(config.train, micro_batch_size=size)), shape) - resident
 
     if need(wanted) <= available:
-        return wanted, ""
+        return MicroBatchChoice(wanted, "", fits=True)
     gib = 1 << 30
     size = next((n for n in range(wanted - 1, 0, -1) if need(n) <= available), None)
     if size is not None:
-        return size, (f"training in micro batches of {size} samples, not {wanted}: {wanted} would take up to "
-                      f"~{need(wanted) / gib:.1f} GiB more than this node holds now, and {available / gib:.1f} GiB is "
-                      "available (the same updates, in more passes)")
-    return 1, (f"this node may take ~{need(1) / gib:.1f} GiB more than it holds now while it trains, even in micro "
-               f"batches of one sample, and {available / gib:.1f} GiB is available: the kernel may stop it mid-round. "
-               "Close other programs, or run a smaller model")
+        samples = "1 sample" if size == 1 else f"{size} samples"
+        return MicroBatchChoice(size, f"training in micro batches of {samples}, not {wanted}: {wanted} would take up to "
+                                      f"~{need(wanted) / gib:.1f} GiB more than this node holds now, and "
+                                      f"{available / gib:.1f} GiB is available (the same updates, in more passes)", fits=True)
+    return MicroBatchChoice(1, f"this node may take ~{need(1) / gib:.1f} GiB more than it holds now while it trains, "
+                               f"even in micro batches of one sample, and {available / gib:.1f} GiB is available: the "
+                               "kernel may stop it mid-round. Close other programs, or run a smaller model", fits=False)

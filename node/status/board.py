@@ -176,6 +176,7 @@ class NodeFacts:
     rounds_target: int
     precision: Mapping[str, str] = field(default_factory=dict)  # NodeInfo's engine_dtype / train_precision fields and reasons
     attention: tuple[str, ...] = ()  # NodeInfo.attention: the node's attention and shared-prompt choices, described
+    micro_batch_wanted: int | None = None  # the config's micro batch (a step may take fewer samples at once to fit)
 
     @staticmethod
     def precision_fields(plan: PrecisionPlan | None) -> dict[str, str]:
@@ -383,6 +384,8 @@ class StatusBoard:
             watchdog_stalls=report.supervision.watchdog_stalls if report is not None else None,
             resident_mb=resident_mb(),
             peak_resident_mb=peak_resident_mb(),
+            micro_batch_size=(report.train.micro_batch_size or None) if report is not None else None,
+            micro_batch_wanted=facts.micro_batch_wanted,
         )
         return StatusSnapshot(
             version=STATUS_VERSION,

@@ -143,6 +143,7 @@ class StepStats:
     source_samples: dict[str, int] = field(default_factory=dict)  # samples trained on (with a gradient) per source (OWN or a peer id)
     foreign_trained_samples: int = 0  # foreign samples that carried a gradient (a nonzero advantage)
     optimizer_steps: int = 0  # optimizer steps taken; 0: no weight moved (no sample had a gradient, or the filters kept no token)
+    micro_batch_size: int = 0  # samples a forward and backward took at most (the config's, or less to fit the memory)
 
 
 @dataclass
@@ -345,6 +346,7 @@ class Trainer:
             source_samples=dict(Counter(s.source for s in trained)),
             foreign_trained_samples=sum(1 for s in trained if s.source != OWN),
             optimizer_steps=self.optimizer_steps_in_call,
+            micro_batch_size=self.micro_batch_size,
         )
 
     @torch.no_grad()

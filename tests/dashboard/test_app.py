@@ -252,3 +252,16 @@ def test_the_sync_panel_says_when_peers_run_another_hivespec_version():
     shown, plain = asyncio.run(scenario())
     assert "other hivespec versions: 3 older, 1 newer peers (no sharing)" in shown
     assert "other hivespec versions" not in plain
+
+
+def test_the_sync_panel_says_when_the_node_trains_in_smaller_micro_batches_to_fit_the_memory():
+    base = make_snapshot()
+    snapshot = replace(base, supervision=replace(base.supervision, micro_batch_size=3, micro_batch_wanted=8))
+
+    async def scenario() -> str:
+        app = _app(FakeSource(snapshot), initial_panel="sync")
+        async with app.run_test(size=(100, 30)) as pilot:
+            await _until(pilot, lambda: "micro batches" in screen_text(app))
+            return screen_text(app)
+
+    assert "micro batches of 3 samples, not 8, to fit the memory" in asyncio.run(scenario())

@@ -112,3 +112,7 @@ def test_status_text_answers_the_four_questions():
                      "memory: 2.8 GB now, 5.3 GB at most"):
         assert expected in text, expected
     assert PEER_B not in text  # names, not raw ids, when the node knows them
+    assert "micro batches" not in text  # its config's: nothing to say
+    snapshot = make_snapshot()
+    short = replace(snapshot, supervision=replace(snapshot.supervision, micro_batch_size=1, micro_batch_wanted=8))
+    assert "memory: 2.8 GB now, 5.3 GB at most; micro batches of 1 sample, not 8, to fit the memory" in render_text(short)

@@ -45,7 +45,7 @@ def _report() -> RoundReport:
         version=4, samples=6, foreign_samples=2, trained_samples=6, tokens=18, kept_tokens=14, loss=0.25, grad_norm=1.0,
         reward_mean=0.5, own=_importance(1.0), foreign=_importance(0.9), seconds=0.1,
         sources={OWN: _importance(1.0), "peer-a": _importance(0.9)}, clip_fraction=0.0, kl=None,
-        source_samples={OWN: 4, "peer-a": 2}, foreign_trained_samples=1,
+        source_samples={OWN: 4, "peer-a": 2}, foreign_trained_samples=1, micro_batch_size=3,
     )
     spec = SpeculationStats(sequences=4, tokens=30, target_forwards=20, drafted=12, accepted=9, draft_seconds=0.01234)
     sync = SyncStats(version=4, changed=10, elements=1000, delta_bytes=120, dense_bytes=2000, chunks=1, seconds=0.01)
@@ -77,6 +77,7 @@ def test_the_round_event_is_flat_and_keeps_its_field_names():
     assert event["delta_density"] == 0.01 and event["delta_chunks"] == 1 and event["delta_published"] is True
     assert event["graylisted_peers"] == sum(row["graylisted"] for row in _report().swarm.scores.values())
     assert set(event["peer_scores"]) == {"peer-a", "peer-b"}
+    assert event["micro_batch_size"] == 3  # what the step trained in (less than the config's where memory was short)
 
 
 def test_a_round_without_peers_or_drafts_reports_none_not_zero():
@@ -106,7 +107,7 @@ def test_the_status_board_reads_the_report_and_its_sources(tmp_path):
     scores = PeerScores()
     scores.record("peer-a", "accept")
     board = StatusBoard(
-        NodeFacts(name="node-0", peer_id="me", swarm="s", model="tiny", device="cpu", rounds_target=9),
+        NodeFacts(name="node-0", peer_id="me", swarm="s", model="tiny", device="cpu", rounds_target=9, micro_batch_wanted=8),
         BoardSources(policy_version=lambda: 4, gossip_stats=lambda: {"bytes_in": 10, "bytes_out": 20},
                      peer_scores=scores.snapshot, store_counts=store.counts),
         RunControl(),
@@ -123,6 +124,7 @@ def test_the_status_board_reads_the_report_and_its_sources(tmp_path):
     assert [s.source for s in snapshot.trainer.sources] == ["own", "foreign", "peer-a"]
     assert snapshot.trainer.foreign_share == 2 / 6 and snapshot.sync.density == 0.01
     assert snapshot.supervision.oom_retries == 1
+    assert (snapshot.supervision.micro_batch_size, snapshot.supervision.micro_batch_wanted) == (3, 8)
     if sys.platform.startswith("linux"):  # this process's memory now and its high-water mark (/proc)
         assert 0 < snapshot.supervision.resident_mb <= snapshot.supervision.peak_resident_mb
     assert [p.peer_id for p in snapshot.peers] == ["peer-a"]  # the live score table, not the report's

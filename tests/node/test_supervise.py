@@ -7,14 +7,18 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import psutil
 import pytest
 
-from hivespec.node.config import SwarmConfig
-from hivespec.node.supervise import Watchdog, is_out_of_memory
+from hivespec.node.config import SwarmConfig, load_config
+from hivespec.node.model.footprint import ModelShape, config_peak_bytes
+from hivespec.node.model.loader import load_model
+from hivespec.node.supervise import MicroBatchFit, Watchdog, is_out_of_memory
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.supervisor import Backoff, GossipSupervisor
+from hivespec.node.training.trainer import Trainer
 from hivespec.protocol.identity import Identity
 
 
@@ -199,6 +203,40 @@ def test_is_out_of_memory_recognises_cpu_cuda_and_python_errors():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_out_of_memory(MemoryError())
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_the_micro_batch_follows_the_memory_available_before_each_step_and_says_when_it_moves(caplog):
+    """Other programs take memory while a node runs, then give it back: each step trains in what fits then (the
+    figures here are given; tests/node/test_memory_fit.py runs a node in a real control group)."""
+    config = load_config("demo")
+    config = replace(config, model=replace(config.model, autocast=True, engine_dtype="bfloat16"))
+    shape = ModelShape(params=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9)  # SmolLM2-135M
+    need = config_peak_bytes(config, shape)
+    free = [need]
+    fit = MicroBatchFit(config, shape, available=lambda: free[0], resident=lambda: 0)
+    trainer = Trainer(load_model("tiny"), learning_rate=1e-3, micro_batch_size=8, autocast_dtype=None)
+    caplog.set_level(logging.INFO, logger="hivespec.node.supervise")
+
+    def said() -> list[tuple[int, str]]:
+        return [(r.levelno, r.getMessage()) for r in caplog.records]
+
+    assert fit.fit(trainer) == 8 and said() == []  # it fits: nothing said
+    free[0] = need * 9 // 10
+    shrunk = fit.fit(trainer)
+    assert 1 < shrunk < 8 and trainer.micro_batch_size == shrunk
+    assert len(said()) == 1 and said()[0][0] == logging.WARNING
+    assert said()[0][1].startswith(f"memory: training in micro batches of {shrunk} samples, not 8")
+    assert fit.fit(trainer) == shrunk and len(said()) == 1  # the same choice is said once
+    free[0] = need // 100
+    assert fit.fit(trainer) == 1 and "the kernel may stop it mid-round" in said()[-1][1]
+    assert fit.fit(trainer) == 1 and len(said()) == 2
+    free[0] = need
+    assert fit.fit(trainer) == 8 and said()[-1] == (logging.INFO, f"memory: training in micro batches of 8 samples again ({need / (1 << 30):.1f} GiB available)")
+    # An out-of-memory retry (a GPU's) halved it in a step: later steps stay within that, however much is free.
+    trainer.micro_batch_size = 4
+    assert fit.fit(trainer) == 4 and fit.ceiling == 4 and len(said()) == 3
+    free[0] = need * 9 // 10
+    assert fit.fit(trainer) == min(4, shrunk)
 
 
 _OOM_CHILD = textwrap.dedent(
