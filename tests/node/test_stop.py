@@ -93,6 +93,8 @@ def test_sigterm_while_waiting_for_peers_stops_within_seconds_saves_and_resumes(
     resumed = [e for e in _events(events) if e["event"] == "phase" and e["detail"].startswith("round 2")]
     assert {"fetching peers' batches", "training"} <= {e["phase"] for e in resumed}, resumed
     assert "waiting for peers" not in {e["phase"] for e in resumed}, resumed
+    assert {"phase": "fetching peers' batches", "detail": "round 2: no peers known yet"} in [
+        {k: e[k] for k in ("phase", "detail")} for e in resumed], resumed  # alone: no talk of room for foreign samples
 
 
 @pytest.mark.slow  # ~40-90 s: a demo of two tiny nodes
