@@ -81,16 +81,19 @@ def _memory_cgroups() -> list[Path]:
 
 
 def _room_in(folder: Path) -> int | None:
-    """What the group's limit leaves: limit less usage, less the page cache it can drop; None without a limit."""
+    """What the group's limit leaves: limit less usage, less the page cache it can drop; None without a limit. In
+    cgroup v2 the limit is the lower of `memory.max` (past it the kernel stops a process) and `memory.high` (past it
+    the group is throttled: a node there crawls)."""
     v2 = (folder / "memory.max").exists()
-    names = ("memory.max", "memory.current", "inactive_file") if v2 else (
-        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    limits = ("memory.max", "memory.high") if v2 else ("memory.limit_in_bytes",)
+    usage_name, cache_name = ("memory.current", "inactive_file") if v2 else ("memory.usage_in_bytes", "total_inactive_file")
     try:
-        limit_text = (folder / names[0]).read_text().strip()
-        if limit_text == "max" or int(limit_text) >= _UNLIMITED:
+        texts = [(folder / name).read_text().strip() for name in limits if (folder / name).exists()]
+        set_limits = [int(text) for text in texts if text != "max" and int(text) < _UNLIMITED]
+        if not set_limits:
             return None
-        usage = int((folder / names[1]).read_text())
+        usage = int((folder / usage_name).read_text())
         stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if len(line.split()) == 2)
     except (OSError, ValueError):
         return None
-    return max(0, int(limit_text) - usage + int(stat.get(names[2], 0)))
+    return max(0, min(set_limits) - usage + int(stat.get(cache_name, 0)))

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hivespec.node.process_memory import _memory_cgroups, available_bytes
+from hivespec.node.process_memory import _memory_cgroups, _room_in, available_bytes
 
 GIB = 1 << 30
 _CHILD = (
@@ -43,6 +43,21 @@ def _writable_group():
 
 def test_what_a_node_may_take_is_at_most_what_the_machine_has_free():
     assert 0 < available_bytes() <= psutil.virtual_memory().available
+
+
+def test_a_cgroup_v2_group_s_throttling_limit_counts_as_its_limit(tmp_path):
+    """cgroup v2 (this machine may mount v1, so its files are written here as the kernel shows them): past
+    `memory.high` the kernel throttles the group, past `memory.max` it stops a process; a node sizes by the lower."""
+    files = {"memory.max": "max", "memory.high": str(3 * GIB), "memory.current": str(GIB),
+             "memory.stat": f"anon {GIB // 2}\ninactive_file {GIB // 4}\nactive_file 0\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text + "\n")
+    assert _room_in(tmp_path) == 3 * GIB - GIB + GIB // 4
+    (tmp_path / "memory.max").write_text(f"{2 * GIB}\n")
+    assert _room_in(tmp_path) == 2 * GIB - GIB + GIB // 4
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.high").write_text("max\n")
+    assert _room_in(tmp_path) is None  # no limit: the machine's available memory decides
 
 
 def _group_or_skip():
