@@ -277,7 +277,7 @@ class Node:
         samples = [TrainSample.from_rollout(r, OWN) for r in own] + [TrainSample.from_rollout(p.rollout, p.author, advantage=p.advantage) for p in foreign]
         self.trainer.between_micro_batches = self.progress.training(round_index)
         if self.memory is not None:
-            self.memory.fit(self.trainer)
+            self.memory.fit(self.trainer, samples)
         try:
             step = train_step_with_oom_retry(self.trainer, samples, on_retry=self._count_oom)
         except RoundStopped:

@@ -57,8 +57,8 @@ R = TypeVar("R")
 class MicroBatchFit:
     """The micro batch a node's training step fits in, chosen again before every step (`fit`).
 
-    The config's micro batch (`wanted`), or the largest smaller one whose step fits beside what the node holds in the
-    memory available now (`footprint.fit_micro_batch`). The choice is said in the log when it changes: a warning when
+    The config's micro batch (`wanted`), or the largest smaller one whose step, its rows as long as the step's longest
+    sample, fits beside what the node holds in the memory available now (`footprint.fit_micro_batch`). The choice is said in the log when it changes: a warning when
     it shrinks (or where even one sample a micro batch may not fit), a line when it grows back. `ceiling` is `wanted`
     until an out-of-memory retry lowers it (a GPU's: `train_step_with_oom_retry`), which then holds for later steps.
     `available` and `resident` read this process's memory (node/process_memory.py) and are swapped for fixed figures
@@ -74,15 +74,17 @@ class MicroBatchFit:
         self._resident = resident
         self._fits = True  # the last choice's step fits the memory available (False: even one sample may not)
 
-    def fit(self, trainer: Trainer) -> int:
-        """Set `trainer.micro_batch_size` to what fits now (within `ceiling`), say so where that changed; returns it."""
+    def fit(self, trainer: Trainer, samples: Sequence[TrainSample] = ()) -> int:
+        """Set `trainer.micro_batch_size` to what fits now (within `ceiling`) for a step of `samples` (rows as long as
+        their longest; none: as the config's, before the node has any), say so where that changed; returns it."""
         if trainer.micro_batch_size < self.size:  # an out-of-memory retry lowered it since the last fit: it holds
             self.ceiling = self.size = trainer.micro_batch_size
         config = self.config
         if self.ceiling < config.train.micro_batch_size:
             config = replace(config, train=replace(config.train, micro_batch_size=self.ceiling))
         available = self._available()
-        choice = fit_micro_batch(config, self.shape, available=available, resident=self._resident())
+        longest = max((len(s.prompt_ids) + len(s.completion_ids) for s in samples), default=None)
+        choice = fit_micro_batch(config, self.shape, available=available, resident=self._resident(), row_tokens=longest)
         if choice.why and (choice.size, choice.fits) != (self.size, self._fits):
             log.warning("memory: %s", choice.why)
         elif not choice.why and self.size != choice.size:

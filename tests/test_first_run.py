@@ -88,10 +88,15 @@ def test_the_demo_runs_from_empty_caches_and_talks_throughout(tmp_path, monkeypa
     # Every node held at most what the demo sized the machine by (node/model/footprint.py).
     monkeypatch.setenv("HIVESPEC_CACHE_DIR", env["HIVESPEC_CACHE_DIR"])  # the model's config from the demo's own cache
     bound = config_peak_bytes(load_config("demo"), model_shape(EMBEDDED_MODEL))
+    # In the preset's micro batches, or the smaller ones the demo said three nodes fit in here.
+    shrunk = [line.split(" in micro batches of ")[1] for line in texts if line.startswith("hivespec demo: ") and " in micro batches of " in line]
+    micro = int(shrunk[0].split()[0]) if shrunk else load_config("demo").train.micro_batch_size
     for name in phases:
         events = [json.loads(line) for line in (tmp_path / "demo" / name / "events.jsonl").read_text().splitlines()]
-        peak = max(e["peak_resident_mb"] for e in events if e["event"] == "round")
+        rounds = [e for e in events if e["event"] == "round"]
+        peak = max(e["peak_resident_mb"] for e in rounds)
         assert peak * 1e6 <= bound, (name, peak, bound)
+        assert all(1 <= e["micro_batch_size"] <= micro for e in rounds), (name, micro, [e["micro_batch_size"] for e in rounds])
     # The demo never goes quiet for long.
     stamps = [0.0] + [t for t, _ in lines]
     silences = [b - a for a, b in itertools.pairwise(stamps)]

@@ -1,20 +1,24 @@
-"""How much memory a node needs: what `hivespec demo` checks before it starts N nodes, and `hivespec doctor` reports.
+"""How much memory a node needs: what `hivespec demo` checks before it starts N nodes, `hivespec doctor` reports, and
+a CPU node fits its micro batch to before every training step.
 
 A CPU node holds, for as long as it runs, the trainer's float32 weights and AdamW's two moments,
 the engine's copy of the weights, and the interpreter with torch and transformers loaded. Each
 training step adds, for the length of a micro batch, the gradients, autocast's 16-bit copy of the
-weights, the activations kept for the backward and (where the trainer picked eager attention) the
-attention probabilities, at most `EAGER_ATTENTION_BYTES` (node/model/attention.py). The step is
-what decides whether N nodes fit a machine: five public-preset nodes of the embedded model fit a
-24 GiB machine between steps, and the kernel killed one in its step.
+weights, the optimizer's temporaries (a float32 copy's worth), the activations kept for the
+backward and (where the trainer picked eager attention) the attention probabilities, at most
+`EAGER_ATTENTION_BYTES` (node/model/attention.py). The step is what decides whether N nodes fit a
+machine: five public-preset nodes of the embedded model fit a 24 GiB machine between steps, and the
+kernel killed one in its step.
 
-`node_peak_bytes` adds these up from the model's shape and the config, times `MARGIN`: an upper
-bound that tests/test_swarm.py (tiny nodes) and tests/test_first_run.py (the embedded model's
-demo) check against real nodes' `peak_resident_mb` (the round report: the kernel's high-water
-mark). The activations per token and layer are a Llama block's saved tensors, about 10 values per
-hidden unit and 4 per MLP unit, 16-bit under autocast and 32-bit without (`auto` precision is taken
-as the CPU will likely pick it: bf16 where it has native bf16); a prompt is counted as
-`PROMPT_TOKENS` tokens, more than the bundled tasks' prompts with their chat template.
+`node_peak_bytes` adds these up from the model's shape and the step's rows, times `MARGIN`: an upper
+bound that tests/test_swarm.py (tiny nodes) and tests/test_first_run.py (the embedded model's demo)
+check against real nodes' `peak_resident_mb` (the round report: the kernel's high-water mark). The
+activations per token and layer are a Llama block's saved tensors, about 10 values per hidden unit
+and 4 per MLP unit, at `ACTIVATION_BYTES` a value: more than their 16 or 32 bits, as measured (norms
+and the residual stream stay float32 under autocast, and autograd keeps more than those tensors).
+Before a node has run a step its rows are taken as `PROMPT_TOKENS` + the config's completion length
+(`auto` precision as the CPU will likely pick it: bf16 where it has native bf16); before each step
+the node knows its rows' real length, a user's long prompts included.
 
 A node short of memory trains in smaller micro batches (`fit_micro_batch`, before every step of a CPU node:
 node/supervise.py `MicroBatchFit`): the optimizer steps once over the same samples whatever the micro batch, so
@@ -37,10 +41,16 @@ if TYPE_CHECKING:
 # steps: a demo-model node held 0.6-0.9 GB of its own beyond weights, engine copy, gradients and AdamW's moments,
 # plus 0.15-0.5 GB of shared libraries' pages (RssAnon and RSS sampled every 0.1 s over three rounds).
 RUNTIME_BYTES = 1300 * 10**6
-PROMPT_TOKENS = 160  # a bundled task's prompt with its chat template is under 100 tokens
-# What the sum leaves out: the demo's nodes' high-water marks came to 0.84-0.89 of the bound with it (5.3-5.6 GB
-# against 6.3 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC), a node in micro batches of one to 0.89
-# (4.14 GB against 4.66).
+# A row's prompt before the node has seen one: the bundled tasks' prompts with their chat template are at most 63 tokens
+# (1000 of each preset's, SmolLM2's tokenizer); a longer prompt of a user's own tasks is what its step's fit measures.
+PROMPT_TOKENS = 96
+# Bytes a saved activation value takes, with and without autocast: one training step of SmolLM2-135M on the 2-core AMD
+# EPYC (one thread, 16 samples, rows of 48-432 tokens) rose by 1.16-1.57 MB a token under bf16 autocast and 2.16 at 160
+# tokens in float32, beyond its fixed part: 3.3-4.4 and 6.0 bytes a value; taken as 4.5 and 7.
+ACTIVATION_BYTES = {True: 4.5, False: 7.0}
+# What the sum leaves out: the demo's nodes' high-water marks came to 0.76-0.80 of the bound with it (5.3-5.6 GB
+# against 7.0 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC), a node in micro batches of one to 0.79
+# (4.14 GB against 5.24).
 MARGIN = 1.1
 _ENGINE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
@@ -103,10 +113,11 @@ def parameter_count(model_name: str, revision: str | None = None) -> int:
     return total
 
 
-def config_peak_bytes(config: NodeConfig, shape: ModelShape) -> int:
-    """`node_peak_bytes` for a node of this config. `auto` precision (before the node has measured its machine) is
-    taken as what a CPU with native bf16 picks (bf16 autocast and engine, measured so on every such CPU seen) and as
-    float32 on any other; a node that measures otherwise fits its micro batch again once it knows (`fit_micro_batch`)."""
+def config_peak_bytes(config: NodeConfig, shape: ModelShape, *, row_tokens: int | None = None) -> int:
+    """`node_peak_bytes` for a node of this config, its rows `row_tokens` long (a step's longest: prompt and completion),
+    or `PROMPT_TOKENS` + the config's completion length before it has any. `auto` precision (before the node has
+    measured its machine) is taken as what a CPU with native bf16 picks (bf16 autocast and engine, measured so on every
+    such CPU seen) and as float32 on any other; a node that measures otherwise fits its micro batch to what it runs."""
     model = config.model
     on_gpu = model.device.startswith("cuda")
     autocast, engine_dtype = model.autocast, model.engine_dtype
@@ -116,29 +127,25 @@ def config_peak_bytes(config: NodeConfig, shape: ModelShape) -> int:
         engine_dtype = ("bfloat16" if bf16 else "float32") if engine_dtype == "auto" else engine_dtype
     return node_peak_bytes(shape, engine_dtype=engine_dtype, autocast=bool(autocast), on_gpu=on_gpu,
                            micro_batch_size=config.train.micro_batch_size,
-                           max_completion_length=config.rollout.max_completion_length)
+                           row_tokens=row_tokens or PROMPT_TOKENS + config.rollout.max_completion_length)
 
 
 def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool, on_gpu: bool, micro_batch_size: int,
-                    max_completion_length: int) -> int:
-    """The most host memory one node takes: its lasting state plus one training step (the module doc), with MARGIN.
-    A GPU node keeps weights, optimizer and activations in device memory; the host holds the runtime and a staging
-    copy."""
+                    row_tokens: int) -> int:
+    """The most host memory one node takes: its lasting state plus one training step of micro batches of
+    `micro_batch_size` rows of `row_tokens` tokens (the module doc), with MARGIN. A GPU node keeps weights, optimizer
+    and activations in device memory; the host holds the runtime and a staging copy."""
     if on_gpu:
         return RUNTIME_BYTES + shape.params * 4
     state = shape.params * (4 + 8 + _ENGINE_BYTES.get(engine_dtype, 4))  # fp32 weights, AdamW moments, engine copy
-    length = PROMPT_TOKENS + max_completion_length
+    rows, length = micro_batch_size, row_tokens
+    # Gradients, the optimizer's temporaries, autocast's 16-bit copy of the weights.
+    fixed = shape.params * (4 + 4 + (2 if autocast else 0))
+    # The saved activations: ~10 values per hidden unit and 4 per MLP unit, per token and layer.
+    activations = rows * length * shape.layers * ACTIVATION_BYTES[autocast] * (10 * shape.hidden + 4 * shape.intermediate)
     # eager attention's saved probabilities (MicroBatchAttention.choose): within its budget, or not eager at all
-    probabilities = min(micro_batch_size * length * length * shape.heads * shape.layers * 8, EAGER_ATTENTION_BYTES)
-
-    def step(value_bytes: int) -> int:
-        """Gradients, autocast's copy of the weights (16-bit only), the saved activations: ~10 values per hidden unit
-        and 4 per MLP unit, per token and layer."""
-        weight_copy = shape.params * 2 if value_bytes == 2 else 0
-        activations = micro_batch_size * length * shape.layers * value_bytes * (10 * shape.hidden + 4 * shape.intermediate)
-        return shape.params * 4 + weight_copy + activations + probabilities
-
-    return int(MARGIN * (RUNTIME_BYTES + state + step(2 if autocast else 4)))
+    probabilities = min(rows * length * length * shape.heads * shape.layers * 8, EAGER_ATTENTION_BYTES)
+    return int(MARGIN * (RUNTIME_BYTES + state + fixed + activations + probabilities))
 
 
 class MicroBatchChoice(NamedTuple):
@@ -150,15 +157,17 @@ class MicroBatchChoice(NamedTuple):
     fits: bool
 
 
-def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int) -> MicroBatchChoice:
-    """The micro batch to train in: the config's, or the largest smaller one whose step fits the memory `available`
-    now beside the `resident` bytes the node holds already of its own (its anonymous memory: a library's pages that
-    another process paid for would count twice); the optimizer steps once over the same samples whatever the micro
-    batch, so only the time changes."""
+def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int,
+                    row_tokens: int | None = None) -> MicroBatchChoice:
+    """The micro batch to train in: the config's, or the largest smaller one whose step (rows of `row_tokens`, as
+    `config_peak_bytes` takes them) fits the memory `available` now beside the `resident` bytes the node holds already
+    of its own (its anonymous memory: a library's pages that another process paid for would count twice); the
+    optimizer steps once over the same samples whatever the micro batch, so only the time changes."""
     wanted = config.train.micro_batch_size
 
     def need(size: int) -> int:
-        return config_peak_bytes(replace(config, train=replace(config.train, micro_batch_size=size)), shape) - resident
+        sized = replace(config, train=replace(config.train, micro_batch_size=size))
+        return config_peak_bytes(sized, shape, row_tokens=row_tokens) - resident
 
     if need(wanted) <= available:
         return MicroBatchChoice(wanted, "", fits=True)

@@ -16,38 +16,49 @@ GIB = 1 << 30
 SMOLLM2_135M = ModelShape(params=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9)
 
 
-def test_the_default_demo_starts_as_many_nodes_as_the_memory_holds():
-    assert nodes_to_run(None, 5 * GIB, 64 * GIB) == (DEFAULT_NODES, "")
-    nodes, why = nodes_to_run(None, 5 * GIB, 12 * GIB)
-    assert nodes == 2 and why.startswith("starting 2 nodes, not 3: a node needs up to ~5.0 GiB while it trains, 12.0 GiB")
-    assert "--nodes N" in why
+def _per_node(at_eight: int):
+    """A node's bound at each micro batch: `at_eight` at 8, 0.25 GiB less per sample fewer."""
+    return lambda micro_batch_size: at_eight - (8 - micro_batch_size) * GIB // 4
+
+
+def test_the_default_demo_starts_three_nodes_in_smaller_micro_batches_or_as_many_as_the_memory_holds():
+    assert nodes_to_run(None, _per_node(5 * GIB), 8, 64 * GIB) == (DEFAULT_NODES, 8, "")
+    nodes, micro, why = nodes_to_run(None, _per_node(5 * GIB), 8, 12 * GIB)  # 3 x 4 GiB at 4
+    assert (nodes, micro) == (DEFAULT_NODES, 4)
+    assert why.startswith("3 nodes in micro batches of 4 samples, not 8: a node needs up to ~5.0 GiB while it trains, "
+                          "12.0 GiB is available, and ~4.0 GiB in micro batches of 4")
+    nodes, micro, why = nodes_to_run(None, _per_node(5 * GIB), 8, 10 * GIB)  # 3 x 3.5 GiB at 2 do not fit: fewer
+    assert (nodes, micro) == (2, 8) and why.startswith("starting 2 nodes, not 3: a node needs up to ~5.0 GiB while it "
+                                                       "trains, 10.0 GiB") and "--nodes N" in why
     one = "starting 1 node, not 3: a node needs up to ~5.0 GiB while it trains, 6.0 GiB is available (--nodes N to choose)"
-    assert nodes_to_run(None, 5 * GIB, 6 * GIB) == (1, one)
-    nodes, why = nodes_to_run(None, 5 * GIB, 4 * GIB)  # one node still: it fits its micro batch to the memory
-    assert nodes == 1 and why.endswith("; it trains in smaller micro batches to fit")
+    assert nodes_to_run(None, _per_node(5 * GIB), 8, 6 * GIB) == (1, 8, one)
+    nodes, micro, why = nodes_to_run(None, _per_node(5 * GIB), 8, 4 * GIB)  # one node still: it fits its micro batch
+    assert (nodes, micro) == (1, 8) and why.endswith("; it trains in smaller micro batches to fit")
 
 
-def test_a_chosen_node_count_is_kept_and_warned_about_where_it_may_not_fit():
-    assert nodes_to_run(2, 5 * GIB, 12 * GIB) == (2, "")
-    nodes, why = nodes_to_run(4, 5 * GIB, 12 * GIB)
-    assert nodes == 4 and why.startswith("warning: 4 nodes may not fit") and "--nodes 2 fits" in why
-    assert "close other programs" in nodes_to_run(1, 5 * GIB, 1 * GIB)[1]
+def test_a_chosen_node_count_is_kept_in_smaller_micro_batches_or_warned_about_where_it_may_not_fit():
+    assert nodes_to_run(2, _per_node(5 * GIB), 8, 12 * GIB) == (2, 8, "")
+    nodes, micro, why = nodes_to_run(4, _per_node(5 * GIB), 8, 13 * GIB)  # 4 x 3.25 GiB in micro batches of one
+    assert (nodes, micro) == (4, 1) and why.startswith("4 nodes in micro batches of 1 sample, not 8")
+    nodes, micro, why = nodes_to_run(5, _per_node(5 * GIB), 8, 13 * GIB)
+    assert (nodes, micro) == (5, 8) and why.startswith("warning: 5 nodes may not fit") and "--nodes 2 fits" in why
+    assert "close other programs" in nodes_to_run(1, _per_node(5 * GIB), 8, 1 * GIB)[2]
 
 
 def test_a_step_s_activations_and_attention_follow_the_micro_batch_and_the_completion_length():
     def peak(**changes) -> int:
         settings = {"engine_dtype": "bfloat16", "autocast": True, "on_gpu": False, "micro_batch_size": 8,
-                    "max_completion_length": 48} | changes
+                    "row_tokens": 96 + 48} | changes
         return node_peak_bytes(SMOLLM2_135M, **settings)
 
     assert peak(micro_batch_size=4) < peak() < peak(micro_batch_size=16)
-    assert peak(max_completion_length=16) < peak() < peak(max_completion_length=256)
+    assert peak(row_tokens=96 + 16) < peak() < peak(row_tokens=96 + 256)
     assert peak() < peak(engine_dtype="float32")  # the engine's copy: 2 bytes a weight against 4
     assert peak(on_gpu=True) < peak() / 2  # weights, optimizer and activations in device memory
     assert peak() < peak(autocast=False)  # float32 activations
-    # The embedded model at the demo's step: over the 5.3-5.5 GB three demo nodes held (bf16), not far over; in micro
+    # The embedded model at the demo's step: over the 5.3-5.6 GB three demo nodes held (bf16), not far over; in micro
     # batches of one over the 4.14 GB a node held so.
-    assert 5.5e9 < peak() < 6.5e9 and 4.14e9 < peak(micro_batch_size=1) < 5e9
+    assert 5.6e9 < peak() < 8e9 and 4.14e9 < peak(micro_batch_size=1) < 5.5e9
 
 
 
@@ -80,5 +91,8 @@ def test_a_node_short_of_memory_trains_in_smaller_micro_batches_and_says_so():
     smaller = replace(config, train=replace(config.train, micro_batch_size=size))
     assert config_peak_bytes(smaller, shape) <= need * 9 // 10 < config_peak_bytes(
         replace(config, train=replace(config.train, micro_batch_size=size + 1)), shape)  # the largest that fits
+    # A step of long rows (a user's own tasks' prompts) fits in fewer samples at once than the config's rows would.
+    long_rows = fit_micro_batch(config, shape, available=need * 9 // 10, resident=0, row_tokens=600)
+    assert long_rows.fits and long_rows.size < size and long_rows.why.startswith(f"training in micro batches of {long_rows.size} ")
     size, why, fits = fit_micro_batch(config, shape, available=GIB, resident=0)
     assert size == 1 and not fits and "even in micro batches of one sample" in why and "the kernel may stop it mid-round" in why
