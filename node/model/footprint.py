@@ -44,13 +44,16 @@ RUNTIME_BYTES = 1300 * 10**6
 # A row's prompt before the node has seen one: the bundled tasks' prompts with their chat template are at most 63 tokens
 # (1000 of each preset's, SmolLM2's tokenizer); a longer prompt of a user's own tasks is what its step's fit measures.
 PROMPT_TOKENS = 96
-# Bytes a saved activation value takes, with and without autocast: one training step of SmolLM2-135M on the 2-core AMD
-# EPYC (one thread, 16 samples, rows of 48-432 tokens) rose by 1.16-1.57 MB a token under bf16 autocast and 2.16 at 160
-# tokens in float32, beyond its fixed part: 3.3-4.4 and 6.0 bytes a value; taken as 4.5 and 7.
+# Bytes a saved activation value takes, with and without autocast: bench/step_memory.py's steps of SmolLM2-135M on the
+# 2-core AMD EPYC (one thread, 16 samples, rows of 48-432 tokens) rose by 1.16-1.67 MB a token under bf16 autocast with
+# SDPA (1.84 with eager attention, its probabilities counted apart) and 2.15 in float32 beyond their fixed part: 3.2-4.7
+# and 6.0 bytes a value; taken as 4.5 and 7, with the probabilities counted for every micro batch (which also covers
+# what SDPA keeps that grows with the row's length).
 ACTIVATION_BYTES = {True: 4.5, False: 7.0}
-# What the sum leaves out: the demo's nodes' high-water marks came to 0.76-0.80 of the bound with it (5.3-5.6 GB
-# against 7.0 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC), a node in micro batches of one to 0.79
-# (4.14 GB against 5.24).
+# What the sum leaves out, and the allocator's swings: bench/step_memory.py's 14 steps rose by 0.78-0.98 of
+# `step_bytes`, and once by 1.07. The demo's nodes' high-water marks came to 0.72-0.76 of the bound with it (5.3-5.6 GB
+# against 7.4 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC; their steps are lighter than the rows of
+# the config's longest answers it assumes), a node in micro batches of one to 0.78 (4.14 GB against 5.3).
 MARGIN = 1.1
 _ENGINE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
@@ -138,14 +141,21 @@ def node_peak_bytes(shape: ModelShape, *, engine_dtype: str, autocast: bool, on_
     if on_gpu:
         return RUNTIME_BYTES + shape.params * 4
     state = shape.params * (4 + 8 + _ENGINE_BYTES.get(engine_dtype, 4))  # fp32 weights, AdamW moments, engine copy
+    step = step_bytes(shape, autocast=autocast, micro_batch_size=micro_batch_size, row_tokens=row_tokens)
+    return int(MARGIN * (RUNTIME_BYTES + state + step))
+
+
+def step_bytes(shape: ModelShape, *, autocast: bool, micro_batch_size: int, row_tokens: int) -> int:
+    """What one training step adds on a CPU, without MARGIN (bench/step_memory.py measures it): gradients, the
+    optimizer's temporaries (a float32 copy's worth: SmolLM2-135M's steps kept 1.2-1.4 GB beyond their activations,
+    1.6 once, where this says 1.35), autocast's 16-bit copy of the weights; a micro batch's saved activations, ~10 values per
+    hidden unit and 4 per MLP unit per token and layer at ACTIVATION_BYTES each; eager attention's saved probabilities
+    (MicroBatchAttention.choose: within its budget, or not eager at all)."""
     rows, length = micro_batch_size, row_tokens
-    # Gradients, the optimizer's temporaries, autocast's 16-bit copy of the weights.
     fixed = shape.params * (4 + 4 + (2 if autocast else 0))
-    # The saved activations: ~10 values per hidden unit and 4 per MLP unit, per token and layer.
     activations = rows * length * shape.layers * ACTIVATION_BYTES[autocast] * (10 * shape.hidden + 4 * shape.intermediate)
-    # eager attention's saved probabilities (MicroBatchAttention.choose): within its budget, or not eager at all
     probabilities = min(rows * length * length * shape.heads * shape.layers * 8, EAGER_ATTENTION_BYTES)
-    return int(MARGIN * (RUNTIME_BYTES + state + fixed + activations + probabilities))
+    return int(fixed + activations + probabilities)
 
 
 class MicroBatchChoice(NamedTuple):
