@@ -188,6 +188,9 @@ def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, re
         return MicroBatchChoice(size, f"training in micro batches of {samples}, not {wanted}: {wanted} would take up to "
                                       f"~{need(wanted) / gib:.1f} GiB more than this node holds now, and "
                                       f"{available / gib:.1f} GiB is available (the same updates, in more passes)", fits=True)
-    return MicroBatchChoice(1, f"this node may take ~{need(1) / gib:.1f} GiB more than it holds now while it trains, "
-                               f"even in micro batches of one sample, and {available / gib:.1f} GiB is available: the "
-                               "kernel may stop it mid-round. Close other programs, or run a smaller model", fits=False)
+    # A GPU node's host memory does not follow its micro batch: fewer samples at once would only slow it.
+    size = wanted if need(1) == need(wanted) else 1
+    return MicroBatchChoice(size, f"this node may take ~{need(size) / gib:.1f} GiB more than it holds now while it "
+                                  f"trains{', even in micro batches of one sample,' if size == 1 else ''} and "
+                                  f"{available / gib:.1f} GiB is available: the kernel may stop it mid-round. Close "
+                                  "other programs, or run a smaller model", fits=False)

@@ -94,5 +94,7 @@ def test_a_node_short_of_memory_trains_in_smaller_micro_batches_and_says_so():
     # A step of long rows (a user's own tasks' prompts) fits in fewer samples at once than the config's rows would.
     long_rows = fit_micro_batch(config, shape, available=need * 9 // 10, resident=0, row_tokens=600)
     assert long_rows.fits and long_rows.size < size and long_rows.why.startswith(f"training in micro batches of {long_rows.size} ")
+    gpu = replace(config, model=replace(config.model, device="cuda"))  # its host memory does not follow the micro batch
+    assert fit_micro_batch(gpu, shape, available=GIB // 2, resident=0)[::2] == (8, False)
     size, why, fits = fit_micro_batch(config, shape, available=GIB, resident=0)
     assert size == 1 and not fits and "even in micro batches of one sample" in why and "the kernel may stop it mid-round" in why
