@@ -267,9 +267,10 @@ class DemoSize(NamedTuple):
     why: str
 
 
-# The smallest micro batch the demo gives its nodes so that DEFAULT_NODES fit, before it starts fewer: one training
-# step of the embedded model took 1.14x the time of micro batches of 8 in micro batches of 2 and 1.4x in micro batches
-# of one (16 samples, one thread, a 2-core AMD EPYC).
+# The smallest micro batch the demo gives its nodes so that DEFAULT_NODES fit, before it starts fewer: a training step
+# of the embedded model (16 samples of 64 + 96 tokens, one thread, a 2-core AMD EPYC) took 1.03x the time of micro
+# batches of 8 in micro batches of 4 and 1.14x in micro batches of 2; in micro batches of one, 1.2x there and up to
+# 2.2x with short rows (bench/step_memory.py).
 MIN_MICRO_BATCH = 2
 
 

@@ -50,8 +50,8 @@ PROMPT_TOKENS = 96
 # and 6.0 bytes a value; taken as 4.5 and 7, with the probabilities counted for every micro batch (which also covers
 # what SDPA keeps that grows with the row's length).
 ACTIVATION_BYTES = {True: 4.5, False: 7.0}
-# What the sum leaves out, and the allocator's swings: bench/step_memory.py's 14 steps rose by 0.78-0.98 of
-# `step_bytes`, and once by 1.07. The demo's nodes' high-water marks came to 0.72-0.76 of the bound with it (5.3-5.6 GB
+# What the sum leaves out, and the allocator's swings: 13 of bench/step_memory.py's 14 steps rose by 0.78-0.98 of
+# `step_bytes`, one by 1.07. The demo's nodes' high-water marks came to 0.72-0.76 of the bound with it (5.3-5.6 GB
 # against 7.4 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC; their steps are lighter than the rows of
 # the config's longest answers it assumes), a node in micro batches of one to 0.78 (4.14 GB against 5.3).
 MARGIN = 1.1
