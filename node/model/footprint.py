@@ -53,7 +53,9 @@ ACTIVATION_BYTES = {True: 4.5, False: 7.0}
 # What the sum leaves out, and the allocator's swings: 13 of bench/step_memory.py's 14 steps rose by 0.78-0.98 of
 # `step_bytes`, one by 1.07. The demo's nodes' high-water marks came to 0.72-0.76 of the bound with it (5.3-5.6 GB
 # against 7.4 GB, bf16 autocast, micro batches of 8, on a 2-core AMD EPYC; their steps are lighter than the rows of
-# the config's longest answers it assumes), a node in micro batches of one to 0.78 (4.14 GB against 5.3).
+# the config's longest answers it assumes), a node in micro batches of one to 0.78 (4.14 GB against 5.3); a `public`
+# node alone to 0.75 (6.2 GB against 8.3: the estimate before the step was measured said 6.6), a `demo` node in float32
+# to 0.56 (4.8 GB against 8.5).
 MARGIN = 1.1
 _ENGINE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
