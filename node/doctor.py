@@ -26,14 +26,14 @@ import stat
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from hivespec.node.config import NodeConfig, node_home
-from hivespec.node.model.footprint import ModelShape, config_peak_bytes, model_shape
+from hivespec.node.model.footprint import ModelShape, config_peak_bytes, fit_micro_batch, model_shape
 from hivespec.node.process_memory import available_bytes
 from hivespec.node.swarm.ports import port_in_use
 from hivespec.node.training.checkpoint import CorruptCheckpoint, list_checkpoints, verify_checkpoint
@@ -91,16 +91,22 @@ def check_model(config: NodeConfig) -> tuple[Check, ModelShape | None]:
 
 def check_memory(config: NodeConfig, shape: ModelShape | None) -> list[Check]:
     """The host memory available now (within this process's control group) against the most one node of this config
-    takes (`config_peak_bytes`)."""
+    takes (`config_peak_bytes`): ok where it fits, WARN where it fits only in smaller micro batches (as the node will
+    train: `fit_micro_batch`), FAIL where not even in micro batches of one."""
     available = available_bytes()
     if shape is None:
         return [Check("ram", "skip", f"{_gib(available)} available; model size unknown (see the model line)")]
     need = config_peak_bytes(config, shape)
-    if available < need:
-        return [Check("ram", "fail", f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains: "
-                      "close other programs, run fewer local nodes, lower train.micro_batch_size, or use a smaller model")]
-    return [Check("ram", "ok", f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains "
-                  f"({available // need} such nodes fit)")]
+    facts = f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains"
+    choice = fit_micro_batch(config, shape, available=available, resident=0)
+    if not choice.fits:
+        return [Check("ram", "fail", f"{facts}: close other programs, run fewer local nodes, or use a smaller model")]
+    if choice.size < config.train.micro_batch_size:
+        smaller = replace(config, train=replace(config.train, micro_batch_size=choice.size))
+        return [Check("ram", "warn", f"{facts}; it will train in micro batches of {choice.size}, not "
+                      f"{config.train.micro_batch_size} (~{_gib(config_peak_bytes(smaller, shape))}: the same updates, "
+                      "slower)")]
+    return [Check("ram", "ok", f"{facts} ({available // need} such nodes fit)")]
 
 
 def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default") -> list[Check]:

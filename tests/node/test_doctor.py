@@ -105,3 +105,24 @@ def test_cli_prints_one_line_per_check_and_exits_non_zero_on_a_failure(tmp_path)
     bad = subprocess.run([*command, "--offline"], check=False, capture_output=True, text=True, timeout=150)
     assert bad.returncode == 1
     assert "FAIL  identity" in bad.stdout and "chmod 600" in bad.stdout and "1 check(s) failed" in bad.stdout
+
+
+def test_the_ram_line_says_where_a_node_will_train_in_smaller_micro_batches_and_where_it_cannot_fit():
+    """Models shaped against this machine's free memory: one whose step of 8 samples does not fit but of fewer does
+    (a node trains so: WARN), and one whose step does not fit even one sample at a time (FAIL)."""
+    from dataclasses import replace
+
+    from hivespec.node.doctor import check_memory
+    from hivespec.node.model.footprint import ACTIVATION_BYTES, PROMPT_TOKENS, ModelShape
+    from hivespec.node.process_memory import available_bytes
+
+    if available_bytes() < 4 << 30:
+        pytest.skip("less than 4 GiB free: the runtime alone would leave no micro batch that fits")
+    config = load_config("demo")
+    config = replace(config, model=replace(config.model, autocast=True, engine_dtype="bfloat16"))
+    per_layer = (PROMPT_TOKENS + config.rollout.max_completion_length) * ACTIVATION_BYTES[True] * (10 * 576 + 4 * 1536)
+    layers = int(0.3 * available_bytes() / per_layer)  # a sample's activations: 0.3 of what is free
+    (check,) = check_memory(config, ModelShape(params=10**6, layers=layers, hidden=576, intermediate=1536, heads=9))
+    assert check.status == "warn" and "it will train in micro batches of " in check.detail and "not 8" in check.detail
+    (check,) = check_memory(config, ModelShape(params=10**6, layers=10 * layers, hidden=576, intermediate=1536, heads=9))
+    assert check.status == "fail" and "close other programs" in check.detail
