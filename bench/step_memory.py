@@ -11,6 +11,8 @@ fixed part (gradients, temporaries, the 16-bit weight copy).
 
     python bench/step_memory.py --quick   # two cases: bf16 and float32, 64 + 96 tokens, SDPA
     python bench/step_memory.py           # rows of 48 to 432 tokens, bf16 and float32, eager and SDPA
+    python bench/step_memory.py --quick --shape smollm2-360m   # a larger model than the estimate was measured on:
+                                          # random weights in SmolLM2-360M's shape (no hub download here)
 
 Linux only (VmHWM, clear_refs). Ends with ``RESULT {json}``: per case the measured rise and the estimate at each micro
 batch and their ratio, `max_ratio` (measured over estimated: at most 1 where the estimate bounds the step),
@@ -40,7 +42,7 @@ from hivespec.node.model.footprint import shape_of, step_bytes
 from hivespec.node.model.loader import EMBEDDED_MODEL, load_model
 from hivespec.node.training.trainer import Trainer, TrainSample
 
-prompt_tokens, completion_tokens, precision, attention, repeats = sys.argv[1:6]
+prompt_tokens, completion_tokens, precision, attention, repeats, model_shape = sys.argv[1:7]
 prompt_tokens, completion_tokens, repeats = int(prompt_tokens), int(completion_tokens), int(repeats)
 autocast = precision == "bf16"
 
@@ -51,6 +53,13 @@ def high_water() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 model = load_model(EMBEDDED_MODEL)
+if model_shape == "smollm2-360m":  # the same vocabulary and family, 2.7x the parameters (its config.json's shape)
+    from transformers import LlamaForCausalLM
+    config = model.config
+    config.update({"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
+                   "num_key_value_heads": 5})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
 model.requires_grad_(True)
 shape = shape_of(model.config.to_dict(), sum(p.numel() for p in model.parameters()))
 rng = random.Random(0)
@@ -89,6 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two cases, one repeat each (about 2 minutes)")
     parser.add_argument("--repeats", type=int, default=None, help="steps per micro batch and case (the largest rise kept)")
+    parser.add_argument("--shape", choices=("embedded", "smollm2-360m"), default="embedded",
+                        help="the embedded SmolLM2-135M, or random weights in SmolLM2-360M's shape")
     args = parser.parse_args()
     if not sys.platform.startswith("linux"):
         sys.exit("bench/step_memory.py reads /proc/self/status and /proc/self/clear_refs: Linux only")
@@ -101,7 +112,7 @@ def main() -> None:
         name = f"{precision}-{attention}-{prompt_tokens}+{completion_tokens}"
         started = time.perf_counter()
         out = subprocess.run([sys.executable, "-P", "-c", _CASE, str(prompt_tokens), str(completion_tokens), precision,
-                              attention, str(repeats)], capture_output=True, text=True, check=False)
+                              attention, str(repeats), args.shape], capture_output=True, text=True, check=False)
         if out.returncode != 0:
             sys.exit(f"case {name} failed:\n{out.stderr[-3000:]}")
         measured = json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,7 +125,7 @@ def main() -> None:
                                       f"({r['ratio']}), step {r['seconds']} s" for size, r in row.items())
               + f"; {per_token[name]} MB a token ({time.perf_counter() - started:.0f} s)", flush=True)
     facts = cpu_facts()
-    print("RESULT " + json.dumps({"cases": results, "max_ratio": max(ratios), "mb_per_token": per_token,
+    print("RESULT " + json.dumps({"shape": args.shape, "cases": results, "max_ratio": max(ratios), "mb_per_token": per_token,
                                   "samples": SAMPLES, "repeats": repeats, "cpu": facts["cpu"],
                                   "bf16_flags": facts["native_bf16_flags"], "torch": facts["torch"]}))
 
