@@ -520,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a local swarm of N nodes on 127.0.0.1 with the embedded model")
     _add_config_flags(demo, "demo")
     demo.add_argument("--nodes", type=int, default=None,
-                      help="number of local nodes (default 3, or as many as the memory available holds)")
+                      help="number of local nodes (default 3, in smaller micro batches or fewer where the memory available does not hold 3)")
     demo.add_argument("--dir", default=None, help="working directory for the nodes' data and logs (default: runs/demo-<time>)")
     demo.add_argument("--dashboard", action="store_true", help="show the swarm in the terminal dashboard (n switches nodes)")
     demo.add_argument("--trace", metavar="FILE", help="record each node's rollout trace: FILE=t.jsonl gives t.node-0.jsonl, t.node-1.jsonl, ...")
