@@ -58,9 +58,11 @@ class MicroBatchFit:
     """The micro batch a node's training step fits in, chosen again before every step (`fit`).
 
     The config's micro batch (`wanted`), or the largest smaller one whose step, its rows as long as the step's longest
-    sample, fits beside what the node holds in the memory available now (`footprint.fit_micro_batch`). The choice is said in the log when it changes: a warning when
-    it shrinks (or where even one sample a micro batch may not fit), a line when it grows back. `ceiling` is `wanted`
-    until an out-of-memory retry lowers it (a GPU's: `train_step_with_oom_retry`), which then holds for later steps.
+    sample, fits beside what the node holds in the memory available now (`footprint.fit_micro_batch`). The choice is
+    said in the log when it changes: a warning when the node leaves its own micro batch or where even one sample a
+    micro batch may not fit, a line when it moves between smaller ones (rows' lengths differ from step to step) or
+    grows back. `ceiling` is `wanted` until an out-of-memory retry lowers it (a GPU's: `train_step_with_oom_retry`),
+    which then holds for later steps.
     `available` and `resident` read this process's memory (node/process_memory.py) and are swapped for fixed figures
     in tests of the choice.
     """
@@ -86,7 +88,8 @@ class MicroBatchFit:
         longest = max((len(s.prompt_ids) + len(s.completion_ids) for s in samples), default=None)
         choice = fit_micro_batch(config, self.shape, available=available, resident=self._resident(), row_tokens=longest)
         if choice.why and (choice.size, choice.fits) != (self.size, self._fits):
-            log.warning("memory: %s", choice.why)
+            leaving = self.size >= self.ceiling or (self._fits and not choice.fits)
+            log.log(logging.WARNING if leaving else logging.INFO, "memory: %s", choice.why)
         elif not choice.why and self.size != choice.size:
             log.info("memory: training in micro batches of %d samples again (%.1f GiB available)", choice.size,
                      available / (1 << 30))

@@ -18,7 +18,7 @@ from hivespec.node.model.loader import load_model
 from hivespec.node.supervise import MicroBatchFit, Watchdog, is_out_of_memory
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.supervisor import Backoff, GossipSupervisor
-from hivespec.node.training.trainer import Trainer
+from hivespec.node.training.trainer import Trainer, TrainSample
 from hivespec.protocol.identity import Identity
 
 
@@ -227,14 +227,19 @@ def test_the_micro_batch_follows_the_memory_available_before_each_step_and_says_
     assert len(said()) == 1 and said()[0][0] == logging.WARNING
     assert said()[0][1].startswith(f"memory: training in micro batches of {shrunk} samples, not 8")
     assert fit.fit(trainer) == shrunk and len(said()) == 1  # the same choice is said once
+    longer = [TrainSample(tuple(range(400)), (1,) * 200, (-1.0,) * 200, 1.0, "g")]  # a step of longer rows: fewer at once
+    smaller = fit.fit(trainer, longer)
+    assert smaller < shrunk and said()[-1][0] == logging.INFO  # moving between smaller ones: a line, not a warning
+    assert said()[-1][1].startswith(f"memory: training in micro batches of {smaller} sample")
+    assert fit.fit(trainer) == shrunk and len(said()) == 3
     free[0] = need // 100
-    assert fit.fit(trainer) == 1 and "the kernel may stop it mid-round" in said()[-1][1]
-    assert fit.fit(trainer) == 1 and len(said()) == 2
+    assert fit.fit(trainer) == 1 and said()[-1][0] == logging.WARNING and "the kernel may stop it mid-round" in said()[-1][1]
+    assert fit.fit(trainer) == 1 and len(said()) == 4
     free[0] = need
     assert fit.fit(trainer) == 8 and said()[-1] == (logging.INFO, f"memory: training in micro batches of 8 samples again ({need / (1 << 30):.1f} GiB available)")
     # An out-of-memory retry (a GPU's) halved it in a step: later steps stay within that, however much is free.
     trainer.micro_batch_size = 4
-    assert fit.fit(trainer) == 4 and fit.ceiling == 4 and len(said()) == 3
+    assert fit.fit(trainer) == 4 and fit.ceiling == 4 and len(said()) == 5
     free[0] = need * 9 // 10
     assert fit.fit(trainer) == min(4, shrunk)
 
