@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -251,7 +251,7 @@ def _nodes_for_this_machine(config: NodeConfig, requested: int | None) -> DemoSi
         return DemoSize(requested or DEFAULT_NODES, wanted, "")
 
     def per_node(micro_batch_size: int) -> int:
-        return config_peak_bytes(replace(config, train=replace(config.train, micro_batch_size=micro_batch_size)), shape)
+        return config_peak_bytes(config, shape, micro_batch_size=micro_batch_size)
 
     size = nodes_to_run(requested, per_node, wanted, available_bytes())
     if size.why:

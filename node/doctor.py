@@ -26,7 +26,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -102,10 +102,9 @@ def check_memory(config: NodeConfig, shape: ModelShape | None) -> list[Check]:
     if not choice.fits:
         return [Check("ram", "fail", f"{facts}: close other programs, run fewer local nodes, or use a smaller model")]
     if choice.size < config.train.micro_batch_size:
-        smaller = replace(config, train=replace(config.train, micro_batch_size=choice.size))
+        smaller = config_peak_bytes(config, shape, micro_batch_size=choice.size)
         return [Check("ram", "warn", f"{facts}; it will train in micro batches of {choice.size}, not "
-                      f"{config.train.micro_batch_size} (~{_gib(config_peak_bytes(smaller, shape))}: the same updates, "
-                      "slower)")]
+                      f"{config.train.micro_batch_size} (~{_gib(smaller)}: the same updates, slower)")]
     return [Check("ram", "ok", f"{facts} ({available // need} such nodes fit)")]
 
 

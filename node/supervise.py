@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -57,11 +57,11 @@ R = TypeVar("R")
 class MicroBatchFit:
     """The micro batch a node's training step fits in, chosen again before every step (`fit`).
 
-    The config's micro batch (`wanted`), or the largest smaller one whose step, its rows as long as the step's longest
+    The config's micro batch, or the largest smaller one whose step, its rows as long as the step's longest
     sample, fits beside what the node holds in the memory available now (`footprint.fit_micro_batch`). The choice is
     said in the log when it changes: a warning when the node leaves its own micro batch or where even one sample a
     micro batch may not fit, a line when it moves between smaller ones (rows' lengths differ from step to step) or
-    grows back. `ceiling` is `wanted` until an out-of-memory retry lowers it (a GPU's: `train_step_with_oom_retry`),
+    grows back. `ceiling` is the config's until an out-of-memory retry lowers it (a GPU's: `train_step_with_oom_retry`),
     which then holds for later steps.
     `available` and `resident` read this process's memory (node/process_memory.py) and are swapped for fixed figures
     in tests of the choice.
@@ -71,7 +71,7 @@ class MicroBatchFit:
                  resident: Callable[[], int] = anonymous_bytes) -> None:
         self.config = config
         self.shape = shape
-        self.wanted = self.ceiling = self.size = config.train.micro_batch_size
+        self.ceiling = self.size = config.train.micro_batch_size
         self._available = available
         self._resident = resident
         self._fits = True  # the last choice's step fits the memory available (False: even one sample may not)
@@ -81,12 +81,10 @@ class MicroBatchFit:
         their longest; none: as the config's, before the node has any), say so where that changed; returns it."""
         if trainer.micro_batch_size < self.size:  # an out-of-memory retry lowered it since the last fit: it holds
             self.ceiling = self.size = trainer.micro_batch_size
-        config = self.config
-        if self.ceiling < config.train.micro_batch_size:
-            config = replace(config, train=replace(config.train, micro_batch_size=self.ceiling))
         available = self._available()
         longest = max((len(s.prompt_ids) + len(s.completion_ids) for s in samples), default=None)
-        choice = fit_micro_batch(config, self.shape, available=available, resident=self._resident(), row_tokens=longest)
+        choice = fit_micro_batch(self.config, self.shape, available=available, resident=self._resident(),
+                                 wanted=self.ceiling, row_tokens=longest)
         if choice.why and (choice.size, choice.fits) != (self.size, self._fits):
             leaving = self.size >= self.ceiling or (self._fits and not choice.fits)
             log.log(logging.WARNING if leaving else logging.INFO, "memory: %s", choice.why)

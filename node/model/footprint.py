@@ -28,7 +28,7 @@ only the time changes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from hivespec.node.model.attention import EAGER_ATTENTION_BYTES
@@ -118,9 +118,11 @@ def parameter_count(model_name: str, revision: str | None = None) -> int:
     return total
 
 
-def config_peak_bytes(config: NodeConfig, shape: ModelShape, *, row_tokens: int | None = None) -> int:
-    """`node_peak_bytes` for a node of this config, its rows `row_tokens` long (a step's longest: prompt and completion),
-    or `PROMPT_TOKENS` + the config's completion length before it has any. `auto` precision (before the node has
+def config_peak_bytes(config: NodeConfig, shape: ModelShape, *, micro_batch_size: int | None = None,
+                      row_tokens: int | None = None) -> int:
+    """`node_peak_bytes` for a node of this config, in micro batches of `micro_batch_size` (the config's where None),
+    its rows `row_tokens` long (a step's longest: prompt and completion), or `PROMPT_TOKENS` + the config's completion
+    length before it has any. `auto` precision (before the node has
     measured its machine) is taken as what a CPU with native bf16 picks (bf16 autocast and engine, measured so on every
     such CPU seen) and as float32 on any other; a node that measures otherwise fits its micro batch to what it runs."""
     model = config.model
@@ -131,7 +133,7 @@ def config_peak_bytes(config: NodeConfig, shape: ModelShape, *, row_tokens: int 
         autocast = bf16 if autocast == "auto" else autocast
         engine_dtype = ("bfloat16" if bf16 else "float32") if engine_dtype == "auto" else engine_dtype
     return node_peak_bytes(shape, engine_dtype=engine_dtype, autocast=bool(autocast), on_gpu=on_gpu,
-                           micro_batch_size=config.train.micro_batch_size,
+                           micro_batch_size=micro_batch_size or config.train.micro_batch_size,
                            row_tokens=row_tokens or PROMPT_TOKENS + config.rollout.max_completion_length)
 
 
@@ -169,17 +171,16 @@ class MicroBatchChoice(NamedTuple):
     fits: bool
 
 
-def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int,
+def fit_micro_batch(config: NodeConfig, shape: ModelShape, *, available: int, resident: int, wanted: int | None = None,
                     row_tokens: int | None = None) -> MicroBatchChoice:
-    """The micro batch to train in: the config's, or the largest smaller one whose step (rows of `row_tokens`, as
-    `config_peak_bytes` takes them) fits the memory `available` now beside the `resident` bytes the node holds already
-    of its own (its anonymous memory: a library's pages that another process paid for would count twice); the
-    optimizer steps once over the same samples whatever the micro batch, so only the time changes."""
-    wanted = config.train.micro_batch_size
+    """The micro batch to train in: `wanted` (the config's where None), or the largest smaller one whose step (rows of
+    `row_tokens`, as `config_peak_bytes` takes them) fits the memory `available` now beside the `resident` bytes the
+    node holds already of its own (its anonymous memory: a library's pages that another process paid for would count
+    twice); the optimizer steps once over the same samples whatever the micro batch, so only the time changes."""
+    wanted = wanted or config.train.micro_batch_size
 
     def need(size: int) -> int:
-        sized = replace(config, train=replace(config.train, micro_batch_size=size))
-        return config_peak_bytes(sized, shape, row_tokens=row_tokens) - resident
+        return config_peak_bytes(config, shape, micro_batch_size=size, row_tokens=row_tokens) - resident
 
     if need(wanted) <= available:
         return MicroBatchChoice(wanted, "", fits=True)
