@@ -256,7 +256,7 @@ class Node:
             if self.config.swarm.expected_peers:
                 self.progress.phase("waiting for peers", f"round {round_index}")
             else:  # a public node waits for nobody: it fetches what its next step has room for, if anything
-                room = f"room for {need} foreign samples" if self.gossip.status()["known_peers"] else "no peers known yet"
+                room = f"room for {need} foreign samples" if self.gossip.known_peers() else "no peers known yet"
                 self.progress.phase("fetching peers' batches", f"round {round_index}: {room}")
             admissions = self.exchange.collect(self.gossip, round_index, self.trainer.version, need=need)
         except GossipError as exc:  # the supervisor rebuilds gossip at the next round; train solo now

@@ -278,8 +278,7 @@ class Gossip:
 
         reachability is measured by peers (node/swarm/nat.py): reachable / relayed / unreachable / unknown.
         """
-        dht, joiner = self._dht, self._joiner
-        known = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
+        joiner, known = self._joiner, self.known_peers()
         return {
             "solo": known == 0,
             "known_peers": known,
@@ -320,9 +319,13 @@ class Gossip:
         other = self.validator.other_protocol_peers()
         snapshot["peers_older_protocol"] = sum(n for protocol, n in other.items() if protocol < SWARM_PROTOCOL)
         snapshot["peers_newer_protocol"] = sum(n for protocol, n in other.items() if protocol > SWARM_PROTOCOL)
-        dht = self._dht
-        snapshot["known_peers"] = len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
+        snapshot["known_peers"] = self.known_peers()
         return snapshot
+
+    def known_peers(self) -> int:
+        """Peers in this node's DHT routing table (0 before it starts, or alone)."""
+        dht = self._dht
+        return len(dht.protocol.routing_table.uid_to_peer_id) if dht is not None else 0
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """Liveness probe (node/supervise.py): the loop thread runs, p2pd is alive and answers its control socket."""
