@@ -30,7 +30,6 @@ import time
 QUICK = [(64, 96, "bf16", "sdpa"), (64, 96, "fp32", "sdpa")]
 FULL = [(16, 32, "bf16", "sdpa"), (16, 96, "bf16", "sdpa"), (64, 96, "bf16", "sdpa"), (160, 32, "bf16", "sdpa"),
         (400, 32, "bf16", "sdpa"), (64, 96, "fp32", "sdpa"), (64, 96, "bf16", "eager")]
-MICRO_BATCHES = (8, 1)
 SAMPLES = 16
 
 _CASE = """
