@@ -18,7 +18,7 @@ import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,9 +36,7 @@ from hivespec.node.model.precision import (
     PrecisionPlan,
     default_cache_path,
     follower_engine_dtype,
-    resolve_precision,
-    train_rows,
-    weight_sample,
+    resolve_node_precision,
 )
 from hivespec.node.model.vllm_engine import VllmEngine, build_vllm_engine, require_vllm
 from hivespec.node.runtime import Node, PhaseListener
@@ -240,26 +238,9 @@ def _resolve_precision(config: NodeConfig, trainer_model: torch.nn.Module, threa
 
     Returns the config with both made concrete, so every part built after sees the dtype it runs.
     """
-    model, rollout = config.model, config.rollout
-    plan = resolve_precision(
-        trainer_model.config,
-        engine_dtype=model.engine_dtype,
-        autocast=model.autocast,
-        train_dtype=model.train_dtype,
-        device=model.device,
-        batch=rollout.decode_batch,
-        rows=train_rows(config.train.micro_batch_size, rollout.max_completion_length),
-        threads=threads,
-        new_tokens=rollout.max_completion_length,
-        sequences=rollout.prompts_per_round * rollout.num_generations,
-        learning_rate=config.train.learning_rate,
-        weights=weight_sample(trainer_model),
-        publish=config.sync.publish,
-        model=trainer_model,
-    )
+    plan = resolve_node_precision(config, trainer_model, threads=threads)
     log.info("precision: %s", plan.describe())
-    resolved = replace(model, engine_dtype=plan.engine_dtype_name, autocast=plan.trainer.dtype is not None)
-    return replace(config, model=resolved), plan
+    return plan.applied_to(config), plan
 
 
 def _resolve_attention(

@@ -89,15 +89,20 @@ def check_model(config: NodeConfig) -> tuple[Check, ModelShape | None]:
     return Check("model", "ok", f"{config.model.name}: {shape.params / 1e6:.1f}M parameters"), shape
 
 
-def check_memory(config: NodeConfig, shape: ModelShape | None) -> list[Check]:
-    """The host memory available now (within this process's control group) against the most one node of this config
-    takes (`config_peak_bytes`): ok where it fits, WARN where it fits only in smaller micro batches (as the node will
-    train: `fit_micro_batch`), FAIL where not even in micro batches of one."""
-    available = available_bytes()
+def check_memory(config: NodeConfig, shape: ModelShape | None, *, available: int | None = None,
+                 precision: PrecisionPlan | None = None) -> list[Check]:
+    """The host memory `available` (now, within this process's control group, where None) against the most one node of
+    this config takes (`config_peak_bytes`) at the `precision` it trains in here (as `check_precision` measured it;
+    None: as a CPU with native bf16 usually picks): ok where it fits, WARN where it fits only in smaller micro batches
+    (as the node will train: `fit_micro_batch`), FAIL where not even in micro batches of one."""
+    available = available_bytes() if available is None else available
     if shape is None:
         return [Check("ram", "skip", f"{_gib(available)} available; model size unknown (see the model line)")]
+    if precision is not None:
+        config = precision.applied_to(config)
     need = config_peak_bytes(config, shape)
-    facts = f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains"
+    trains = "" if precision is None else f" ({precision.trainer.label}, as measured here)"
+    facts = f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains{trains}"
     choice = fit_micro_batch(config, shape, available=available, resident=0)
     if not choice.fits:
         return [Check("ram", "fail", f"{facts}: close other programs, run fewer local nodes, or use a smaller model")]
@@ -108,34 +113,27 @@ def check_memory(config: NodeConfig, shape: ModelShape | None) -> list[Check]:
     return [Check("ram", "ok", f"{facts} ({available // need} such nodes fit)")]
 
 
-def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default") -> list[Check]:
+def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default"] = "default"
+                    ) -> tuple[list[Check], PrecisionPlan | None]:
     """What model.engine_dtype and model.autocast become on this device (node/model/precision.py), measured as a node
-    would, then model.attention and train.share_prompts (node/model/attention.py) on that precision.
+    would, then model.attention and train.share_prompts (node/model/attention.py) on that precision; with the plan
+    (None where the model does not load), which the ram line sizes a node by.
 
     WARN where an explicit setting is one this device runs slower than the alternative.
     """
     from hivespec.node.model.loader import load_model
-    from hivespec.node.model.precision import resolve_precision, train_rows, weight_sample
+    from hivespec.node.model.precision import resolve_node_precision
 
-    model, rollout = config.model, config.rollout
+    model = config.model
     threads = model.threads or max(1, os.cpu_count() or 1)
     torch.set_num_threads(threads)
     try:
         loaded = load_model(model.name)  # the sync estimate samples its real weights, as a node's does
     except (OSError, ValueError) as exc:
         why = f"the model does not load ({exc}); see the model line"
-        return [Check("precision", "skip", why), Check("attention", "skip", why)]
-    architecture, weights = loaded.config, weight_sample(loaded)
-    settings = {
-        "train_dtype": model.train_dtype, "device": model.device, "threads": threads,
-        "batch": rollout.decode_batch,
-        "rows": train_rows(config.train.micro_batch_size, rollout.max_completion_length), "cache": cache,
-        "new_tokens": rollout.max_completion_length, "sequences": rollout.prompts_per_round * rollout.num_generations,
-        "learning_rate": config.train.learning_rate, "weights": weights, "publish": config.sync.publish,
-        "model": loaded,  # the engine's decode step is timed on the real model, as a node does
-    }
-    chosen = resolve_precision(architecture, engine_dtype=model.engine_dtype, autocast=model.autocast, **settings)
-    best = resolve_precision(architecture, engine_dtype="auto", autocast="auto", **settings)
+        return [Check("precision", "skip", why), Check("attention", "skip", why)], None
+    chosen = resolve_node_precision(config, loaded, threads=threads, cache=cache)
+    best = resolve_node_precision(config, loaded, threads=threads, cache=cache, engine_dtype="auto", autocast="auto")
     advice = []
     if chosen.engine.dtype != best.engine.dtype and best.engine.dtype in (torch.bfloat16, torch.float32):
         advice.append(f"model.engine_dtype {chosen.engine.label} is set, but {best.engine.label} is faster here "
@@ -144,7 +142,7 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
         advice.append(f"model.autocast is {str(chosen.trainer.dtype is not None).lower()}, but {best.trainer.label} is faster "
                       f"here ({best.trainer.reason}): set model.autocast: auto")
     precision = Check("precision", "warn", "; ".join(advice)) if advice else Check("precision", "ok", chosen.describe())
-    return [precision, check_attention(config, loaded, chosen, threads=threads, cache=settings["cache"])]
+    return [precision, check_attention(config, loaded, chosen, threads=threads, cache=cache)], chosen
 
 
 def check_attention(config: NodeConfig, model: torch.nn.Module, precision: PrecisionPlan, *, threads: int,
@@ -537,10 +535,15 @@ def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.
 
     add(check_python(), check_torch(config))
     model, shape = check_model(config)
+    add(model)
+    available = available_bytes()  # before the precision check loads the model into this process
+    precision = None
+    if shape is not None:
+        precision_checks, precision = check_precision(config)
+        add(*precision_checks)
+    add(*check_memory(config, shape, available=available, precision=precision))
     params = shape.params if shape is not None else None
-    add(model, *check_memory(config, shape), *check_gpu(config, params))
-    if params is not None:
-        add(*check_precision(config))
+    add(*check_gpu(config, params))
     add(check_vllm())
     add(*check_ports(config))
     if network:

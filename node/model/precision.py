@@ -1,8 +1,9 @@
 """Device-aware precision: which dtype the rollout engine samples in and whether the trainer autocasts.
 
-bf16 is twice as fast as float32 on a CPU with native bf16 (AVX512-BF16, AMX) or a modern GPU,
-and 3-20x slower on a CPU without it (AVX2 only: every bf16 matmul converts through float32).
-A fixed default is therefore wrong somewhere. With ``model.engine_dtype: auto`` and
+bf16 is twice as fast as float32 on most CPUs with native bf16 (AVX512-BF16, AMX) and on a modern GPU,
+and 3-20x slower on a CPU without it (AVX2 only: every bf16 matmul converts through float32); a flag is
+not a speed: a 2-core Xeon model 207 exposing avx512_bf16 without AMX decoded in bf16 at float32's speed
+and trained 1.8x slower under autocast (2026-11-29). A fixed default is therefore wrong somewhere. With ``model.engine_dtype: auto`` and
 ``model.autocast: auto`` the node decides at start-up, per role, from what this device does:
 
 - CUDA: bfloat16 where ``torch.cuda.is_bf16_supported()``, else float32 (no measurement).
@@ -40,7 +41,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,6 +106,11 @@ class PrecisionPlan:
     def describe(self) -> str:
         """Two clauses for the start-up log and `hivespec doctor`."""
         return f"{self.engine.describe()}; {self.trainer.describe()}"
+
+    def applied_to(self, config: Any) -> Any:
+        """`config` (a NodeConfig) with model.engine_dtype and model.autocast as this plan decided them."""
+        model = replace(config.model, engine_dtype=self.engine_dtype_name, autocast=self.trainer.dtype is not None)
+        return replace(config, model=model)
 
 
 @dataclass(frozen=True)
@@ -558,6 +564,32 @@ def resolve_precision(
                            model=model)
     trainer = decide_trainer(autocast, train_dtype, shape, device=device, rows=rows, threads=threads, cache=where)
     return PrecisionPlan(engine, trainer)
+
+
+def resolve_node_precision(config: Any, model: torch.nn.Module, *, threads: int,
+                           cache: Path | None | Literal["default"] = "default", engine_dtype: str | None = None,
+                           autocast: bool | str | None = None) -> PrecisionPlan:
+    """`resolve_precision` for a node of `config` (a NodeConfig) whose trainer model is `model` (loaded, float32): what
+    `build_node` decides at start-up and `hivespec doctor` reports. `engine_dtype` and `autocast` replace the config's
+    (the doctor asks what `auto` would pick beside what is set)."""
+    settings, rollout = config.model, config.rollout
+    return resolve_precision(
+        model.config,
+        engine_dtype=settings.engine_dtype if engine_dtype is None else engine_dtype,
+        autocast=settings.autocast if autocast is None else autocast,
+        train_dtype=settings.train_dtype,
+        device=settings.device,
+        batch=rollout.decode_batch,
+        rows=train_rows(config.train.micro_batch_size, rollout.max_completion_length),
+        threads=threads,
+        cache=cache,
+        new_tokens=rollout.max_completion_length,
+        sequences=rollout.prompts_per_round * rollout.num_generations,
+        learning_rate=config.train.learning_rate,
+        weights=weight_sample(model),  # the sync estimate samples its real weights
+        publish=config.sync.publish,
+        model=model,  # the engine's decode step is timed on the real model
+    )
 
 
 def follower_engine_dtype(config: Any, model_config: Any) -> torch.dtype:

@@ -107,6 +107,32 @@ def test_cli_prints_one_line_per_check_and_exits_non_zero_on_a_failure(tmp_path)
     assert "FAIL  identity" in bad.stdout and "chmod 600" in bad.stdout and "1 check(s) failed" in bad.stdout
 
 
+def test_the_ram_line_sizes_a_node_by_the_precision_measured_here():
+    """A CPU can carry bf16 flags and still train faster in float32 (a 2-core Xeon model 207 without AMX: autocast 1.8x
+    slower, 2026-11-29): the ram line then sizes the node by float32's activations, as the node will train, and says so."""
+    from dataclasses import replace
+
+    import torch
+
+    from hivespec.node.doctor import check_memory
+    from hivespec.node.model.footprint import ModelShape, config_peak_bytes
+    from hivespec.node.model.precision import PrecisionChoice, PrecisionPlan
+
+    def plan(autocast: bool) -> PrecisionPlan:
+        return PrecisionPlan(PrecisionChoice("engine", torch.bfloat16, "measured", "as measured"),
+                             PrecisionChoice("trainer", torch.bfloat16 if autocast else None, "measured", "as measured"))
+
+    config = load_config("demo")
+    shape = ModelShape(params=135 * 10**6, layers=30, hidden=576, intermediate=1536, heads=9)
+    plenty = 1 << 40
+    for autocast, label in ((False, "float32"), (True, "bfloat16 autocast")):
+        (check,) = check_memory(config, shape, available=plenty, precision=plan(autocast))
+        need = config_peak_bytes(replace(config, model=replace(config.model, autocast=autocast, engine_dtype="bfloat16")), shape)
+        assert check.status == "ok" and f"needs up to ~{need / (1 << 30):.1f} GiB while it trains ({label}, as measured here)" in check.detail
+    float32, bf16 = (config_peak_bytes(plan(a).applied_to(config), shape) for a in (False, True))
+    assert float32 > bf16  # float32 keeps its activations in more bytes
+
+
 def test_the_ram_line_says_where_a_node_will_train_in_smaller_micro_batches_and_where_it_cannot_fit():
     """Models shaped against this machine's free memory: one whose step of 8 samples does not fit but of fewer does
     (a node trains so: WARN), and one whose step does not fit even one sample at a time (FAIL)."""

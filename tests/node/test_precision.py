@@ -231,14 +231,15 @@ def test_doctor_warns_when_an_explicit_dtype_is_the_slower_one_here(tiny, tmp_pa
     batch, rows = 16, train_rows(8, 48)
     _seed_cache(cache, tiny, engine=(0.139, 0.348), trainer=(10.9, 215.0), batch=batch, rows=rows,
                 sync=(1.0, 1.0), learning_rate=config.train.learning_rate)
-    check, attention = check_precision(config, cache=cache)
+    (check, attention), _ = check_precision(config, cache=cache)
     assert check.status == "warn"
     assert "set model.engine_dtype: auto" in check.detail and "set model.autocast: auto" in check.detail
     assert attention.name == "attention" and attention.status == "ok" and "trainer attention" in attention.detail
     auto = load_config("tiny", overrides={"model.engine_dtype": "auto", "model.autocast": "auto", "model.threads": str(THREADS),
                                           "rollout.prompts_per_round": "4", "rollout.max_completion_length": "48"}, environ={})
-    check, attention = check_precision(auto, cache=cache)
+    (check, attention), plan = check_precision(auto, cache=cache)
     assert check.status == "ok" and "engine float32 (cached" in check.detail and "trainer float32 (cached" in check.detail
+    assert plan is not None and (plan.engine.dtype, plan.trainer.dtype) == (torch.float32, None)  # the ram line's precision
     assert attention.status == "ok" and "engine attention" in attention.detail and "trainer runs" in attention.detail
 
 
@@ -258,7 +259,7 @@ def test_doctor_warns_when_sharing_a_prompt_is_set_where_it_is_the_slower_way(ti
         data[measurement_key(role, ModelShape.of(tiny), rows, THREADS, cpu_facts())] = {
             "whole-1": 0.060, "whole-2": 0.062, "shared-1": 0.110, "shared-2": 0.113}
     cache.write_text(json.dumps(data))
-    _, attention = check_precision(config, cache=cache)
+    (_, attention), _ = check_precision(config, cache=cache)
     assert attention.status == "warn" and "train.share_prompts is true, but here trainer runs every row whole" in attention.detail
     assert "set train.share_prompts: auto" in attention.detail
 
