@@ -101,7 +101,7 @@ def check_memory(config: NodeConfig, shape: ModelShape | None, *, available: int
     if precision is not None:
         config = precision.applied_to(config)
     need = config_peak_bytes(config, shape)
-    trains = "" if precision is None else f" ({precision.trainer.label}, as measured here)"
+    trains = "" if precision is None else f" (in {precision.trainer.label} here)"
     facts = f"{_gib(available)} available, a node needs up to ~{_gib(need)} while it trains{trains}"
     choice = fit_micro_batch(config, shape, available=available, resident=0)
     if not choice.fits:

@@ -128,7 +128,7 @@ def test_the_ram_line_sizes_a_node_by_the_precision_measured_here():
     for autocast, label in ((False, "float32"), (True, "bfloat16 autocast")):
         (check,) = check_memory(config, shape, available=plenty, precision=plan(autocast))
         need = config_peak_bytes(replace(config, model=replace(config.model, autocast=autocast, engine_dtype="bfloat16")), shape)
-        assert check.status == "ok" and f"needs up to ~{need / (1 << 30):.1f} GiB while it trains ({label}, as measured here)" in check.detail
+        assert check.status == "ok" and f"needs up to ~{need / (1 << 30):.1f} GiB while it trains (in {label} here)" in check.detail
     float32, bf16 = (config_peak_bytes(plan(a).applied_to(config), shape) for a in (False, True))
     assert float32 > bf16  # float32 keeps its activations in more bytes
 
