@@ -133,7 +133,9 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
         why = f"the model does not load ({exc}); see the model line"
         return [Check("precision", "skip", why), Check("attention", "skip", why)], None
     chosen = resolve_node_precision(config, loaded, threads=threads, cache=cache)
-    best = resolve_node_precision(config, loaded, threads=threads, cache=cache, engine_dtype="auto", autocast="auto")
+    auto = (model.engine_dtype, model.autocast) == ("auto", "auto")
+    best = chosen if auto else resolve_node_precision(config, loaded, threads=threads, cache=cache, engine_dtype="auto",
+                                                      autocast="auto")
     advice = []
     if chosen.engine.dtype != best.engine.dtype and best.engine.dtype in (torch.bfloat16, torch.float32):
         advice.append(f"model.engine_dtype {chosen.engine.label} is set, but {best.engine.label} is faster here "
