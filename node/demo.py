@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import yaml
 
@@ -246,6 +246,7 @@ def _nodes_for_this_machine(config: NodeConfig, requested: int | None) -> DemoSi
     wanted = config.train.micro_batch_size
     try:
         shape = model_shape(config.model.name, config.model.revision)
+        config, trains = _at_measured_precision(config, local_nodes=requested or DEFAULT_NODES)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # the node's own start says what is wrong with the model
         print(f"hivespec demo: cannot size a node of {config.model.name} ({exc}); not checking memory", file=sys.stderr)
         return DemoSize(requested or DEFAULT_NODES, wanted, "")
@@ -253,10 +254,32 @@ def _nodes_for_this_machine(config: NodeConfig, requested: int | None) -> DemoSi
     def per_node(micro_batch_size: int) -> int:
         return config_peak_bytes(config, shape, micro_batch_size=micro_batch_size)
 
-    size = nodes_to_run(requested, per_node, wanted, available_bytes())
+    size = nodes_to_run(requested, per_node, wanted, available_bytes(), trains=trains)
     if size.why:
         print(f"hivespec demo: {size.why}", file=sys.stderr, flush=True)
     return size
+
+
+def _at_measured_precision(config: NodeConfig, *, local_nodes: int, cache: Path | Literal["default"] = "default"
+                           ) -> tuple[NodeConfig, str]:
+    """`config` with `model.autocast` as each of `local_nodes` nodes will train here, and a clause that says so.
+
+    Autocast's 16-bit activations take two thirds of float32's, and a CPU's bf16 flag does not say which it trains
+    faster in (a Xeon model 207 flagging avx512_bf16 without AMX trained 1.8x slower under autocast), so a node's memory
+    is sized by the trainer's own measurement (`precision.trainer_precision`: the shapes' matmuls, no weights, under a
+    second; cached under the key each node's start reads back). The engine's dtype stays the flags' guess: its
+    measurement needs the weights, and either dtype's copy is within 2 bytes a parameter of the other.
+    """
+    from hivespec.node.model.loader import load_model_config, node_threads
+    from hivespec.node.model.precision import trainer_precision
+
+    model = config.model
+    if model.autocast != "auto":
+        return config, ""
+    model_config = load_model_config(model.name, revision=model.revision, trust_remote_code=model.trust_remote_code)
+    trainer = trainer_precision(config, model_config, threads=node_threads(model.threads, local_nodes=local_nodes), cache=cache)
+    sized = replace(config, model=replace(model, autocast=trainer.dtype is not None))
+    return sized, f" (in {trainer.label} here)"
 
 
 class DemoSize(NamedTuple):
@@ -274,7 +297,8 @@ class DemoSize(NamedTuple):
 MIN_MICRO_BATCH = 2
 
 
-def nodes_to_run(requested: int | None, per_node: Callable[[int], int], wanted: int, available: int) -> DemoSize:
+def nodes_to_run(requested: int | None, per_node: Callable[[int], int], wanted: int, available: int, *,
+                 trains: str = "") -> DemoSize:
     """How many nodes to start and their micro batch, from the memory a node takes at each micro batch (`per_node`,
     bytes at most: `footprint.config_peak_bytes`) and the `available` bytes.
 
@@ -283,13 +307,14 @@ def nodes_to_run(requested: int | None, per_node: Callable[[int], int], wanted: 
     MIN_MICRO_BATCH for the default count, to one for a requested count: the same updates, in more passes). Without
     `requested`: DEFAULT_NODES, or as many as fit at `wanted`, at least one (a node short of memory trains in smaller
     micro batches, and says so: node/supervise.py `MicroBatchFit`). A requested count is kept, with a warning where
-    it does not fit even in micro batches of one: the estimate is an upper bound, and the user chose.
+    it does not fit even in micro batches of one: the estimate is an upper bound, and the user chose. `trains` follows
+    "while it trains" in what the user is told (" (in float32 here)").
     """
     gib = 1 << 30
     count = requested or DEFAULT_NODES
     floor = 1 if requested else min(wanted, MIN_MICRO_BATCH)
     micro = next((m for m in range(wanted, floor - 1, -1) if count * per_node(m) <= available), None)
-    each = f"a node needs up to ~{per_node(wanted) / gib:.1f} GiB while it trains, {available / gib:.1f} GiB is available"
+    each = f"a node needs up to ~{per_node(wanted) / gib:.1f} GiB while it trains{trains}, {available / gib:.1f} GiB is available"
     if micro == wanted:
         return DemoSize(count, wanted, "")
     if micro is not None:

@@ -125,7 +125,8 @@ def config_peak_bytes(config: NodeConfig, shape: ModelShape, *, micro_batch_size
     length before it has any. `auto` precision (before the node has measured its machine) is taken as bf16 autocast and
     engine on a CPU with native bf16 flags and as float32 on any other: what most such CPUs measured, not all (a 2-core
     Xeon model 207 exposing avx512_bf16 without AMX trained 1.8x faster in float32). `hivespec doctor` sizes a node by the
-    precision it measured; a node fits its micro batch to the precision it runs."""
+    precision it measured, `hivespec demo` by the trainer's (`precision.trainer_precision`); a node fits its micro batch
+    to the precision it runs."""
     model = config.model
     on_gpu = model.device.startswith("cuda")
     autocast, engine_dtype = model.autocast, model.engine_dtype

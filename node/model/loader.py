@@ -34,6 +34,7 @@ from typing import Any
 import platformdirs
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -271,6 +272,17 @@ def _tiny_model(seed: int) -> PreTrainedModel:
         return LlamaForCausalLM(config)
 
 
+def load_model_config(source: str = EMBEDDED_MODEL, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The transformers config `load_model` would give the model (its ``.config``), without loading any weight."""
+    if source == TINY_MODEL:
+        return tiny_config(load_tokenizer(EMBEDDED_MODEL))
+    folder = model_folder(source, revision, trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        raise ModelSourceError(_remote_code_hint(source, error)) from None
+
+
 def load_model(
     source: str = EMBEDDED_MODEL,
     *,
@@ -341,18 +353,25 @@ def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> 
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def configure_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:
-    """Set torch's intra-op threads (default: cores / local nodes, at least 1) and return the count.
+def node_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:
+    """The torch intra-op threads a node runs with: `requested`, else cores / local nodes, at least 1.
 
     Oversubscribing cores made CPU forwards 10-30x slower, so nodes sharing a machine split it.
-    Inter-op threads are set once per process, when torch still allows it.
     """
-    global _interop_threads_set
     if requested is not None and requested < 1:
         raise ValueError(f"thread count must be >= 1, got {requested}")
     if local_nodes < 1:
         raise ValueError(f"local_nodes must be >= 1, got {local_nodes}")
-    threads = requested if requested is not None else max(1, (os.cpu_count() or 1) // local_nodes)
+    return requested if requested is not None else max(1, (os.cpu_count() or 1) // local_nodes)
+
+
+def configure_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:
+    """Set torch's intra-op threads to `node_threads` and return the count.
+
+    Inter-op threads are set once per process, when torch still allows it.
+    """
+    global _interop_threads_set
+    threads = node_threads(requested, local_nodes=local_nodes)
     torch.set_num_threads(threads)
     if not _interop_threads_set:
         _interop_threads_set = True

@@ -580,7 +580,7 @@ def resolve_node_precision(config: Any, model: torch.nn.Module, *, threads: int,
         train_dtype=settings.train_dtype,
         device=settings.device,
         batch=rollout.decode_batch,
-        rows=train_rows(config.train.micro_batch_size, rollout.max_completion_length),
+        rows=_node_rows(config),
         threads=threads,
         cache=cache,
         new_tokens=rollout.max_completion_length,
@@ -590,6 +590,28 @@ def resolve_node_precision(config: Any, model: torch.nn.Module, *, threads: int,
         publish=config.sync.publish,
         model=model,  # the engine's decode step is timed on the real model
     )
+
+
+def trainer_precision(config: Any, model_config: Any, *, threads: int,
+                      cache: Path | None | Literal["default"] = "default") -> PrecisionChoice:
+    """The trainer's half of `resolve_node_precision` for a node of `config` (a NodeConfig) at `threads`, from the model's
+    transformers config alone (`loader.load_model_config`): the trainer's measurement times the shapes' matmuls, so it
+    needs no weights. `hivespec demo` sizes its nodes' memory by it before any node has loaded the model; it is timed at
+    `threads` and cached under the key each node's own start then reads back."""
+    settings = config.model
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the cache's key says `threads`: timed at them
+    try:
+        return decide_trainer(settings.autocast, settings.train_dtype, ModelShape.of(model_config), device=settings.device,
+                              rows=_node_rows(config), threads=threads,
+                              cache=default_cache_path() if cache == "default" else cache)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _node_rows(config: Any) -> int:
+    """The tokens of a training micro batch of a node of `config`, as its trainer's measurement is keyed (`train_rows`)."""
+    return train_rows(config.train.micro_batch_size, config.rollout.max_completion_length)
 
 
 def follower_engine_dtype(config: Any, model_config: Any) -> torch.dtype:

@@ -98,3 +98,28 @@ def test_a_node_short_of_memory_trains_in_smaller_micro_batches_and_says_so():
     assert fit_micro_batch(gpu, shape, available=GIB // 2, resident=0)[::2] == (8, False)
     size, why, fits = fit_micro_batch(config, shape, available=GIB, resident=0)
     assert size == 1 and not fits and "even in micro batches of one sample" in why and "the kernel may stop it mid-round" in why
+
+
+def test_the_demo_sizes_its_nodes_by_the_precision_their_trainer_measures_here(tmp_path):
+    """A CPU's bf16 flag does not say which precision it trains faster in: the demo sizes by the trainer's measurement,
+    read here from a cache seeded under the key a node of 3 on this machine looks up."""
+    import json
+
+    from hivespec.node.demo import _at_measured_precision
+    from hivespec.node.model.loader import load_model_config
+    from hivespec.node.model.precision import ModelShape as Shapes
+    from hivespec.node.model.precision import measurement_key, train_rows
+
+    config = load_config("tiny", overrides={"model.autocast": "auto", "model.threads": "1"}, environ={})
+    cache = tmp_path / "precision.json"
+    rows = train_rows(config.train.micro_batch_size, config.rollout.max_completion_length)
+    key = measurement_key("trainer", Shapes.of(load_model_config("tiny")), rows, 1, cpu_facts())
+    shape = model_shape("tiny")
+    for seconds, autocast, label in (((1.0, 2.0), False, "float32"), ((2.0, 1.0), True, "bfloat16 autocast")):
+        cache.write_text(json.dumps({key: {"float32": seconds[0], "bfloat16": seconds[1]}}))
+        sized, trains = _at_measured_precision(config, local_nodes=3, cache=cache)
+        assert (sized.model.autocast, trains) == (autocast, f" (in {label} here)")
+        explicit = replace(config, model=replace(config.model, autocast=autocast))
+        assert config_peak_bytes(sized, shape) == config_peak_bytes(explicit, shape)
+    set_by_user = replace(config, model=replace(config.model, autocast=True))
+    assert _at_measured_precision(set_by_user, local_nodes=3, cache=cache) == (set_by_user, "")

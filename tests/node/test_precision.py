@@ -283,3 +283,18 @@ def test_status_snapshot_carries_the_choice_and_older_snapshots_still_decode():
     verdict, decoded = decode_status(older.encode())
     assert verdict.ok and decoded.node.engine_dtype == "" and decoded.node.attention == [] and "precision:" not in render_text(decoded)
     assert "attention:" not in render_text(decoded)
+
+
+def test_the_trainer_measured_from_the_models_config_is_the_one_a_node_reads_back(tiny, tmp_path):
+    """`trainer_precision` (what the demo sizes its nodes by, no weights loaded) times at the node's threads under the key
+    the node's own start (`resolve_node_precision`, the loaded model) then finds in the cache."""
+    from hivespec.node.model.loader import load_model
+    from hivespec.node.model.precision import resolve_node_precision, trainer_precision
+
+    cache = tmp_path / "precision.json"
+    config = load_config("tiny", overrides={"model.engine_dtype": "auto", "model.autocast": "auto"}, environ={})
+    threads = torch.get_num_threads()
+    before = trainer_precision(config, tiny, threads=THREADS, cache=cache)
+    assert (before.role, before.source, torch.get_num_threads()) == ("trainer", "measured", threads)
+    plan = resolve_node_precision(config, load_model("tiny"), threads=THREADS, cache=cache)
+    assert (plan.trainer.source, plan.trainer.dtype) == ("cached", before.dtype)
