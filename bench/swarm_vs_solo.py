@@ -41,7 +41,8 @@ held-out questions with the same receiver-side verifier the nodes use).
     nice -n 5 python bench/swarm_vs_solo.py --only-spec --spec-dtype float32 --nodes 3
 
 Writes <workdir>/progress.log (one line per node-round, as they happen), <workdir>/curves.json
-(after each phase) and the plot (--plot, default docs/swarm_vs_solo.png). Ends with
+(after each phase) and the plot (--plot, default <workdir>/swarm_vs_solo.png; `--plot docs/swarm_vs_solo.png` redraws
+the README's). Ends with
 `RESULT {"cumulative_reward_ratio", "heldout_shared", "heldout_solo", "spec_identical_curves", ...}`, with standard
 errors: the ratio's by the delta method over paired rounds, held-out accuracies' over questions (each question's
 score averaged over a condition's nodes; shared - solo paired by question).
@@ -341,14 +342,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only-spec", action="store_true", help="only the speculation pair (with --spec-dtype float32)")
     parser.add_argument("--spec-rounds", type=int, default=None, help="rounds of the speculation check (default min(rounds, 4))")
     parser.add_argument("--workdir", default=None, help="node homes, logs and curves (default runs/swarm-vs-solo-<time>)")
-    parser.add_argument("--plot", default=None, help="PNG of reward per round (default docs/swarm_vs_solo.png; "
-                        "docs/swarm_vs_solo_<config>.png for another --config)")
+    parser.add_argument("--plot", default=None, help="PNG of reward per round (default <workdir>/swarm_vs_solo.png, "
+                        "swarm_vs_solo_<config>.png for another --config; docs/ holds the README's)")
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (2 if args.quick else 4)
     args.rounds = args.rounds or (2 if args.quick else 12)
     args.heldout = args.heldout or (8 if args.quick else 32)
     args.spec_rounds = args.spec_rounds or min(args.rounds, 4)
-    args.plot = args.plot or ("docs/swarm_vs_solo.png" if args.config == "demo" else f"docs/swarm_vs_solo_{args.config}.png")
     if args.only_spec and (args.spec_dtype == "same" or args.skip_spec):
         parser.error("--only-spec needs --spec-dtype float32 (there is no solo node 0 run to compare with) and no --skip-spec")
     return args
@@ -507,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"shared {heldout_shared:.3f} +- {heldout_shared_se:.3f} {summary['shared']['heldout']}, "
           f"solo {heldout_solo:.3f} +- {heldout_solo_se:.3f} {summary['solo']['heldout']}; "
           f"shared - solo {heldout_diff:+.3f} +- {heldout_diff_se:.3f} (paired over questions)")
-    plot = Path(args.plot)
+    plot = Path(args.plot) if args.plot else root / ("swarm_vs_solo.png" if args.config == "demo" else f"swarm_vs_solo_{args.config}.png")
     plot_curves(plot, {"shared": (shared_curve[:rounds], (31, 119, 180)), "solo": (solo_curve[:rounds], (255, 127, 14))},
                 f"Mean reward per round over {s.nodes} nodes")
     print(f"plot: {plot}; total {time.monotonic() - bench_started:.0f}s", flush=True)
