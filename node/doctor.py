@@ -121,11 +121,11 @@ def check_precision(config: NodeConfig, *, cache: Path | None | Literal["default
 
     WARN where an explicit setting is one this device runs slower than the alternative.
     """
-    from hivespec.node.model.loader import load_model
+    from hivespec.node.model.loader import load_model, node_threads
     from hivespec.node.model.precision import resolve_node_precision
 
     model = config.model
-    threads = model.threads or max(1, os.cpu_count() or 1)
+    threads = node_threads(model.threads)  # a node alone on this machine
     torch.set_num_threads(threads)
     try:
         loaded = load_model(model.name)  # the sync estimate samples its real weights, as a node's does
