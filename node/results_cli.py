@@ -74,6 +74,18 @@ def _eval_tasks(args: argparse.Namespace, record):
     return TaskSource.from_config(tasks), tasks
 
 
+def _model_folder(folder: Path) -> Path:
+    """``folder`` where it holds a model; an `InputError` naming what is missing before any model is loaded and scored."""
+    from hivespec.node.config import InputError
+
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise InputError(f"--model {folder} {what}; pass the folder `hivespec export --out` wrote")
+    if not (folder / "config.json").is_file():
+        raise InputError(f"--model {folder} has no config.json; pass the folder `hivespec export --out` wrote")
+    return folder
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import gc
     import json
@@ -89,7 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.home and args.model:
         raise InputError("pass --home (a node's latest policy) or --model (an exported folder), not both")
     if args.model:
-        folder = Path(args.model).expanduser()
+        folder = _model_folder(Path(args.model).expanduser())
         record = read_export_record(folder)
         trained_name = str(folder)
 

@@ -166,6 +166,8 @@ def _cases() -> list[Case]:
         c(["report", "{tmp}/adir"], "holds no round events"),
         c(["eval", "--home", "{tmp}/adir", "--model", "{tmp}/adir"], "not both"),
         c(["eval", "--home", "{tmp}/nohome"], "--home {tmp}/nohome is not a folder"),
+        c(["eval", "--model", "{tmp}/nothere"], "--model {tmp}/nothere does not exist"),
+        c(["eval", "--model", "{tmp}/adir"], "--model {tmp}/adir has no config.json"),
         # ----- the environment ------------------------------------------------------------------------
         c(["join", "--model", "tiny", "--home", "{tmp}/faults-home"], "HIVESPEC_FAULTS entry 'x@y'", env={"HIVESPEC_FAULTS": "x@y"}),
     ]
