@@ -231,11 +231,11 @@ class Intake:
                 # evidence of a lie: skip the rollout, never trust its reward.
                 unregenerable[why] += 1
                 continue
-            failure = self._check_rollout(rollout, task)
-            if failure is not None:
-                reason, detail = failure
+            checked = self._verified(rollout, task)
+            if not isinstance(checked, Rollout):
+                reason, detail = checked
                 return Admission("reject", reason, f"{rollout.prompt_id}#{rollout.sample_index}: {detail}", author)
-            usable.append(rollout)
+            usable.append(checked)
         for why, count in unregenerable.items():
             self.counters.reasons[f"{SPEC_REASON_PREFIX}{why}"] += count
         if not usable:
@@ -262,15 +262,21 @@ class Intake:
             return Admission("ignore", AdmissionReason.DUPLICATE, "", author)
         return Admission("accept", "ok", "", author, tuple(fresh), batch.policy_version, born=envelope.timestamp)
 
-    def _check_rollout(self, rollout: Rollout, task: Task) -> tuple[str, str] | None:
+    def _verified(self, rollout: Rollout, task: Task) -> Rollout | tuple[str, str]:
+        """`rollout` carrying the reward we computed, or (reason, detail) refusing it.
+
+        A claim within rounding of our reward is honest; the claim itself is never kept: a group verified flat but
+        claimed `[0, 0, 0, 1e-6]` would otherwise train as informative, crowd honest groups out of the pool and
+        shrink every honest sample's share of the step's tokens.
+        """
         expected = self._prompt_ids(task)
         if tuple(int(t) for t in rollout.prompt_ids) != expected:
             return AdmissionReason.PROMPT_MISMATCH, "prompt tokens differ from our chat prompt"
         text = self.tokenizer.decode(np.asarray(rollout.completion_ids).tolist(), skip_special_tokens=True)
-        reward = self.tasks.reward(task, text)
+        reward = float(self.tasks.reward(task, text))
         if not np.isclose(reward, rollout.reward, atol=1e-6):
             return AdmissionReason.REWARD_MISMATCH, f"claimed {rollout.reward}, verified {reward}"
-        return None
+        return rollout if reward == rollout.reward else dataclasses.replace(rollout, reward=reward)
 
     def _prompt_ids(self, task) -> tuple[int, ...]:
         cached = self._prompt_cache.get(task.prompt_id)

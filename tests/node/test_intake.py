@@ -8,6 +8,7 @@ import pytest
 
 from hivespec.node.model.loader import load_tokenizer
 from hivespec.node.tasks.source import TaskSource
+from hivespec.node.training.foreign_pool import ForeignPool
 from hivespec.node.training.intake import Intake
 from hivespec.node.training.store import RolloutStore
 from hivespec.protocol.envelope import Kind, seal
@@ -107,6 +108,22 @@ def test_a_false_claim_of_success_is_rejected(world, tokenizer):
     lie = dataclasses.replace(wrong, reward=1.0)
     admission = intake.admit(peer.peer_id, _envelope(peer, [lie]))
     assert (admission.outcome, admission.reason) == ("reject", "reward_mismatch")
+
+
+def test_a_claim_within_rounding_is_admitted_with_the_reward_we_computed(world, tokenizer):
+    """A group verified flat (no gradient) and claimed `[0, 1e-7]` must not train as informative."""
+    tasks, intake, store = world
+    peer = Identity.generate()
+    flat = _rollouts(tasks, tokenizer, answer_right=False)
+    assert {r.reward for r in flat} == {0.0}
+    nudged = [flat[0], dataclasses.replace(flat[1], reward=1e-7)]
+    admission = intake.admit(peer.peer_id, _envelope(peer, nudged))
+    assert (admission.outcome, admission.reason) == ("accept", "ok")
+    assert [r.reward for r in admission.rollouts] == [0.0, 0.0]
+    pool = ForeignPool(foreign_fraction=0.5, still_fresh=intake.still_fresh)
+    assert pool.admit(peer.peer_id, 3, admission.rollouts, 5, born=admission.born) == 0
+    assert len(pool) == 0, "a flat group is not queued"
+    assert [row.reward for row in store.foreign_after(0)] == [0.0, 0.0], "the journal keeps our reward, not the claim"
 
 
 def test_envelope_level_checks(world, tokenizer):
