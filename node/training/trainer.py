@@ -265,14 +265,15 @@ class Trainer:
         started = time.perf_counter()
         sources = sorted({s.source for s in samples})
         batches = list(self._plan(samples, sources, flat=self.flat_sample_stats))
-        self.model.train()
+        # The model stays in eval mode: dropout (a config's attention or hidden dropout) would make the step's forward
+        # another policy than the one `logprobs` and the engine ran, and the importance ratios noise.
+        self.model.eval()
         self.optimizer_steps_in_call = 0
         try:
             return self._step(samples, sources, batches, started)
         except BaseException:
             if self.optimizer_steps_in_call == 0:  # abandoned before any update: leave no gradient behind
                 self.optimizer.zero_grad(set_to_none=True)
-            self.model.eval()
             raise
 
     def _step(self, samples: Sequence[TrainSample], sources: list[str], batches: list[_MicroBatch], started: float) -> StepStats:
@@ -324,7 +325,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, clipped_total, kl_total, grad_norm_value = to_host([torch.stack([loss_sum, clipped, kl_sum, grad_norm])])[0].tolist()
         self.version += 1
-        self.model.eval()
         by_source, foreign = self._source_stats(weights, batches, sources)
         trained = [s for b in batches if b.with_grad for s, _ in b.samples]
         return StepStats(

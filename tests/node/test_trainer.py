@@ -56,11 +56,16 @@ def test_group_advantages_by_hand():
     assert mean_std == pytest.approx([2 / std, -1 / std, -1 / std])
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_on_policy_own_samples_have_weight_exactly_one(autocast):
+@pytest.mark.parametrize("autocast, dropout", [(False, 0.0), (True, 0.0), (False, 0.5)],
+                         ids=["float32", "autocast", "a-model-with-dropout"])
+def test_on_policy_own_samples_have_weight_exactly_one(autocast, dropout):
     """Behaviour log-probs from the trainer's own path (same micro batches, kernels, dtype and
-    autocast) give log-ratios of exactly 0, so weights, PPO ratios and ESS/n are exactly 1."""
+    autocast) give log-ratios of exactly 0, so weights, PPO ratios and ESS/n are exactly 1; a model
+    whose config has dropout trains without it (RL's ratios compare two forwards of one policy)."""
     model = load_model("tiny", dtype=torch.float32)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = dropout
     trainer = _trainer(model, micro_batch_size=2, autocast_dtype=torch.bfloat16 if autocast else None, flat_sample_stats=True)
     prompt = [1, 2, 3, 4]
     shapes = [([40, 41, 42], 1.0), ([50, 51], 0.0), ([60], 0.0), ([70, 71, 72, 73], 1.0), ([80, 81], 1.0), ([90], 1.0)]
