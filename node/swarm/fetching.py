@@ -29,7 +29,7 @@ from hivespec.node.swarm.index import Candidate
 from hivespec.node.swarm.nat import RELAYED_BODY_LIMIT, is_circuit
 from hivespec.node.swarm.peers import PeerScores
 from hivespec.node.swarm.records import Holder
-from hivespec.node.swarm.transfer import BadBody, download
+from hivespec.node.swarm.transfer import PARALLEL_FETCHES, BadBody, download
 from hivespec.protocol.envelope import Envelope, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.private import PrivateSwarm
@@ -71,7 +71,7 @@ class Fetcher:
         stats: Counter,
         record_ttl: float = 600.0,
         limits: Limits = DEFAULT_LIMITS,
-        max_parallel: int = 8,
+        max_parallel: int = PARALLEL_FETCHES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.private = private

@@ -10,6 +10,7 @@ whose sha256 differs from the announced one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections import Counter
@@ -26,6 +27,9 @@ STREAM_NAME = "hivespec.rollouts.v1"
 CHUNK_BYTES = 1 * MIB
 _STATUS_FOUND, _STATUS_MISSING = 0, 1
 _HEADER_BYTES = 9  # status (1) + body length (8, big-endian)
+# A reader's downloads at once (`fetching.Fetcher`), and so the streams a holder serves one peer at once: an honest
+# reader never opens more, and a peer that does cannot hold more of the holder's answers than that.
+PARALLEL_FETCHES = 8
 
 
 class BadBody(Exception):
@@ -39,28 +43,37 @@ async def serve_body(
     *,
     timeout: float,
     stats: Counter,
+    slots: asyncio.Semaphore | None = None,
 ) -> None:
-    """Answer one body request; every read and drain has `timeout`, and no error escapes."""
+    """Answer one body request; every read and drain has `timeout`, and no error escapes.
+
+    With `slots`, the answer waits for one of them, the request's read does not: a peer that opens streams and sends
+    nothing holds none, and honest requests behind it are answered at once.
+    """
     try:
         digest = await asyncio.wait_for(reader.readexactly(32), timeout)
-        body = lookup(digest)
-        if body is None:
-            writer.write(bytes([_STATUS_MISSING]) + (0).to_bytes(8, "big"))
-            stats["serve_missing"] += 1
-        else:
-            writer.write(bytes([_STATUS_FOUND]) + len(body).to_bytes(8, "big"))
-            view = memoryview(body)
-            for offset in range(0, len(body), CHUNK_BYTES):
-                writer.write(view[offset : offset + CHUNK_BYTES])
-                await asyncio.wait_for(writer.drain(), timeout)
-            stats["bodies_served"] += 1
-            stats["bytes_out"] += len(body)
-        await asyncio.wait_for(writer.drain(), timeout)
+        async with slots if slots is not None else contextlib.nullcontext():
+            await _answer(lookup(digest), writer, timeout=timeout, stats=stats)
     except Exception as exc:  # noqa: BLE001 - a peer that hangs up or stalls costs us nothing but a log line
         stats["serve_errors"] += 1
         logger.debug("serving a body failed: %s: %s", type(exc).__name__, exc)
     finally:
         writer.close()
+
+
+async def _answer(body: bytes | None, writer: asyncio.StreamWriter, *, timeout: float, stats: Counter) -> None:
+    if body is None:
+        writer.write(bytes([_STATUS_MISSING]) + (0).to_bytes(8, "big"))
+        stats["serve_missing"] += 1
+    else:
+        writer.write(bytes([_STATUS_FOUND]) + len(body).to_bytes(8, "big"))
+        view = memoryview(body)
+        for offset in range(0, len(body), CHUNK_BYTES):
+            writer.write(view[offset : offset + CHUNK_BYTES])
+            await asyncio.wait_for(writer.drain(), timeout)
+        stats["bodies_served"] += 1
+        stats["bytes_out"] += len(body)
+    await asyncio.wait_for(writer.drain(), timeout)
 
 
 async def _open_stream(

@@ -110,3 +110,44 @@ def test_a_natted_holders_stream_cut_before_the_body_is_asked_once_more() -> Non
     # A reachable holder's cut stream is a failure like any other: the next holder (none here) is asked instead.
     assert reachable is None and reachable_stats["fetch_failures"] == 1 and reachable_stats["circuit_retries"] == 0
     assert streams == 3
+
+
+def test_a_peer_that_opens_streams_and_sends_nothing_delays_no_other_reader() -> None:
+    """A holder's answers take a slot only once their request is read, and one peer has at most `per_peer` streams
+    open: a peer holding every slot's worth of idle streams (real p2pd on loopback) delays no honest reader."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from hivespec.node.swarm.bodies import BodyStore
+    from hivespec.node.swarm.transfer import STREAM_NAME, download
+
+    body = b"rollouts" * 1000
+    digest = hashlib.sha256(body).digest()
+    stats = Counter()
+    # request_timeout is far longer than the test: an answer queued behind the idle streams would not come in time.
+    store = BodyStore(keep_seconds=600.0, keep_bytes=1 << 20, request_timeout=120.0, stats=stats, max_parallel=2, per_peer=2)
+    store.keep(digest, body)
+
+    async def scenario() -> bytes:
+        holder = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        maddrs = [str(m) for m in await holder.get_visible_maddrs()]
+        idler, reader = [await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+                         for _ in range(2)]
+        try:
+            await holder.add_binary_stream_handler(STREAM_NAME, store.serve)
+            idle = [await idler.call_binary_stream_handler(holder.peer_id, STREAM_NAME) for _ in range(3)]
+            # the third idle stream is over the idler's share: closed at once, the reader sees its end
+            assert await asyncio.wait_for(idle[2][1].read(), 30.0) == b""
+            got = await asyncio.wait_for(download(reader, holder.peer_id, maddrs, digest, len(body), timeout=30.0), 60.0)
+            assert stats["serve_errors"] == 0, "the idle streams were still open while the reader was answered"
+            for _, _, writer in idle:
+                writer.close()
+            return got
+        finally:
+            await reader.shutdown()
+            await idler.shutdown()
+            await holder.shutdown()
+
+    assert asyncio.run(scenario()) == body
+    assert stats["serve_busy_peer"] == 1 and stats["bodies_served"] == 1
