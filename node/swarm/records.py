@@ -106,7 +106,7 @@ class IndexRecords:
         self._replicas: OrderedDict[str, tuple[float, dict[DHTID, PeerID]]] = OrderedDict()  # key -> (found at, nearest)
         self._seq_lock = threading.Lock()
         self._seq = 0
-        self._last_expiry = 0.0
+        self._expiry: dict[str, float] = {}  # key -> the expiration of our last record there, while it lasts
 
     def attach(self, dht: DHTNode, p2p_id: str, maddrs: list[str]) -> None:
         """Use this DHT node, announcing this libp2p id and these addresses (gossip's start)."""
@@ -171,9 +171,12 @@ class IndexRecords:
         """Write our record for `key` (what we hold there); False when no DHT peer accepted it."""
         items = self.held(key)[:MAX_ITEMS]
         self._unsent.discard(key)
-        # Strictly increasing: the DHT keeps a subkey's value only if its expiration is newer.
-        expires = max(get_dht_time() + self.record_ttl, self._last_expiry + 1e-3)
-        self._last_expiry = expires
+        # Strictly increasing per key: the DHT keeps a subkey's value only if its expiration is newer. Per key, not across
+        # keys: after the clock steps back (NTP mending a clock that ran ahead), an expiration carried over from before the
+        # step lies past what every validator takes (`dht_guard.EXPIRY_SLACK_S`), and each new key's store was refused too.
+        now = get_dht_time()
+        expires = max(now + self.record_ttl, self._expiry.get(key, 0.0) + 1e-3)
+        self._expiry = {k: e for k, e in self._expiry.items() if e > now} | {key: expires}
         body = encode_announce(Announce(key, expires, self._p2p_id, self._maddrs, tuple(items)))
         if self.private is not None:
             body = self.private.seal_index(body, context=DHTID.generate(source=key).to_bytes().hex())

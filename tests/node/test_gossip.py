@@ -936,3 +936,18 @@ def test_the_authors_own_record_says_what_its_batch_is_whatever_a_relay_said_fir
         reader.rollouts._add_candidates(candidates, walk)
         (candidate,) = candidates.values()
         assert candidate.item == item and [h.p2p_peer_id for h in candidate.holders] == [n._p2p.peer_id for n in holders]
+
+
+def test_stores_go_on_under_new_keys_after_the_clock_steps_back(swarm: list[Gossip], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock that ran 120 s ahead and was then stepped back (the clock check's own advice: sync it) leaves its last
+    expiration in the future; a later store under another key must not carry it, or every validator refuses it."""
+    writer, reader = swarm[0], swarm[1]
+    monkeypatch.setattr(records, "get_dht_time", lambda: time.time() + 120.0)
+    try:
+        writer.publish(121, os.urandom(500), topic="delta")  # refused by peers whose clocks are right; no matter
+    except GossipError:
+        pass
+    monkeypatch.setattr(records, "get_dht_time", time.time)  # the clock stepped back
+    body = os.urandom(600)
+    writer.publish(122, body, topic="delta")
+    assert [f.body for f in reader.wait_for_slot(122, topic="delta", peers=1, timeout=30)] == [body]
