@@ -139,7 +139,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"scoring {label} ({name}) on {len(questions)} held-out questions ...", flush=True)
         model, tokenizer = load()
-        fingerprints.append(model_fingerprint(model.config, tokenizer))
+        # Architecture and tokenizer, not the hub commit: an exported folder has none of its own, and
+        # --base/--revision may name another revision of the same model on purpose.
+        fingerprints.append(model_fingerprint(model.config, tokenizer, with_revision=False))
         if fingerprints[0] != fingerprints[-1]:
             raise InputError(f"{name} has model fingerprint {fingerprints[-1]}, the base {base_name} {fingerprints[0]}: "
                              "they are not the same architecture and tokenizer; pass the base it was trained from with --base")

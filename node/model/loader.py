@@ -283,6 +283,22 @@ def load_model_config(source: str = EMBEDDED_MODEL, *, revision: str | None = No
         raise ModelSourceError(_remote_code_hint(source, error)) from None
 
 
+_EXPORT_RECORD = "hivespec_policy.json"  # node/export.py's EXPORT_RECORD: the record `hivespec export` writes in its folder
+
+
+def _exported_base_commit(folder: Path) -> str | None:
+    """The hub commit of the base an exported policy folder was trained from (its hivespec_policy.json), if any.
+
+    save_pretrained drops ``_commit_hash``; without it a policy trained from a hub model would
+    load, exported, under another fingerprint than the swarm it trained in, and never rejoin it.
+    """
+    try:
+        commit = json.loads((folder / _EXPORT_RECORD).read_text()).get("commit")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return commit if isinstance(commit, str) and commit else None
+
+
 def load_model(
     source: str = EMBEDDED_MODEL,
     *,
@@ -296,7 +312,8 @@ def load_model(
 
     ``seed`` only matters for ``"tiny"``; ``revision`` and ``trust_remote_code`` only for hub ids
     (and remote code in a local folder). A hub-loaded model's ``config._commit_hash`` is the
-    resolved commit, which `model_fingerprint` covers. Parameters keep ``requires_grad`` as
+    resolved commit, which `model_fingerprint` covers; a folder `hivespec export` wrote gets
+    the commit of the hub base it was trained from. Parameters keep ``requires_grad`` as
     loaded (True); callers that only sample should wrap their forwards in ``torch.inference_mode()``.
     """
     started = time.perf_counter()
@@ -314,6 +331,8 @@ def load_model(
             raise ModelSourceError(_remote_code_hint(source, error)) from None
         if folder.parent.name == "snapshots":  # a hub snapshot: the folder name is its commit
             model.config._commit_hash = folder.name
+        elif commit := _exported_base_commit(folder):
+            model.config._commit_hash = commit
     # Cast after loading so a bf16 model is exactly the rounding of the fp32 one.
     model = model.to(device=device, dtype=dtype)
     model.eval()
@@ -321,14 +340,16 @@ def load_model(
     return model
 
 
-def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> str:
+def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase, *, with_revision: bool = True) -> str:
     """16-hex-char digest of what a model computes: architecture config and tokenizer.
 
     Volatile fields (dtype, library version, load path, quantization bookkeeping) are left
     out, so the fingerprint is the same across processes, dtypes and GGUF-vs-cache loads.
     Weights are not hashed: peers that fine-tune diverge in weights but stay compatible. A
     model loaded from a hub snapshot adds its commit (``config._commit_hash``), so peers that
-    start from other revisions of the same architecture do not mix.
+    start from other revisions of the same architecture do not mix; ``with_revision=False``
+    leaves it out (architecture and tokenizer alone: what `hivespec eval` compares a trained
+    model with its base by).
     """
     config = {
         key: value
@@ -346,7 +367,7 @@ def model_fingerprint(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> 
         "special_tokens": sorted(tokenizer.all_special_tokens),
         "chat_template": tokenizer.chat_template,
     }
-    revision = getattr(model_config, "_commit_hash", None)
+    revision = getattr(model_config, "_commit_hash", None) if with_revision else None
     if revision:
         payload["revision"] = revision
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()

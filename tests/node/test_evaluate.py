@@ -47,11 +47,12 @@ def _eval(*argv: str) -> argparse.Namespace:
     return args
 
 
-def _home(tmp_path, *, nudge: float, heldout: float = 0.5):
-    model, tokenizer = load_model("tiny"), load_tokenizer("tiny")
+def _home(tmp_path, *, nudge: float, heldout: float = 0.5, base: str = "tiny"):
+    model, tokenizer = load_model(base), load_tokenizer(base)
     with torch.no_grad():
         model.lm_head.weight.add_(nudge)  # tied to the embeddings: a different policy unless 0
-    record = PolicyRecord(node="n0", peer_id="p", swarm="s", model="tiny", revision=None, commit=None,
+    record = PolicyRecord(node="n0", peer_id="p", swarm="s", model=base, revision=None,
+                          commit=getattr(model.config, "_commit_hash", None),
                           fingerprint=model_fingerprint(model.config, tokenizer), policy_version=1, rounds=1, policy_hash="",
                           weights="", weights_sha256="", train_dtype="float32", tasks=MIX, heldout_fraction=heldout)
     home = tmp_path / "home"
@@ -98,3 +99,35 @@ def test_eval_of_a_home_and_what_it_refuses(tmp_path, capsys):
     args = _eval("--home", str(no_split))
     with pytest.raises(InputError, match="heldout_fraction 0"):
         args.func(args)
+
+
+HUB_REPO, HUB_COMMIT = "hivespec-test/tiny-chat", "c" * 40
+
+
+@pytest.fixture
+def hub_base(tmp_path, monkeypatch) -> str:
+    """A hub cache holding the tiny model as HUB_REPO at HUB_COMMIT (as tests/node/test_hub_model.py builds one), offline."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / f"models--{HUB_REPO.replace('/', '--')}"
+    snapshot = repo / "snapshots" / HUB_COMMIT
+    load_model("tiny").save_pretrained(snapshot)
+    load_tokenizer("tiny").save_pretrained(snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return HUB_REPO
+
+
+def test_an_export_of_a_policy_trained_from_a_hub_model_is_evaluated_and_rejoins_its_swarm(tmp_path, capsys, hub_base):
+    """save_pretrained drops the hub commit the node's fingerprint covers: eval compared the two and always refused."""
+    home = _home(tmp_path, nudge=0.05, base=hub_base)
+    out = export_policy(find_policy(home), tmp_path / "exported").out
+    args = _eval("--model", str(out))
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["models"]["base"]["model"] == hub_base and result["models"]["trained"]["model"] == str(out)
+    # `hivespec join --model DIR`: the fingerprint the node trained under (its swarm's), hub commit and all.
+    trained_under = find_policy(home).record.fingerprint
+    assert model_fingerprint(load_model(str(out)).config, load_tokenizer(str(out))) == trained_under
