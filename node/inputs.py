@@ -129,10 +129,12 @@ def check_leader(leader: str) -> None:
 
 
 def _check_maddr(maddr: str, where: str) -> None:
-    from hivespec.node.swarm.bootstrap import is_bootstrap_maddr
+    from hivespec.node.swarm.bootstrap import maddr_problem
 
-    if not is_bootstrap_maddr(maddr):
-        raise InputError(f"{where} {maddr[:120]!r} is not a peer's multiaddr; use the form {MADDR_FORM}")
+    problem = maddr_problem(maddr)
+    if problem is not None:
+        why = "" if problem == "not of the form" else f" ({problem})"
+        raise InputError(f"{where} {maddr[:120]!r} is not a peer's multiaddr{why}; use the form {MADDR_FORM}")
     port = int(maddr.split("/")[4])
     if not 1 <= port <= 65535:
         raise InputError(f"{where} {maddr[:120]!r} has port {port}; a TCP port is 1..65535")

@@ -103,8 +103,28 @@ class HomeLock:
 
 
 def is_bootstrap_maddr(text: str) -> bool:
-    """Whether `text` looks like a dialable multiaddr with a ``/p2p/<peer id>`` part."""
-    return isinstance(text, str) and _MADDR.fullmatch(text.strip()) is not None
+    """Whether `text` is a dialable multiaddr with a ``/p2p/<peer id>`` part."""
+    return maddr_problem(text) is None
+
+
+def maddr_problem(text: str) -> str | None:
+    """What keeps `text` from being a dialable multiaddr with a ``/p2p/<peer id>`` part; None where nothing does.
+
+    The form alone is not enough: ``/ip4/boot.example.org/...`` has it and fails to parse, which had stopped a node's
+    start with every other bootstrap peer fine.
+    """
+    if not isinstance(text, str) or _MADDR.fullmatch(text.strip()) is None:
+        return "not of the form"
+    try:
+        Multiaddr(text.strip()).value_for_protocol("p2p")
+    except ValueError as exc:  # multiaddr's ParseError: "Invalid MultiAddr '...' protocol <name>: <reason>"
+        reason = str(exc).rsplit(": ", 1)[-1]
+        if " protocol p2p: " in str(exc):
+            return "the peer id after /p2p/ does not decode"
+        host = re.fullmatch(r"base address '(.*)' is not IPv[46]", reason)
+        named = host is not None and re.search("[g-z]", host[1], re.IGNORECASE)  # a letter past hex: a name, not an address
+        return reason + ("; a host name goes under /dns4/ or /dns6/" if named else "")
+    return None
 
 
 def read_peers_file(path: Path) -> list[str]:

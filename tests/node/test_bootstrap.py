@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,27 @@ def test_malformed_sources_fail_with_the_line(tmp_path: Path) -> None:
         bootstrap_candidates([], environ={PEERS_ENV: "hello"})
     (tmp_path / "cache.json").write_text("[broken")
     assert PeerCache.load(tmp_path / "cache.json").maddrs() == []  # the cache is a hint: never fatal
+
+
+@pytest.mark.parametrize("maddr, reason", [
+    ("/ip4/boot.example.org/tcp/31337/p2p/12D3KooWGAeBwmWNYQwRDrDzeVdFxeWDrou7MZ99wpNfUjFJzWJV",
+     "base address 'boot.example.org' is not IPv4; a host name goes under /dns4/ or /dns6/"),
+    ("/ip4/1.2.3/tcp/31337/p2p/12D3KooWGAeBwmWNYQwRDrDzeVdFxeWDrou7MZ99wpNfUjFJzWJV", "base address '1.2.3' is not IPv4"),
+    ("/ip4/1.2.3.4/tcp/31337/p2p/Qmbadbadbadbadbadbadbadbadbadbadbadbad", "the peer id after /p2p/ does not decode"),
+])
+def test_a_multiaddr_of_the_right_form_that_does_not_parse_is_refused_before_the_node_starts(maddr: str, reason: str) -> None:
+    """Such an entry had passed the input checks and then stopped gossip's start, whatever other peers were listed."""
+    from hivespec.node.config import InputError, load_config
+    from hivespec.node.inputs import check_swarm_inputs
+    from hivespec.node.swarm.bootstrap import is_bootstrap_maddr, maddr_problem
+
+    assert not is_bootstrap_maddr(maddr) and maddr_problem(maddr) == reason
+    with pytest.raises(ValueError, match="from config"):
+        bootstrap_candidates([A, maddr], environ={})
+    config = load_config("tiny", overrides={"swarm.initial_peers": f"[{A!r}, {maddr!r}]"})
+    with pytest.raises(InputError, match=f"is not a peer's multiaddr \\({re.escape(reason)}\\)"):
+        check_swarm_inputs(config)
+    assert all(is_bootstrap_maddr(m) for m in (A, B, C))
 
 
 def test_cache_keeps_the_newest_peers(tmp_path: Path) -> None:
