@@ -95,7 +95,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from hivespec.node.config import InputError, default_home
     from hivespec.node.evaluate import EvalSettings, format_table, score_model, to_json
     from hivespec.node.export import find_policy, load_policy_model, read_export_record
-    from hivespec.node.model.loader import ModelSourceError, configure_threads, load_model, load_tokenizer, model_fingerprint
+    from hivespec.node.model.loader import (
+        ModelSourceError,
+        configure_threads,
+        load_model,
+        load_model_config,
+        load_tokenizer,
+        model_fingerprint,
+    )
 
     configure_threads()
     if args.home and args.model:
@@ -110,6 +117,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 return load_model(str(folder)), load_tokenizer(str(folder))
             except ModelSourceError as exc:
                 raise InputError(str(exc)) from None
+            except OSError as exc:  # a config.json without weights or tokenizer files beside it
+                raise InputError(f"cannot load --model {folder}: {' '.join(str(exc).split())[:240]}; pass the folder "
+                                 "`hivespec export --out` wrote") from None
     else:
         home = Path(args.home).expanduser() if args.home else default_home()
         source = find_policy(home)
@@ -130,28 +140,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
         questions = source_tasks.heldout(seed=settings.seed, count=settings.questions)
     except ValueError as exc:
         raise InputError(f"{exc}; ask fewer questions with --n") from None
+    # Everything that can refuse is checked before any scoring (minutes on a CPU): the base's config and tokenizer
+    # (no weights), then the trained model, loaded and verified (weights sha256, fingerprint). The trained model is
+    # scored first, so only one model is in memory at a time; keyed sampling makes the order irrelevant to the scores.
+    base_tokenizer = load_tokenizer(base_name, revision=base_revision)
+    # Architecture and tokenizer, not the hub commit: --base/--revision may name another revision on purpose.
+    base_fingerprint = model_fingerprint(load_model_config(base_name, revision=base_revision), base_tokenizer, with_revision=False)
+    trained, tokenizer = load_trained()
+    fingerprint = model_fingerprint(trained.config, tokenizer, with_revision=False)
+    if fingerprint != base_fingerprint:
+        raise InputError(f"{trained_name} has model fingerprint {fingerprint}, the base {base_name} {base_fingerprint}: "
+                         "they are not the same architecture and tokenizer; pass the base it was trained from with --base")
     dtype = getattr(torch, args.dtype)
-    rows, fingerprints = [], []
-    for label, name, load in (
-        ("base", base_name, lambda: (load_model(base_name, revision=base_revision), load_tokenizer(base_name, revision=base_revision))),
-        ("trained", trained_name, load_trained),
-    ):
+
+    def score(label: str, name: str, model, tokenizer):
         if not args.json:
             print(f"scoring {label} ({name}) on {len(questions)} held-out questions ...", flush=True)
-        model, tokenizer = load()
-        # Architecture and tokenizer, not the hub commit: an exported folder has none of its own, and
-        # --base/--revision may name another revision of the same model on purpose.
-        fingerprints.append(model_fingerprint(model.config, tokenizer, with_revision=False))
-        if fingerprints[0] != fingerprints[-1]:
-            raise InputError(f"{name} has model fingerprint {fingerprints[-1]}, the base {base_name} {fingerprints[0]}: "
-                             "they are not the same architecture and tokenizer; pass the base it was trained from with --base")
 
-        def say(line: str, label: str = label) -> None:
+        def say(line: str) -> None:
             print(f"  {label}, {line}", file=sys.stderr if args.json else sys.stdout, flush=True)  # --json: stdout is the JSON
 
-        rows.append(score_model(model.to(dtype), tokenizer, source_tasks, questions, settings, label=label, name=name, on_progress=say))
-        del model
-        gc.collect()
+        return score_model(model.to(dtype), tokenizer, source_tasks, questions, settings, label=label, name=name, on_progress=say)
+
+    trained_scores = score("trained", trained_name, trained, tokenizer)
+    del trained
+    gc.collect()
+    rows = [score("base", base_name, load_model(base_name, revision=base_revision), base_tokenizer), trained_scores]
     mix = ", ".join(f"{m.family}:d{m.difficulty}" + (f":{m.name}" if m.name else "") for m in task_config.mix)
     if args.json:
         print(json.dumps(to_json(rows, settings, questions), indent=1))

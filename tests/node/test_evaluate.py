@@ -101,6 +101,34 @@ def test_eval_of_a_home_and_what_it_refuses(tmp_path, capsys):
         args.func(args)
 
 
+def test_eval_refuses_a_damaged_or_mismatched_trained_model_before_it_scores_anything(tmp_path, monkeypatch):
+    """Each of these was found only after the base had been scored (minutes at the defaults)."""
+    from hivespec.node.model.loader import tiny_config
+
+    def scored(*_, **__):
+        raise AssertionError("a model was scored before the inputs were checked")
+
+    monkeypatch.setattr("hivespec.node.evaluate.score_model", scored)
+    home = _home(tmp_path, nudge=0.05)
+    other_base = tmp_path / "one-layer"
+    config = tiny_config(load_tokenizer("tiny"))
+    config.num_hidden_layers = 1
+    config.save_pretrained(other_base)
+    load_tokenizer("tiny").save_pretrained(other_base)  # a config and a tokenizer, no weights: only they are read
+    args = _eval("--home", str(home), "--base", str(other_base))
+    with pytest.raises(InputError, match="not the same architecture and tokenizer"):
+        args.func(args)
+    no_weights = tmp_path / "no-weights"
+    config.save_pretrained(no_weights)
+    args = _eval("--model", str(no_weights), "--base", "tiny", "--config", "demo")
+    with pytest.raises(InputError, match=f"cannot load --model {no_weights}"):
+        args.func(args)
+    (home / "policy" / "model.safetensors").write_bytes(b"damaged")
+    args = _eval("--home", str(home))
+    with pytest.raises(InputError, match="the file is damaged or was replaced"):
+        args.func(args)
+
+
 HUB_REPO, HUB_COMMIT = "hivespec-test/tiny-chat", "c" * 40
 
 
