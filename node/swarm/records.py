@@ -100,6 +100,7 @@ class IndexRecords:
         self._held: OrderedDict[str, list[AnnouncedBody]] = OrderedDict()  # key -> our record's items, newest first
         self._stored: set[str] = set()  # keys of _held whose record a DHT peer has accepted at least once
         self._unsent: set[str] = set()  # keys of _held whose items changed since their last store began
+        self._failed: set[str] = set()  # keys of _held whose last store no DHT peer accepted (or that did not finish)
         self._restoring: set[str] = set()  # keys a `restore` is under way for
         # content digest -> (expiration, (subkey, announce) or None when invalid), least recently seen first
         self._parsed: OrderedDict[bytes, tuple[float, tuple[str, Announce] | None]] = OrderedDict()
@@ -120,6 +121,7 @@ class IndexRecords:
             evicted = self._held.popitem(last=False)[0]
             self._stored.discard(evicted)
             self._unsent.discard(evicted)
+            self._failed.discard(evicted)
         return held
 
     def stored(self, key: str) -> bool:
@@ -128,6 +130,10 @@ class IndexRecords:
 
     def holds(self, key: str) -> bool:
         return bool(self._held.get(key))
+
+    def failed(self, key: str) -> bool:
+        """Whether our last store under `key` failed: what it sent is not in the DHT (`reannounce` stores it again)."""
+        return key in self._failed
 
     def unsent(self, key: str) -> bool:
         """Whether our record under `key` changed since its last store began (`hold` changed it; no store sent it yet)."""
@@ -168,9 +174,20 @@ class IndexRecords:
         return True
 
     async def store(self, key: str) -> bool:
-        """Write our record for `key` (what we hold there); False when no DHT peer accepted it."""
-        items = self.held(key)[:MAX_ITEMS]
+        """Write our record for `key` (what we hold there); False when no DHT peer accepted it (`failed` until one does)."""
         self._unsent.discard(key)
+        stored = False
+        try:
+            stored = await self._store(key)
+        finally:  # a cancelled store (a timeout) failed too
+            if stored or key not in self._held:
+                self._failed.discard(key)
+            else:
+                self._failed.add(key)
+        return stored
+
+    async def _store(self, key: str) -> bool:
+        items = self.held(key)[:MAX_ITEMS]
         # Strictly increasing per key: the DHT keeps a subkey's value only if its expiration is newer. Per key, not across
         # keys: after the clock steps back (NTP mending a clock that ran ahead), an expiration carried over from before the
         # step lies past what every validator takes (`dht_guard.EXPIRY_SLACK_S`), and each new key's store was refused too.

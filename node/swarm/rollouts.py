@@ -159,7 +159,8 @@ class RolloutGossip(Machinery):
                 logger.debug("re-announcing in bucket %d failed: %s", bucket_of(now, bucket_s), exc)
 
     async def reannounce(self, now: float) -> bool:
-        """One tick of `keep_announcing`: store our record when it moved to a new bucket (or a body is missing from it).
+        """One tick of `keep_announcing`: store our record when it moved to a new bucket, a body is missing from it, or
+        its last store failed (a publish whose store timed out had left its batch out of the DHT until the next one).
 
         A record placed in a new key is stored at once: the others count a key's records when they place theirs,
         and one placed but not stored let them overfill the key (at 64 light nodes half the placements read a
@@ -170,7 +171,7 @@ class RolloutGossip(Machinery):
             return False
         key = await self.placed_key(now)
         added = [self._hold(key, item) for item in fresh]
-        if not any(added) and self.records.stored(key):
+        if not any(added) and self.records.stored(key) and not self.records.failed(key):
             return False
         await asyncio.wait_for(self.records.store(key), self.request_timeout)
         self.stats["reannounced"] += 1

@@ -951,3 +951,30 @@ def test_stores_go_on_under_new_keys_after_the_clock_steps_back(swarm: list[Goss
     body = os.urandom(600)
     writer.publish(122, body, topic="delta")
     assert [f.body for f in reader.wait_for_slot(122, topic="delta", peers=1, timeout=30)] == [body]
+
+
+def test_a_record_whose_store_failed_is_stored_again_at_the_next_tick(swarm: list[Gossip], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish whose store no peer took (a timeout, refusals) had left its batch out of the DHT until the next
+    publish: the re-announcing tick saw nothing new in a record stored once before and skipped it."""
+    node, reader = swarm[1], swarm[2]
+    node.publish_rollouts(seal(node.identity, Kind.ROLLOUTS, 301, os.urandom(2_000)), version=301)  # stored
+    refused = 0
+
+    async def no_peer_accepts(key: str) -> bool:
+        nonlocal refused
+        refused += 1
+        return False
+
+    monkeypatch.setattr(node.records, "_store", no_peer_accepts)
+    body = seal(node.identity, Kind.ROLLOUTS, 302, os.urandom(2_000))
+    node.publish_rollouts(body, version=302)
+    monkeypatch.undo()
+    now = time.time()
+    key = node._call(node.rollouts.placed_key(now), 30)
+    assert refused == 1 and node.records.failed(key)
+    assert node._call(node.rollouts.reannounce(now), 30), "the tick stores the record the failed store left out"
+    assert not node.records.failed(key)
+    records, _ = reader._call(reader.records.read(key, 10.0, fresh_within=60.0), 20)
+    listed = {item.sha256 for holder, announce in records if holder.peer == node.identity.peer_id for item in announce.items}
+    assert hashlib.sha256(body).digest() in listed
+    assert not node._call(node.rollouts.reannounce(now + 1.0), 30)  # stored and unchanged: no store
