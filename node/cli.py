@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from hivespec.node.cli_numbers import number
 from hivespec.node.config import InputError, NodeConfig, describe, load_config, node_home, parse_override
 from hivespec.node.report import REPORT_HEADER, format_bytes, format_report_line
 from hivespec.protocol.errors import UserError, one_line
@@ -496,22 +495,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
-def _number(kind: type, *, low: float, strict: bool = False, meaning: str = "") -> Callable[[str], float]:
-    """An argparse type: ``kind(text)`` that must be >= low (> low when ``strict``); the error names the bound."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if math.isnan(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}{meaning}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hivespec", description="Peer-to-peer swarm RL post-training client.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
@@ -534,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--trace", metavar="FILE", help="append a rollout trace (JSON lines; .gz for gzip) for bench/drafter_replay.py")
     join.add_argument("--events", help="append JSON-lines events (ready, round, done) to this file")
     join.add_argument("--linger", type=float, default=15.0, help="seconds to keep serving after the last round (-1: until stopped)")
-    join.add_argument("--local-nodes", type=_number(int, low=1), default=1, help="nodes sharing this machine (sets torch threads)")
+    join.add_argument("--local-nodes", type=number(int, low=1), default=1, help="nodes sharing this machine (sets torch threads)")
     join.add_argument("--dashboard", action="store_true", help="show the terminal dashboard while the node runs (q stops it)")
     join.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                       help="resume from the newest good checkpoint in the home (default: checkpoint.resume, on)")
@@ -545,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     follow.add_argument("leader", metavar="PEER", help="the leader's hivespec peer id (`hivespec identity show` on the leader)")
     follow.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer (repeatable)")
     follow.add_argument("--home", help="data directory (identity); default $HIVESPEC_HOME or the user data dir")
-    follow.add_argument("--until-version", type=_number(int, low=0),
+    follow.add_argument("--until-version", type=number(int, low=0),
                         help="stop once this policy version is reached (default: follow forever)")
     follow.set_defaults(func=cmd_follow)
 
@@ -561,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--panel", default="swarm", help="panel shown first: swarm, throughput, training or sync")
     dash.add_argument("--screenshot", metavar="SVG", help="run headless, save one SVG screenshot and exit")
     dash.add_argument("--size", default="100x30", help="terminal size for --screenshot (default 100x30)")
-    dash.add_argument("--after", type=_number(float, low=0), default=1.0, help="seconds after the first snapshot to take --screenshot")
+    dash.add_argument("--after", type=number(float, low=0), default=1.0, help="seconds after the first snapshot to take --screenshot")
     dash.set_defaults(func=cmd_dash)
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only peer (no model) that others join through; prints its multiaddrs")
@@ -583,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--home", help="data directory to check (default $HIVESPEC_HOME or the user data dir)")
     doctor.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer to test (repeatable)")
     doctor.add_argument("--offline", action="store_true", help="skip the checks that start p2pd and contact peers")
-    doctor.add_argument("--timeout", type=_number(float, low=0, strict=True), default=10.0,
+    doctor.add_argument("--timeout", type=number(float, low=0, strict=True), default=10.0,
                         help="seconds per network step (default 10)")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=cmd_doctor)

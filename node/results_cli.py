@@ -178,6 +178,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def add_result_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``export``, ``report`` and ``eval`` to the ``hivespec`` subcommands."""
+    from hivespec.node.cli_numbers import number
+
     export = sub.add_parser("export", help="write a node's trained policy as a Hugging Face model folder with a model card")
     export.add_argument("--home", help="the node's data directory: its latest policy (default $HIVESPEC_HOME or the user data dir)")
     export.add_argument("--checkpoint", metavar="DIR", help="export this checkpoint (a ckpt-NNNNNN folder, or a folder of them: the newest)")
@@ -203,11 +205,11 @@ def add_result_commands(sub: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--revision", help="the base model's hub revision (default: the one the policy recorded)")
     evaluate.add_argument("--config", help="a preset whose task mix is asked (default: the mix the policy trained with)")
     evaluate.add_argument("--heldout-fraction", type=float, help="the held-out share of questions (default: the mix's)")
-    evaluate.add_argument("--n", type=int, default=32, help="held-out questions (default 32)")
-    evaluate.add_argument("--samples", type=int, default=8, help="sampled completions per question for pass@k (default 8; 0: greedy only)")
-    evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k completions (default 1.0)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=48, help="most new tokens per completion (default 48, the demo's)")
-    evaluate.add_argument("--seed", type=int, default=0, help="which held-out questions (default 0)")
+    evaluate.add_argument("--n", type=number(int, low=1), default=32, help="held-out questions (default 32)")
+    evaluate.add_argument("--samples", type=number(int, low=0), default=8, help="sampled completions per question for pass@k (default 8; 0: greedy only)")
+    evaluate.add_argument("--temperature", type=number(float, low=0), default=1.0, help="sampling temperature of the pass@k completions (default 1.0)")
+    evaluate.add_argument("--max-new-tokens", type=number(int, low=1), default=48, help="most new tokens per completion (default 48, the demo's)")
+    evaluate.add_argument("--seed", type=number(int, low=0), default=0, help="which held-out questions (default 0)")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype while generating")
     evaluate.add_argument("--json", action="store_true", help="print every metric, and the per-question scores, as JSON")
     evaluate.set_defaults(func=cmd_eval)

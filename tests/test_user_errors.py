@@ -168,6 +168,12 @@ def _cases() -> list[Case]:
         c(["eval", "--home", "{tmp}/nohome"], "--home {tmp}/nohome is not a folder"),
         c(["eval", "--model", "{tmp}/nothere"], "--model {tmp}/nothere does not exist"),
         c(["eval", "--model", "{tmp}/adir"], "--model {tmp}/adir has no config.json"),
+        # Number flags are refused as they are parsed: they had failed with a traceback, one after the base's greedy pass.
+        c(["eval", "--n", "0"], "argument --n: must be >= 1, got 0"),
+        c(["eval", "--samples", "-1"], "argument --samples: must be >= 0, got -1"),
+        c(["eval", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+        c(["eval", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+        c(["eval", "--temperature", "nan"], "argument --temperature: must be a finite number, got nan"),
         # ----- the environment ------------------------------------------------------------------------
         c(["join", "--model", "tiny", "--home", "{tmp}/faults-home"], "HIVESPEC_FAULTS entry 'x@y'", env={"HIVESPEC_FAULTS": "x@y"}),
     ]
