@@ -355,15 +355,17 @@ class Gossip:
             logger.warning("gossip shutdown was not clean: %s: %s", type(exc).__name__, exc)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=self.request_timeout)
-        if thread.is_alive():
-            logger.warning("gossip loop thread did not stop within %g s", self.request_timeout)
-            return
+        # p2pd ignored SIGTERM, or the loop is stuck and never sent it: do not leak it (a signal, safe from this thread);
+        # a supervisor's restart would otherwise start beside a live p2pd holding our peer id and port.
         child = getattr(self._p2p, "_child", None)
-        if child is not None and child.returncode is None:  # p2pd ignored SIGTERM: do not leak it
+        if child is not None and child.returncode is None:
             try:
                 child.kill()
             except ProcessLookupError:
                 pass
+        if thread.is_alive():
+            logger.warning("gossip loop thread did not stop within %g s; its p2pd is killed", self.request_timeout)
+            return
         # Tasks started while we shut down (a peer's request arriving late), and any still unwinding, end here, not as
         # "destroyed but pending"; one that ignores a second cancel is left to the garbage collector.
         loop.run_until_complete(_cancel_all(asyncio.all_tasks(loop), _GRACE_S))

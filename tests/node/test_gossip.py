@@ -24,6 +24,7 @@ from hivemind.dht.routing import DHTID
 
 from hivespec.node.config import SwarmConfig
 from hivespec.node.swarm import bootstrap, records
+from hivespec.node.swarm import gossip as gossip_module
 from hivespec.node.swarm.dht_guard import MAX_RECORDS_PER_KEY
 from hivespec.node.swarm.gossip import Gossip, GossipError
 from hivespec.node.swarm.index import PLACEMENT_SPREAD, bucket_of, placement_delay, placement_path
@@ -787,6 +788,30 @@ def test_shutdown_is_bounded_when_a_task_will_not_stop(caplog: pytest.LogCapture
     assert not [t for t in gossip_threads() if t.ident == node._thread.ident]
     assert "stubborn" in caplog.text and "failing" not in caplog.text
     assert "not clean" not in caplog.text and "never retrieved" not in caplog.text and "destroyed" not in caplog.text
+
+
+def test_a_stuck_loops_shutdown_still_kills_its_p2pd(caplog: pytest.LogCaptureFixture) -> None:
+    """A loop blocked in synchronous work never sends p2pd its SIGTERM; the shutdown (a supervisor's restart) must still
+    stop p2pd, or the restarted gossip starts beside a live daemon holding the same peer id and port."""
+    node = start_node(request_timeout=1.0)
+    pid = p2pd_pid(node)
+    unblock = threading.Event()
+    node._loop.call_soon_threadsafe(unblock.wait, 60.0)  # the loop stops answering
+    try:
+        with caplog.at_level("WARNING"):
+            node.shutdown()
+        assert "did not stop" in caplog.text
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        unblock.set()
+        node._thread.join(10)
+        # what shutdown leaves to the loop once it runs again: the killed p2pd reaped, its tasks cancelled, the loop closed
+        node._loop.run_until_complete(asyncio.wait_for(node._p2p._child.wait(), 10.0))
+        node._loop.run_until_complete(gossip_module._cancel_all(asyncio.all_tasks(node._loop), 5.0))
+        node._loop.close()
 
 
 def test_bad_arguments_fail_before_anything_starts() -> None:
