@@ -103,26 +103,44 @@ def resolve_snapshot(
     return Snapshot(repo_id, path, commit)
 
 
+def check_upload(repo_id: str, *, folder: Path | None = None) -> str:
+    """The token to upload to Hub model repo ``repo_id`` with, once its form, the token and online mode are checked.
+
+    Raises HubError naming the fix when ``repo_id`` is not owner/name, no token is stored or in
+    ``$HF_TOKEN``, or ``HF_HUB_OFFLINE`` is set. ``folder``: the finished folder the messages name
+    (None: `hivespec export` checks before it writes anything).
+    """
+    from huggingface_hub import get_token
+
+    _check_repo_id(repo_id)
+    later = (f"(the folder {folder} is complete; upload it later with `hf upload {repo_id} {folder}`)" if folder is not None
+             else "(or leave --push-to-hub out and upload the exported folder later with `hf upload`)")
+    token = get_token()
+    if not token:
+        raise HubError(f"no Hugging Face token to upload to {repo_id}: run `hf auth login` or set HF_TOKEN {later}")
+    if _offline():
+        raise HubError(f"HF_HUB_OFFLINE is set: not uploading to {repo_id}; unset it {later}")
+    return token
+
+
+def _check_repo_id(repo_id: str) -> None:
+    if "/" not in repo_id or not _REPO_ID.fullmatch(repo_id):
+        raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repo id; use owner/name, e.g. alice/smollm2-swarm-grpo")
+
+
 def push_folder(folder: Path, repo_id: str, *, private: bool = False, commit_message: str = "", api=None) -> str:
     """Upload every file of ``folder`` to the Hub model repo ``repo_id`` (created if missing); the commit's URL.
 
     Needs a token (``hf auth login``, or ``$HF_TOKEN``) and the network. Raises HubError naming
-    the repo and the fix when there is no token, ``HF_HUB_OFFLINE`` is set, or the upload fails.
-    ``api`` stands in for ``huggingface_hub.HfApi`` in tests.
+    the repo and the fix when `check_upload` refuses or the upload fails. ``api`` stands in for
+    ``huggingface_hub.HfApi`` in tests.
     """
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import HfApi
 
-    if "/" not in repo_id or not _REPO_ID.fullmatch(repo_id):
-        raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repo id; use owner/name, e.g. alice/smollm2-swarm-grpo")
     if api is None:
-        token = get_token()
-        if not token:
-            raise HubError(f"no Hugging Face token to upload to {repo_id}: run `hf auth login` or set HF_TOKEN "
-                           f"(the folder {folder} is complete; upload it later with `hf upload {repo_id} {folder}`)")
-        if _offline():
-            raise HubError(f"HF_HUB_OFFLINE is set: not uploading to {repo_id}; unset it, or upload later with "
-                           f"`hf upload {repo_id} {folder}`")
-        api = HfApi(token=token)
+        api = HfApi(token=check_upload(repo_id, folder=folder))
+    else:
+        _check_repo_id(repo_id)
     try:
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",

@@ -18,6 +18,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.home and args.checkpoint:
         raise InputError("pass --home (a node's latest policy) or --checkpoint (one checkpoint), not both")
+    if args.push_to_hub:  # before minutes of export, not after: the repo id, a token, online
+        from hivespec.node.hub import check_upload
+
+        check_upload(args.push_to_hub)
     if args.checkpoint:
         source = checkpoint_policy(Path(args.checkpoint).expanduser())
     else:

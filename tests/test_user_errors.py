@@ -162,6 +162,13 @@ def _cases() -> list[Case]:
         c(["export", "--home", "{tmp}/adir", "--checkpoint", "{tmp}/adir", "--out", "{tmp}/out"], "not both"),
         c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out"], "--home {tmp}/nohome is not a folder"),
         c(["export", "--home", "{tmp}/adir"], "the following arguments are required: --out"),
+        # --push-to-hub is checked before the export (it had been after it: minutes, then a folder in the way of a retry).
+        c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out", "--push-to-hub", "notarepo"], "'notarepo' is not a Hub repo id"),
+        c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out", "--push-to-hub", "a/b/c"], "'a/b/c' is not a Hub repo id"),
+        c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out", "--push-to-hub", "alice/p"], "no Hugging Face token to upload",
+          env={"HF_TOKEN": "", "HF_HOME": "{tmp}/hf"}),
+        c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out", "--push-to-hub", "alice/p"], "HF_HUB_OFFLINE is set",
+          env={"HF_TOKEN": "hf_not_a_real_token"}),
         c(["report", "{tmp}/nothere"], "run directory {tmp}/nothere does not exist"),
         c(["report", "{tmp}/adir"], "holds no round events"),
         c(["eval", "--home", "{tmp}/adir", "--model", "{tmp}/adir"], "not both"),
