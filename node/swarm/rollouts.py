@@ -94,6 +94,9 @@ class RolloutGossip(Machinery):
     def __post_init__(self) -> None:
         self._rng = random.Random()
         self.placed: OrderedDict[int, str] = OrderedDict()  # bucket -> the index key our record lives under
+        # One placement at a time: the K relays of one step, a publish and a tick can all ask first in a new bucket,
+        # and a second placement read the first's record as one more in the key and placed us again a level down.
+        self._placing = asyncio.Lock()
         self._full = FullLevels(buckets_kept=_PLACEMENTS_KEPT)  # the index keys we read full
         self._announced: OrderedDict[bytes, AnnouncedBody] = OrderedDict()  # rollout bodies we serve, oldest first
 
@@ -124,6 +127,11 @@ class RolloutGossip(Machinery):
         previous = self.placed.get(bucket - 1)
         if previous is not None and now < bucket * config.index_bucket_s + placement_delay(self.identity.peer_id, bucket, config.index_bucket_s):
             return previous
+        async with self._placing:
+            return self.placed.get(bucket) or await self._place(bucket, now, previous)
+
+    async def _place(self, bucket: int, now: float, previous: str | None) -> str:
+        config = self.config
         path = placement_path(self.swarm, bucket, self.identity.peer_id)
 
         def ours(level: int) -> int:

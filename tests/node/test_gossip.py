@@ -1003,3 +1003,27 @@ def test_a_record_whose_store_failed_is_stored_again_at_the_next_tick(swarm: lis
     listed = {item.sha256 for holder, announce in records if holder.peer == node.identity.peer_id for item in announce.items}
     assert hashlib.sha256(body).digest() in listed
     assert not node._call(node.rollouts.reannounce(now + 1.0), 30)  # stored and unchanged: no store
+
+
+def test_callers_that_ask_first_in_a_new_bucket_at_once_share_one_placement(swarm: list[Gossip], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K relays of one step, a publish and a tick can all ask first in a bucket: each had run its own placement, and
+    one that read the first's stored record as one more in the key placed us again, leaving a record orphaned."""
+    node = swarm[2]
+    bucket_s = node.config.index_bucket_s
+    bucket = bucket_of(time.time(), bucket_s) + 2000  # a bucket nobody else uses
+    moment = bucket * bucket_s + placement_delay(node.identity.peer_id, bucket, bucket_s) + 0.01
+    read, keys_read = node.records.read, []
+
+    async def counted(key: str, *args, **kwargs):
+        keys_read.append(key)
+        return await read(key, *args, **kwargs)
+
+    monkeypatch.setattr(node.records, "read", counted)
+
+    async def four_at_once() -> list[str]:
+        return await asyncio.gather(*(node.rollouts.placed_key(moment + 0.01 * i) for i in range(4)))
+
+    keys = node._call(four_at_once(), 60)
+    assert len(set(keys)) == 1 and node.rollouts.placed[bucket] == keys[0]
+    root = placement_path(SWARM, bucket, node.identity.peer_id)[0]
+    assert keys_read.count(root) == 1, keys_read
