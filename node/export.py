@@ -167,14 +167,24 @@ def describe_base(name: str, commit: str | None) -> BaseModel:
     return BaseModel(name, f"the local model folder `{Path(name).name}`", revision_note="none (a local folder)")
 
 
-def _claim_out(out: Path) -> Path:
-    """A fresh staging folder beside ``out``; InputError when ``out`` already holds files."""
+def check_out(out: Path) -> None:
+    """InputError unless ``out`` can be exported to: new or an empty folder, in a folder that is (or can be made) writable."""
+    from hivespec.node.inputs import check_folder
+
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"--out {out} already exists and is not an empty folder; pick a new folder or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_folder(out.parent, f"--out {str(out)!r}: its folder")
+
+
+def _claim_out(out: Path) -> Path:
+    """A fresh staging folder beside ``out``; InputError when ``out`` already holds files or cannot be written."""
+    check_out(out)
     staging = out.parent / f".{out.name}.export-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    try:
+        staging.mkdir()
+    except OSError as exc:  # a folder that takes no new entries (/proc), though it looks writable
+        raise InputError(f"--out {str(out)!r}: cannot write in {str(out.parent)!r} ({exc.strerror}); pick a folder you can write") from None
     return staging
 
 

@@ -2,7 +2,7 @@
 
 Right after the config resolves, `hivespec join`, `follow`, `bootstrap`, `doctor` and `demo`
 check what can be checked without torch, a model or a socket: the home folder (`check_home`),
-the trace file (`check_trace_file`), checkpoint.dir, the model source, engine and device
+the trace file (`check_trace_file`), checkpoint.dir and other output folders (`check_folder`), the model source, engine and device
 (`check_model_inputs`), the swarm's peers and files (`check_swarm_inputs`), a leader's peer id
 (`check_leader`). A bad one ends in one `InputError` line (or the `UserError` of the part that
 owns the check: `ModelSourceError`, `DeviceError`, `VllmUnavailable`), exit 2, instead of a
@@ -24,7 +24,7 @@ from hivespec.node.config import HOME_ENV, InputError, ModelConfig, NodeConfig, 
 from hivespec.protocol.identity import PEER_ID_PREFIX
 
 __all__ = [
-    "MADDR_FORM", "InputError", "check_home", "check_leader", "check_model_inputs", "check_node_inputs",
+    "MADDR_FORM", "InputError", "check_folder", "check_home", "check_leader", "check_model_inputs", "check_node_inputs",
     "check_swarm_inputs", "check_trace_file",
 ]
 
@@ -38,7 +38,7 @@ def check_node_inputs(config: NodeConfig) -> None:
     if config.speculation.trace_file:
         check_trace_file(config.speculation.trace_file)
     if config.checkpoint.dir:
-        _check_folder(Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
+        check_folder(Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
     check_model_inputs(config.model)
 
 
@@ -46,12 +46,12 @@ def check_home(config: NodeConfig) -> Path:
     """The node's home folder, created if missing; `InputError` when it is a file or cannot be created or written."""
     home = node_home(config)
     where = "--home (home)" if config.home else f"${HOME_ENV}" if os.environ.get(HOME_ENV) else "the home folder"
-    _check_folder(home, where, fix=f"point --home (or ${HOME_ENV}) at a folder you can write")
+    check_folder(home, where, fix=f"point --home (or ${HOME_ENV}) at a folder you can write")
     return home
 
 
-def _check_folder(path: Path, where: str, *, fix: str = "pick a folder you can write") -> None:
-    """Create ``path`` (and its parents) if missing; `InputError` naming ``where`` when that cannot work."""
+def check_folder(path: Path, where: str, *, fix: str = "pick a folder you can write") -> None:
+    """Create ``path`` (and its parents) if missing; `InputError` naming ``where`` (a flag or key) when that cannot work."""
     if path.exists() and not path.is_dir():
         raise InputError(f"{where} {str(path)!r} is a file, not a folder; {fix}")
     try:

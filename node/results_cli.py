@@ -14,7 +14,7 @@ from pathlib import Path
 
 def cmd_export(args: argparse.Namespace) -> int:
     from hivespec.node.config import InputError, default_home
-    from hivespec.node.export import checkpoint_policy, export_policy, find_policy, push_export
+    from hivespec.node.export import check_out, checkpoint_policy, export_policy, find_policy, push_export
 
     if args.home and args.checkpoint:
         raise InputError("pass --home (a node's latest policy) or --checkpoint (one checkpoint), not both")
@@ -22,6 +22,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         from hivespec.node.hub import check_upload
 
         check_upload(args.push_to_hub)
+    out = Path(args.out).expanduser()
+    check_out(out)  # before the policy is found and verified
     if args.checkpoint:
         source = checkpoint_policy(Path(args.checkpoint).expanduser())
     else:
@@ -29,7 +31,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     record = source.record
     print(f"exporting policy version {record.policy_version} ({record.rounds} rounds) of "
           f"{record.node or 'an unrecorded node'} from {source.origin} ...", flush=True)
-    result = export_policy(source, Path(args.out).expanduser(), dtype=args.dtype, model=args.model, revision=args.revision,
+    result = export_policy(source, out, dtype=args.dtype, model=args.model, revision=args.revision,
                            trust_remote_code=args.trust_remote_code)
     card = result.card
     print(f"exported to {result.out}/: {', '.join(p.name for p in result.files)}")

@@ -280,9 +280,12 @@ def plot_heldout(nodes: Sequence[NodeRun], path: Path) -> Path:
 
 def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     """Plots and summary of the run in ``run_dir`` into ``out`` (default ``<run_dir>/report``); the files written."""
+    from hivespec.node.inputs import check_folder
+
     nodes = load_run(run_dir)
+    where = "--out" if out is not None else "the report folder (change it with --out)"
     out = out if out is not None else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    check_folder(out, where)
     written = [plot_reward(nodes, out / "reward.png"), plot_foreign(nodes, out / "foreign.png"), plot_phases(nodes, out / "phases.png")]
     if any(node.heldout_curve() for node in nodes):
         written.append(plot_heldout(nodes, out / "heldout.png"))

@@ -169,6 +169,12 @@ def _cases() -> list[Case]:
           env={"HF_TOKEN": "", "HF_HOME": "{tmp}/hf"}),
         c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out", "--push-to-hub", "alice/p"], "HF_HUB_OFFLINE is set",
           env={"HF_TOKEN": "hf_not_a_real_token"}),
+        # A bad --out: one line naming it (a traceback before), and for export before the home is read.
+        c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/afile"], "--out {tmp}/afile already exists and is not an empty folder"),
+        c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/afile/sub"], "--out '{tmp}/afile/sub': its folder '{tmp}/afile' is a file"),
+        c(["report", "{tmp}/run", "--out", "{tmp}/afile"], "--out '{tmp}/afile' is a file, not a folder"),
+        c(["report", "{tmp}/run", "--out", "{tmp}/afile/sub"], "--out '{tmp}/afile/sub': cannot create it (Not a directory)"),
+        c(["report", "{tmp}/run", "--out", "/proc/hivespec-report"], "--out '/proc/hivespec-report'"),
         c(["report", "{tmp}/nothere"], "run directory {tmp}/nothere does not exist"),
         c(["report", "{tmp}/adir"], "holds no round events"),
         c(["eval", "--home", "{tmp}/adir", "--model", "{tmp}/adir"], "not both"),
@@ -231,6 +237,8 @@ def _files(tmp: Path) -> None:
     (tmp / "bad.yaml").write_text("rounds: [1,\n")
     (tmp / "list.yaml").write_text("- 1\n- 2\n")
     (tmp / "peers.txt").write_text(f"{PEER}\nnot-a-peer\n")
+    (tmp / "run" / "node-0").mkdir(parents=True)  # a run with one round: `hivespec report` gets as far as writing
+    (tmp / "run" / "node-0" / "events.jsonl").write_text('{"event": "round", "node": "node-0", "round": 0, "reward_mean": 0.5}\n')
     for name, mode in (("garbage-key", 0o600), ("open-key", 0o644)):
         (tmp / name).mkdir()
         key = tmp / name / "identity.key"

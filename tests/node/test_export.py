@@ -166,6 +166,12 @@ def test_export_takes_a_later_checkpoint_over_an_older_record_and_checks_what_it
 
     with pytest.raises(InputError, match="not an empty folder"):
         export_policy(source, out)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(InputError, match="its folder '.*afile' is a file"):
+        export_policy(source, tmp_path / "afile" / "out")
+    if Path("/proc/self").is_dir():  # a folder that looks writable (to root) but takes no new entries
+        with pytest.raises(InputError, match="--out '/proc/hivespec-export'"):
+            export_policy(source, Path("/proc/hivespec-export"))
     policy = home / "policy" / MODEL_FILE
     policy.write_bytes(policy.read_bytes()[:-1] + b" ")
     (home / "checkpoints").rename(tmp_path / "elsewhere")
