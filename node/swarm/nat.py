@@ -30,6 +30,7 @@ our relay circuit (we cannot address NATed peers ourselves, it can):
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -132,7 +133,9 @@ class ReachService:
     Requests (msgpack maps, at most 4 KiB): ``{"op": "dialback", "ports": [...]}`` opens fresh
     TCP connections to the requester's observed IP only (no third party can be aimed at), at
     most 4 ports; ``{"op": "via", "circuits": [...]}`` dials the requester through the given
-    relay circuits (addresses of the form ``<relay>/p2p-circuit``) and pings it there;
+    relay circuits (addresses of the form ``<relay>/p2p-circuit``) and pings it there, only
+    through relays we are connected to or at a global address (`_relays_we_may_dial`: else any
+    peer could have our p2pd probe hosts and ports of our own network for it);
     ``{"op": "relaycheck", "circuits": [...]}`` forwards a "via" for the requester to up to 3
     other peers we are connected to (``{"ok": null}`` when there are none);
     ``{"op": "ping"}`` answers ``{"ok": true, "time": <our wall clock>}`` (peers check their clocks against it:
@@ -170,6 +173,7 @@ class ReachService:
             return {"direct": any(results), "observed": ip}
         circuits = [c for c in request.get("circuits", []) if isinstance(c, str) and is_circuit(c)][:_MAX_PORTS]
         if op == "via":
+            circuits = await self._relays_we_may_dial(circuits)
             target = PeerID.from_base58(request["target"]) if isinstance(request.get("target"), str) else info.peer_id
             return {"ok": await ping_through(self.p2p, target, circuits, timeout=2 * _DIAL_TIMEOUT_S)}
         if op == "relaycheck":
@@ -184,6 +188,30 @@ class ReachService:
                     return {"ok": True, "by": other.to_base58()}
             return {"ok": False if peers else None}
         raise ValueError(f"unknown op {op!r}")
+
+
+    async def _relays_we_may_dial(self, circuits: list[str]) -> list[str]:
+        """`circuits` whose relay is a peer we are connected to, or at a global IP (not our LAN, loopback, ...)."""
+        connected = {str(p.peer_id) for p in await self.p2p.list_peers()}
+        allowed = []
+        for circuit in circuits:
+            try:
+                relay = Multiaddr(circuit.split("/p2p-circuit", 1)[0])
+                relay_id = relay.value_for_protocol("p2p")
+            except (LookupError, ValueError):  # multiaddr's parse and lookup errors
+                continue
+            if relay_id in connected or _is_global(relay):
+                allowed.append(circuit)
+        return allowed
+
+
+def _is_global(maddr: Multiaddr) -> bool:
+    for proto in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(maddr.value_for_protocol(proto)).is_global
+        except (LookupError, ValueError):  # no such part, or not an address
+            continue
+    return False  # a DNS name: where it points is not known here
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:

@@ -32,3 +32,46 @@ def test_listen_ports_are_deduplicated_and_capped():
     maddrs = [f"/ip4/10.1.0.2/tcp/{p}/p2p/{TARGET}" for p in (5, 5, 6, 7, 8, 9)] + ["/ip4/1.2.3.4/udp/3"]
     assert listen_ports(maddrs) == [5, 6, 7, 8]
 
+
+
+def test_a_via_request_never_has_our_p2pd_dial_a_relay_on_our_own_network_it_is_not_connected_to():
+    """`via` dials the circuits a peer names: any peer could have aimed our p2pd at hosts and ports of our LAN (a port
+    scan, timed by the reply). A relay must be connected to us or at a global address; here a listener on loopback
+    named as a relay (real p2pd) must see no connection, and the answer is simply no."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from hivespec.node.swarm.nat import REACH_STREAM, ReachService, ask
+
+    async def scenario() -> tuple[dict, int, list[str]]:
+        dialled = []
+
+        async def count(reader, writer) -> None:
+            dialled.append("connection")
+            writer.close()
+
+        listener = await asyncio.start_server(count, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        service_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        asker = await P2P.create(initial_peers=[str(m) for m in await service_p2p.get_visible_maddrs()],
+                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        try:
+            service = ReachService(service_p2p)
+            await service_p2p.add_binary_stream_handler(REACH_STREAM, service.handle)
+            scan = f"/ip4/127.0.0.1/tcp/{port}/p2p/{RELAY.rsplit('/', 1)[1]}/p2p-circuit"
+            # a target we are not connected to: p2pd would otherwise answer from the connection it has, dialling nothing
+            reply = await ask(asker, service_p2p.peer_id, {"op": "via", "target": TARGET, "circuits": [scan]}, 30.0)
+            await asyncio.sleep(0.5)  # a dial already under way would have arrived by now
+            connected_relay = f"/ip4/127.0.0.1/tcp/1/p2p/{asker.peer_id.to_base58()}/p2p-circuit"
+            global_relay = RELAY.replace("203.0.113.10", "8.8.8.8") + "/p2p-circuit"  # 203.0.113/24 is documentation's
+            kept = await service._relays_we_may_dial([scan, connected_relay, global_relay, "/dns4/x.org/tcp/1/p2p/" + TARGET + "/p2p-circuit"])
+            return reply, len(dialled), kept
+        finally:
+            await asker.shutdown()
+            await service_p2p.shutdown()
+            listener.close()
+
+    reply, dialled, kept = asyncio.run(scenario())
+    assert reply == {"ok": False} and dialled == 0
+    assert len(kept) == 2 and "/tcp/1/p2p/" in kept[0] and "/8.8.8.8/" in kept[1]  # connected, or at a global address
