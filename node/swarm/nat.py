@@ -149,10 +149,11 @@ class ReachService:
 
     async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            # read before a slot is taken: a peer that opens streams and sends nothing holds none
+            request = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), 5.0), raw=False)
+            if not isinstance(request, dict):
+                raise TypeError("request is not a map")
             async with self._slots:
-                request = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), 5.0), raw=False)
-                if not isinstance(request, dict):
-                    raise TypeError("request is not a map")
                 reply = await self._answer(info, request)
             await _write_frame(writer, msgpack.packb(reply))
         except Exception as exc:  # noqa: BLE001 - a bad or dropped request ends that stream only
