@@ -399,6 +399,7 @@ class CheckpointManager:
             raise ValueError(f"keep must be >= 1 (the previous checkpoint is the fallback), got {keep}")
         self.directory = Path(directory)
         self.keep = keep
+        self._unusable: set[str] = set()  # names `load_latest` found unusable: they hold no place among the `keep`
         self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in self.directory.glob(f"{_TMP_PREFIX}*"):
             log.warning("removing %s, left by a save that did not finish (the process was killed mid-save)", leftover)
@@ -467,8 +468,13 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        for old in self.checkpoints()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the newest `keep` checkpoints not known unusable: a corrupt one kept in place of the good one before it
+        would leave nothing to fall back to if the newest one fails too."""
+        complete = self.checkpoints()
+        kept = [p for p in complete if p.name not in self._unusable][-self.keep :]
+        for old in complete:
+            if old not in kept:
+                shutil.rmtree(old, ignore_errors=True)
 
     def verify(self, path: Path) -> dict[str, Any]:
         """The manifest of ``path`` if every file it lists is present with its size and sha256; else CorruptCheckpoint."""
@@ -493,6 +499,7 @@ class CheckpointManager:
                 checkpoint = self.load(path)
             except CorruptCheckpoint as exc:
                 log.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, exc)
+                self._unusable.add(path.name)
                 continue
             skipped = len(candidates) - 1 - candidates.index(path)
             if skipped:

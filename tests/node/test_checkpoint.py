@@ -153,6 +153,19 @@ def test_a_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_p
     assert "ckpt-000002 is unusable" in caplog.text and "falling back to the previous one" in caplog.text
 
 
+def test_a_checkpoint_found_unusable_never_takes_the_place_of_a_good_one(tmp_path):
+    """After resuming from ckpt-1 past a corrupt ckpt-2, the next save must keep ckpt-1 (the fallback), not ckpt-2."""
+    model, optimizer = _trained()
+    manager = CheckpointManager(tmp_path, keep=2)
+    _save(manager, model, optimizer, 1)
+    _flip(_save(manager, model, optimizer, 2) / OPTIMIZER_FILE, random.Random(0))
+    assert manager.load_latest().path.name == "ckpt-000001"
+    newest = _save(manager, model, optimizer, 3)
+    assert [p.name for p in manager.checkpoints()] == ["ckpt-000001", "ckpt-000003"]
+    _flip(newest / OPTIMIZER_FILE, random.Random(1))
+    assert manager.load_latest().next_round == 1, "the good fallback is still there"
+
+
 def test_random_corruption_corpus_is_always_detected(tmp_path):
     model, optimizer = _trained()
     manager = CheckpointManager(tmp_path)
