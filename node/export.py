@@ -57,6 +57,19 @@ class PolicySource:
     home: Path | None  # the node's home, where its journal and events log are
 
 
+@dataclass(frozen=True)
+class Advice:
+    """How the command reading a policy words its fixes: `hivespec export` and `hivespec eval` have other flags."""
+
+    base_flag: str  # the flag that names the base model
+    instead: str  # what to do when the node's latest policy is unusable
+
+
+EXPORT_ADVICE = Advice("--model", "export a checkpoint with --checkpoint instead")
+EVAL_ADVICE = Advice("--base", "evaluate a checkpoint instead: `hivespec export --checkpoint DIR --out OUT`, then "
+                               "`hivespec eval --model OUT`")
+
+
 def _unrecorded(manifest: dict, weights: Path) -> PolicyRecord:
     return PolicyRecord(
         node="", peer_id="", swarm="", model="", revision=None, commit=None, fingerprint=str(manifest.get("fingerprint", "")),
@@ -93,14 +106,14 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def find_policy(home: Path) -> PolicySource:
-    """The latest policy of the node whose home is ``home``; InputError when it holds none."""
+def find_policy(home: Path, advice: Advice = EXPORT_ADVICE) -> PolicySource:
+    """The latest policy of the node whose home is ``home``; InputError (its fix worded by ``advice``) when it holds none."""
     if not home.is_dir():
         raise InputError(f"--home {home} is not a folder; pass the node's home (a demo node's is <run dir>/node-<i>)")
     try:
         record = read_record(home)
     except ValueError as exc:
-        raise InputError(f"{exc}; export a checkpoint with --checkpoint instead") from None
+        raise InputError(f"{exc}; {advice.instead}") from None
     folders = [home / "checkpoints"]
     recorded_in = record.weights_path(home).parent if record is not None else None
     if recorded_in is not None and recorded_in.name.startswith("ckpt-") and recorded_in.parent not in folders:
@@ -201,13 +214,14 @@ def load_policy_model(
     model: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    advice: Advice = EXPORT_ADVICE,
 ):
     """The base model with ``source``'s trained weights restored (float32 or the master dtype), its tokenizer and record.
 
     ``model``/``revision`` name the base model when the node recorded none (a bare checkpoint);
     against a record they must agree with it. The returned record names the base as loaded
     (model, resolved commit, fingerprint). Raises InputError with the fix for anything the user
-    can correct (a wrong model, a damaged weights file).
+    can correct (a wrong model, a damaged weights file), worded for the command by ``advice``.
     """
     from safetensors.torch import load_file
 
@@ -217,14 +231,15 @@ def load_policy_model(
     record = source.record
     base_name, base_revision = (record.model, record.commit or record.revision) if source.recorded else (model, revision)
     if source.recorded and model and model != record.model:
-        raise InputError(f"--model {model} differs from the model this node trained ({record.model}); leave --model out")
+        raise InputError(f"{advice.base_flag} {model} differs from the model this node trained ({record.model}); "
+                         f"leave {advice.base_flag} out")
     if not base_name:
-        raise InputError(f"the {source.origin} does not record its base model; pass --model (the model.name the node ran, "
+        raise InputError(f"the {source.origin} does not record its base model; pass {advice.base_flag} (the model.name the node ran, "
                          "e.g. smollm2-135m-instruct)")
     digest = file_sha256(source.weights)
     if source.sha256 and digest != source.sha256:
         raise InputError(f"{source.weights} has sha256 {digest[:16]}..., its record says {source.sha256[:16]}...: the file "
-                         "is damaged or was replaced; export a checkpoint with --checkpoint instead")
+                         f"is damaged or was replaced; {advice.instead}")
     tensors = load_file(str(source.weights))
     master = next(iter(tensors.values())).dtype
     try:
@@ -235,7 +250,7 @@ def load_policy_model(
     fingerprint = model_fingerprint(policy_model.config, tokenizer)
     if record.fingerprint and fingerprint != record.fingerprint:
         raise InputError(f"the policy was trained on model fingerprint {record.fingerprint}, but {base_name!r} loads "
-                         f"{fingerprint}: pass the model (and revision) the node ran with --model")
+                         f"{fingerprint}: pass the model the node ran with {advice.base_flag} (and its revision with --revision)")
     try:
         restore_model(policy_model, tensors)
     except CheckpointError as exc:

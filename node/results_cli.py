@@ -100,7 +100,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from hivespec.node.config import InputError, default_home
     from hivespec.node.evaluate import EvalSettings, format_table, score_model, to_json
-    from hivespec.node.export import find_policy, load_policy_model, read_export_record
+    from hivespec.node.export import EVAL_ADVICE, find_policy, load_policy_model, read_export_record
     from hivespec.node.model.loader import (
         ModelSourceError,
         configure_threads,
@@ -128,12 +128,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                  "`hivespec export --out` wrote") from None
     else:
         home = Path(args.home).expanduser() if args.home else default_home()
-        source = find_policy(home)
+        source = find_policy(home, EVAL_ADVICE)
         record = source.record if source.recorded else None
         trained_name = f"{home}, policy version {source.record.policy_version}"
 
         def load_trained():
-            model, tokenizer, _ = load_policy_model(source, model=None if source.recorded else args.base)
+            model, tokenizer, _ = load_policy_model(source, model=None if source.recorded else args.base, advice=EVAL_ADVICE)
             return model.float(), tokenizer
     base_name = args.base or (record.model if record is not None else None)
     if not base_name:

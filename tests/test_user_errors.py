@@ -180,6 +180,7 @@ def _cases() -> list[Case]:
         c(["eval", "--home", "{tmp}/adir", "--model", "{tmp}/adir"], "not both"),
         c(["eval", "--home", "{tmp}/nohome"], "--home {tmp}/nohome is not a folder"),
         c(["eval", "--model", "{tmp}/nothere"], "--model {tmp}/nothere does not exist"),
+        c(["eval", "--home", "{tmp}/bad-policy"], "evaluate a checkpoint instead: `hivespec export --checkpoint DIR"),
         c(["eval", "--model", "{tmp}/adir"], "--model {tmp}/adir has no config.json"),
         # Number flags are refused as they are parsed: they had failed with a traceback, one after the base's greedy pass.
         c(["eval", "--n", "0"], "argument --n: must be >= 1, got 0"),
@@ -237,6 +238,8 @@ def _files(tmp: Path) -> None:
     (tmp / "bad.yaml").write_text("rounds: [1,\n")
     (tmp / "list.yaml").write_text("- 1\n- 2\n")
     (tmp / "peers.txt").write_text(f"{PEER}\nnot-a-peer\n")
+    (tmp / "bad-policy").mkdir()
+    (tmp / "bad-policy" / "policy.json").write_text("{not json")
     (tmp / "run" / "node-0").mkdir(parents=True)  # a run with one round: `hivespec report` gets as far as writing
     (tmp / "run" / "node-0" / "events.jsonl").write_text('{"event": "round", "node": "node-0", "round": 0, "reward_mean": 0.5}\n')
     for name, mode in (("garbage-key", 0o600), ("open-key", 0o644)):

@@ -125,8 +125,9 @@ def test_eval_refuses_a_damaged_or_mismatched_trained_model_before_it_scores_any
         args.func(args)
     (home / "policy" / "model.safetensors").write_bytes(b"damaged")
     args = _eval("--home", str(home))
-    with pytest.raises(InputError, match="the file is damaged or was replaced"):
+    with pytest.raises(InputError, match="the file is damaged or was replaced") as refused:
         args.func(args)
+    assert "then `hivespec eval --model OUT`" in str(refused.value) and "with --checkpoint" not in str(refused.value)  # eval has none
 
 
 HUB_REPO, HUB_COMMIT = "hivespec-test/tiny-chat", "c" * 40
