@@ -406,6 +406,11 @@ class Node:
         self.resumed_from = str(checkpoint.path)
         log.info("resumed from %s: round %d, policy version %d, %d foreign rollouts pending",
                  checkpoint.path, self.next_round, self.trainer.version, len(self.pool))
+        if self.publisher is not None:  # followers may hold versions past the checkpoint: show them where we are
+            try:
+                self.publisher.publish_resumed()
+            except GossipError as exc:
+                log.warning("could not offer followers a snapshot of the resumed policy (%s); they rejoin at the next one", exc)
 
     def _stopped_mid_round(self, stop: RoundStopped, *, save: bool) -> str:
         """After a stop inside round `next_round`: keep the journal, save as of the round's start; returns a line for people.

@@ -22,7 +22,7 @@ from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.weights.publisher import DELTA_TOPIC, HEAD_SLOT, HEAD_TOPIC, SNAPSHOT_TOPIC, base_state
 from hivespec.node.weights.sync import EngineWeights
 from hivespec.protocol.delta import PolicyHead, decode_head, read_header
-from hivespec.protocol.envelope import Kind, open_envelope
+from hivespec.protocol.envelope import Envelope, Kind, open_envelope
 from hivespec.protocol.errors import UserError
 from hivespec.protocol.keys import delta_slot
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
@@ -71,6 +71,7 @@ class Follower:
         self.base_version, self.base_hash = engine.version, engine.hash
         self.base_bits = engine.snapshot_bits()
         self.head: PolicyHead | None = None
+        self._head_seq = -1  # the sequence number the head was signed with: the newest signed head is the leader's now
         self._chunks: dict[tuple[str, int], dict[int, bytes]] = {}
         self._failed_snapshots: set[int] = set()
 
@@ -82,7 +83,9 @@ class Follower:
         head = self.head
         if head is not None:
             report.leader_version = head.version
-            if head.version - self.engine.version > self.max_lag:
+            if self._forked(head):
+                self._rejoin(head, report)
+            elif head.version - self.engine.version > self.max_lag:
                 self._try_snapshot(head, report)
             while self.engine.version < head.version:
                 version = self.engine.version + 1
@@ -108,20 +111,39 @@ class Follower:
 
     def _read_head(self) -> None:
         for item in self.gossip.fetch_slot(HEAD_SLOT, topic=HEAD_TOPIC, timeout=self.fetch_timeout):
-            body = self._open(item.author_peer_id, item.body)
-            if body is None:
+            envelope = self._envelope(item.author_peer_id, item.body)
+            if envelope is None:
                 continue
-            verdict, head = decode_head(body)
+            verdict, head = decode_head(envelope.body)
             if not verdict.ok or head is None:
                 log.debug("bad head from %s: %s", self.leader, verdict)
                 continue
-            if self.head is None or head.version > self.head.version:
-                self.head = head
+            # The newest signed, not the highest version: a leader resumed from a checkpoint goes back in versions.
+            if envelope.seq > self._head_seq:
+                self.head, self._head_seq = head, envelope.seq
 
-    def _try_snapshot(self, head: PolicyHead, report: FollowReport) -> bool:
-        """Restore the base and apply the leader's latest snapshot, if it is ahead of us."""
+    def _forked(self, head: PolicyHead) -> bool:
+        """The leader's head is behind us, or at our version with other weights: it resumed from a checkpoint, and the
+        versions we hold past it are a history it abandoned (its next deltas would fail on our weights every poll)."""
+        version = self.engine.version
+        return head.version < version or (head.version == version and head.hash != self.engine.hash)
+
+    def _rejoin(self, head: PolicyHead, report: FollowReport) -> None:
+        """Back onto the leader's history: its latest snapshot (a resumed leader publishes one), else the base."""
+        log.warning("leader %s is at version %d and we at %d of a history it abandoned (it resumed from a checkpoint): "
+                    "rejoining from its snapshot of version %d", self.leader, head.version, self.engine.version, head.snapshot)
+        self._chunks.clear()  # the abandoned history's chunks share slots with the new one's
+        self._failed_snapshots.clear()
+        if head.snapshot == self.base_version:
+            self.engine.restore(self.base_bits, version=self.base_version, digest=self.base_hash)
+            report.snapshot = self.base_version
+        else:
+            self._try_snapshot(head, report, rejoining=True)
+
+    def _try_snapshot(self, head: PolicyHead, report: FollowReport, *, rejoining: bool = False) -> bool:
+        """Restore the base and apply the leader's latest snapshot, if it is ahead of us (or we `rejoin` its history)."""
         version = head.snapshot
-        if version <= self.engine.version or version in self._failed_snapshots:
+        if (version <= self.engine.version and not rejoining) or version in self._failed_snapshots:
             return False
         chunks = self._fetch(SNAPSHOT_TOPIC, version)
         if chunks is None:
@@ -167,13 +189,17 @@ class Follower:
             self._chunks.setdefault((topic, version), {})[chunk] = body
 
     def _open(self, author: str, data: bytes) -> bytes | None:
+        envelope = self._envelope(author, data)
+        return None if envelope is None else envelope.body
+
+    def _envelope(self, author: str, data: bytes) -> Envelope | None:
         if author != self.leader:
             return None
         verdict, envelope = open_envelope(data, limits=self._envelope_limits, expected_kind=Kind.DELTA)
         if not verdict.ok or envelope is None or envelope.peer_id != self.leader:
             log.debug("envelope from %s rejected: %s", author, verdict)
             return None
-        return envelope.body
+        return envelope
 
     def _drop_old(self) -> None:
         for key in [k for k in self._chunks if k[1] <= self.engine.version]:

@@ -92,6 +92,12 @@ class PolicyPublisher:
         log.info("published snapshot of version %d: %d chunks, %d bytes", delta.version, len(chunks), sum(map(len, chunks)))
         return len(chunks)
 
+    def publish_resumed(self) -> None:
+        """After the leader resumed from a checkpoint: a snapshot of where it is, and the head. Its followers may hold
+        versions past it, of a history it abandoned; they rejoin from this snapshot (`Follower._rejoin`)."""
+        self.publish_snapshot()
+        self.publish_head()
+
     def publish_head(self) -> None:
         head = PolicyHead(self.engine.version, self.engine.hash, self.snapshot_version)
         self._publish(HEAD_TOPIC, HEAD_SLOT, encode_head(head))

@@ -104,6 +104,48 @@ def test_followers_end_bit_identical_after_dropped_and_reordered_deltas():
                 node.shutdown()
 
 
+def test_a_follower_ahead_of_a_leader_that_resumed_from_a_checkpoint_rejoins_its_history():
+    """The leader published up to version 6, crashed and resumed from its checkpoint at 4: the follower, at 6 of a
+    history the leader abandoned, must come back to the leader's 4 (its next deltas would fail on 6's weights), not
+    keep 6 reporting itself up to date."""
+    trainer = _tiny()
+    base_model = copy.deepcopy(trainer)
+    sync = WeightSync(trainer, _engine_copy(trainer))
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+
+    def train_step(version: int) -> list[bytes]:
+        optimizer.zero_grad()
+        trainer(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        return sync.sync(version)[1]
+
+    leader_identity = Identity.generate()
+    leader_gossip = _start(leader_identity)
+    follower_gossip = _start(Identity.generate(), leader_gossip.visible_maddrs)
+    try:
+        publisher = PolicyPublisher(leader_gossip, leader_identity, sync.engine, snapshot_every=8)
+        follower = Follower(follower_gossip, EngineWeights(_engine_copy(base_model)), leader_identity.peer_id, fetch_timeout=3.0)
+        checkpointed = None
+        for version in range(1, 7):
+            publisher.publish_step(version, train_step(version))
+            if version == 4:
+                checkpointed = (sync.engine.snapshot_bits(), sync.engine.hash)
+        assert follower.poll().version == 6 and follower.engine.hash == sync.engine.hash
+
+        # The restart: a publisher built on the base weights (as build_node does), then the checkpoint's version 4.
+        resumed = EngineWeights(_engine_copy(base_model))
+        restarted = PolicyPublisher(leader_gossip, leader_identity, resumed, snapshot_every=8)
+        resumed.restore(checkpointed[0], version=4, digest=checkpointed[1])
+        restarted.publish_resumed()
+        report = follower.poll()
+        assert report.leader_version == 4 and report.snapshot == 4 and report.behind == 0, report
+        assert follower.engine.version == 4 and follower.engine.hash == checkpointed[1] == state_hash(follower.engine.state)
+    finally:
+        leader_gossip.shutdown()
+        follower_gossip.shutdown()
+
+
 def test_follower_ignores_deltas_signed_by_someone_else():
     trainer = _tiny()
     base_model = copy.deepcopy(trainer)
