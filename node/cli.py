@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from hivespec.node.cli_numbers import number
+from hivespec.node.cli_numbers import number, seconds_or_forever
 from hivespec.node.config import InputError, NodeConfig, describe, load_config, node_home, parse_override
 from hivespec.node.report import REPORT_HEADER, format_bytes, format_report_line
 from hivespec.protocol.errors import UserError, one_line
@@ -516,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--name", help="display name")
     join.add_argument("--trace", metavar="FILE", help="append a rollout trace (JSON lines; .gz for gzip) for bench/drafter_replay.py")
     join.add_argument("--events", help="append JSON-lines events (ready, round, done) to this file")
-    join.add_argument("--linger", type=float, default=15.0, help="seconds to keep serving after the last round (-1: until stopped)")
+    join.add_argument("--linger", type=seconds_or_forever, default=15.0, help="seconds to keep serving after the last round (-1: until stopped)")
     join.add_argument("--local-nodes", type=number(int, low=1), default=1, help="nodes sharing this machine (sets torch threads)")
     join.add_argument("--dashboard", action="store_true", help="show the terminal dashboard while the node runs (q stops it)")
     join.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(boot, "public")
     boot.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="another bootstrap peer to join (repeatable)")
     boot.add_argument("--home", help="data directory (identity, peer cache); default $HIVESPEC_HOME or the user data dir")
-    boot.add_argument("--duration", type=float, default=-1, help="seconds to run (-1: until stopped)")
+    boot.add_argument("--duration", type=seconds_or_forever, default=-1, help="seconds to run (-1: until stopped)")
     boot.set_defaults(func=cmd_bootstrap)
 
     identity = sub.add_parser("identity", help="the node's Ed25519 identity")

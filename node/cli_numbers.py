@@ -10,6 +10,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+MAX_WAIT_S = 1e9  # about 31 years: past this, time.sleep overflows on some platforms; use -1 to wait until stopped
+
 
 def number(kind: type, *, low: float, strict: bool = False, meaning: str = "") -> Callable[[str], float]:
     """An argparse type: a finite ``kind(text)`` that must be >= low (> low when ``strict``); the error names the bound."""
@@ -27,3 +29,17 @@ def number(kind: type, *, low: float, strict: bool = False, meaning: str = "") -
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def seconds_or_forever(text: str) -> float:
+    """An argparse type for a wait: -1 (until stopped) or a finite number of seconds >= 0 (``inf`` overflows sleep)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if value != -1 and not (math.isfinite(value) and 0 <= value <= MAX_WAIT_S):
+        raise argparse.ArgumentTypeError(f"must be -1 (until stopped) or seconds from 0 to {MAX_WAIT_S:g}, got {text}")
+    return value
+
+
+seconds_or_forever.__name__ = "float"  # argparse names the type in its messages

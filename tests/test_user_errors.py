@@ -67,6 +67,14 @@ def _cases() -> list[Case]:
         c(["dash", "--after", "-1", "--node", DEAD_URL], "argument --after: must be >= 0, got -1"),
         c(["follow", LEADER, "--until-version", "-2"], "argument --until-version: must be >= 0, got -2"),
         c(["bootstrap", "--duration", "abc"], "argument --duration: invalid float value: 'abc'"),
+        # Only -1 waits until stopped: inf overflowed time.sleep (a traceback), -5 waited forever, nan not at all.
+        c(["bootstrap", "--duration", "inf"], "argument --duration: must be -1 (until stopped) or seconds from 0 to 1e+09, got inf"),
+        c(["bootstrap", "--duration", "nan"], "argument --duration: must be -1 (until stopped)"),
+        c(["bootstrap", "--duration", "-5"], "argument --duration: must be -1 (until stopped)"),
+        c(["join", "--linger", "inf"], "argument --linger: must be -1 (until stopped) or seconds from 0 to 1e+09, got inf"),
+        c(["join", "--linger", "nan"], "argument --linger: must be -1 (until stopped)"),
+        c(["join", "--linger", "-5"], "argument --linger: must be -1 (until stopped)"),
+        c(["join", "--linger", "1e20"], "argument --linger: must be -1 (until stopped)"),
         c(["demo", "--nodes", "0"], "--nodes must be >= 1, got 0"),
         # ----- config values: types, keys, ranges, from flags, --set, env and files -----------
         c(["join", "--rounds", "-1"], "rounds must be >= 0 (0 = forever), got -1"),
