@@ -54,11 +54,14 @@ def _config(args: argparse.Namespace) -> NodeConfig:
     return load_config(args.config, overrides=_overrides(args))
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, default_preset: str, *, rounds: bool = True, model: bool = True) -> None:
+    """--config and --set; --rounds and --model only for the commands that use them (a flag shown in --help must act)."""
     parser.add_argument("--config", default=default_preset, help=f"YAML preset name or path (default: {default_preset})")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.learning_rate=1e-5 (repeatable)")
-    parser.add_argument("--rounds", type=int, help="rounds to run (0 = forever)")
-    parser.add_argument("--model", help="model: smollm2-135m-instruct, tiny, a local HF folder or a Hugging Face id (model.revision pins it)")
+    if rounds:
+        parser.add_argument("--rounds", type=int, help="rounds to run (0 = forever)")
+    if model:
+        parser.add_argument("--model", help="model: smollm2-135m-instruct, tiny, a local HF folder or a Hugging Face id (model.revision pins it)")
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -524,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.set_defaults(func=cmd_join)
 
     follow = sub.add_parser("follow", help="mirror a leader's policy (peer id) from the base checkpoint and its published deltas")
-    _add_config_flags(follow, "public")
+    _add_config_flags(follow, "public", rounds=False)  # a follower has no rounds: --until-version ends it
     follow.add_argument("leader", metavar="PEER", help="the leader's hivespec peer id (`hivespec identity show` on the leader)")
     follow.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer (repeatable)")
     follow.add_argument("--home", help="data directory (identity); default $HIVESPEC_HOME or the user data dir")
@@ -548,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     dash.set_defaults(func=cmd_dash)
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only peer (no model) that others join through; prints its multiaddrs")
-    _add_config_flags(boot, "public")
+    _add_config_flags(boot, "public", rounds=False, model=False)  # no model, no rounds: --duration ends it
     boot.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="another bootstrap peer to join (repeatable)")
     boot.add_argument("--home", help="data directory (identity, peer cache); default $HIVESPEC_HOME or the user data dir")
     boot.add_argument("--duration", type=seconds_or_forever, default=-1, help="seconds to run (-1: until stopped)")

@@ -18,6 +18,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.home and args.checkpoint:
         raise InputError("pass --home (a node's latest policy) or --checkpoint (one checkpoint), not both")
+    if args.revision and not args.model:
+        raise InputError("--revision goes with --model (the base a bare checkpoint was trained from); a recorded policy "
+                         "loads the revision its node ran, so leave --revision out")
+    if args.private and not args.push_to_hub:
+        raise InputError("--private goes with --push-to-hub OWNER/NAME (the repo it creates); alone it does nothing")
     if args.push_to_hub:  # before minutes of export, not after: the repo id, a token, online
         from hivespec.node.hub import check_upload
 

@@ -76,6 +76,10 @@ def _cases() -> list[Case]:
         c(["join", "--linger", "-5"], "argument --linger: must be -1 (until stopped)"),
         c(["join", "--linger", "1e20"], "argument --linger: must be -1 (until stopped)"),
         c(["demo", "--nodes", "0"], "--nodes must be >= 1, got 0"),
+        # Flags a command would ignore are not offered (they were shown in --help and did nothing).
+        c(["follow", LEADER, "--rounds", "5"], "unrecognized arguments: --rounds 5", command="hivespec:"),
+        c(["bootstrap", "--rounds", "5"], "unrecognized arguments: --rounds 5", command="hivespec:"),
+        c(["bootstrap", "--model", "tiny"], "unrecognized arguments: --model tiny", command="hivespec:"),
         # ----- config values: types, keys, ranges, from flags, --set, env and files -----------
         c(["join", "--rounds", "-1"], "rounds must be >= 0 (0 = forever), got -1"),
         c(["join", "--set", "train.micro_batch_size=-1"], "train.micro_batch_size must be >= 1, got -1"),
@@ -170,6 +174,8 @@ def _cases() -> list[Case]:
         c(["export", "--home", "{tmp}/adir", "--checkpoint", "{tmp}/adir", "--out", "{tmp}/out"], "not both"),
         c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out"], "--home {tmp}/nohome is not a folder"),
         c(["export", "--home", "{tmp}/adir"], "the following arguments are required: --out"),
+        c(["export", "--home", "{tmp}/adir", "--out", "{tmp}/out", "--revision", "abc"], "--revision goes with --model"),
+        c(["export", "--home", "{tmp}/adir", "--out", "{tmp}/out", "--private"], "--private goes with --push-to-hub"),
         # --push-to-hub is checked before the export (it had been after it: minutes, then a folder in the way of a retry).
         c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out", "--push-to-hub", "notarepo"], "'notarepo' is not a Hub repo id"),
         c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out", "--push-to-hub", "a/b/c"], "'a/b/c' is not a Hub repo id"),
