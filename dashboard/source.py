@@ -46,7 +46,7 @@ class HttpSource:
     """A node's status server, e.g. ``http://127.0.0.1:4483``."""
 
     def __init__(self, url: str, *, label: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        url = url.rstrip("/")
+        url = url.rstrip("/").removesuffix("/status")  # `hivespec join` prints the status page's URL: the node's, plus /status
         if not url.startswith("http://"):
             raise SourceError(f"node URL must start with http:// (a local status server), got {url!r}")
         try:
@@ -56,6 +56,8 @@ class HttpSource:
             raise SourceError(f"node URL {url!r} is malformed ({exc}); use http://HOST:PORT, e.g. http://127.0.0.1:4483") from None
         if not parts.hostname or port is None:
             raise SourceError(f"node URL {url!r} needs a host and a port: http://HOST:PORT, e.g. http://127.0.0.1:4483")
+        if parts.path or parts.query:
+            raise SourceError(f"node URL {url!r} has a path; pass the node's http://HOST:PORT alone, e.g. http://127.0.0.1:4483")
         self.url = url
         self.label = label or url.removeprefix("http://")
         self.timeout = timeout

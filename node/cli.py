@@ -337,14 +337,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _node_url(args: argparse.Namespace) -> str:
-    """--node, else the URL a local node wrote to <home>/status.json, else the default port."""
+    """--node, else the URL a local node wrote to <home>/status.json, else (no --home given) the default port.
+
+    A --home without status.json is refused: the default port may be another node's, whose status would pass for this one's.
+    """
     from hivespec.node.config import DEFAULT_STATUS_PORT, default_home
-    from hivespec.node.status.server import read_status_url
+    from hivespec.node.status.server import STATUS_FILE, read_status_url
 
     if getattr(args, "node", None):
         return args.node if isinstance(args.node, str) else args.node[0]
     home = Path(args.home).expanduser() if args.home else default_home()
-    return read_status_url(home) or f"http://127.0.0.1:{DEFAULT_STATUS_PORT}"
+    url = read_status_url(home)
+    if url is None and args.home:
+        what = "is not a folder" if not home.is_dir() else f"has no {STATUS_FILE} (no node with a status server has run there)"
+        raise InputError(f"--home {str(home)!r} {what}; pass the home of a running node, or its status URL with --node")
+    return url or f"http://127.0.0.1:{DEFAULT_STATUS_PORT}"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

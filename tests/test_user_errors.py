@@ -164,6 +164,12 @@ def _cases() -> list[Case]:
         c(["status", "--node", "http://127.0.0.1:abc"], "node URL 'http://127.0.0.1:abc' is malformed"),
         c(["status", "--node", "http://127.0.0.1"], "needs a host and a port"),
         c(["status", "--node", DEAD_URL], f"no answer from {DEAD_URL}"),
+        c(["status", "--node", f"{DEAD_URL}/status"], f"no answer from {DEAD_URL} "),  # the URL `join` prints: /status is the page
+        c(["status", "--node", f"{DEAD_URL}/metrics"], "has a path; pass the node's http://HOST:PORT alone"),
+        # An explicit home with no status.json had fallen back to the default port: maybe another node's status, as if this one's.
+        c(["status", "--home", "{tmp}/typo"], "--home '{tmp}/typo' is not a folder; pass the home of a running node"),
+        c(["status", "--home", "{tmp}/adir"], "--home '{tmp}/adir' has no status.json"),
+        c(["dash", "--home", "{tmp}/adir"], "--home '{tmp}/adir' has no status.json"),
         c(["dash", "--node", DEAD_URL], f"no answer from {DEAD_URL}"),
         c(["dash", "--node", DEAD_URL, "--screenshot", "{tmp}/x.svg"], f"no answer from {DEAD_URL}"),
         c(["dash", "--node", DEAD_URL, "--screenshot", "{tmp}/x.svg", "--size", "0x0"], "--size '0x0' has no room to draw in"),

@@ -62,3 +62,35 @@ def test_the_swarm_line_says_whether_a_node_joined_waits_for_its_peers_or_starts
     # Peers the user named that did not answer: the stderr warning names them, and the swarm line does not say it twice.
     named = load_config("public", overrides={"swarm.initial_peers": '["/ip4/10.0.0.1/tcp/31337/p2p/QmX"]'})
     assert named.swarm.initial_peers and _swarm_line(named, alone, True) is None
+
+
+def test_status_takes_the_url_join_prints_and_a_home_s_recorded_url(tmp_path, capsys):
+    """`join` prints http://HOST:PORT/status: passed to --node it had been asked for /status/status (HTTP 404)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from hivespec.node.cli import main
+
+    asked = []
+
+    class NotANode(BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server's name
+            asked.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"not a snapshot")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotANode)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    (tmp_path / "status.json").write_text(json.dumps({"url": url}))
+    try:
+        assert main(["status", "--node", f"{url}/status"]) == 2
+        assert main(["status", "--home", str(tmp_path)]) == 2
+    finally:
+        server.shutdown()
+    assert asked == ["/status", "/status"]
+    assert capsys.readouterr().err.count(f"{url}/status sent a bad snapshot") == 2
