@@ -606,6 +606,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hivespec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_is_gone():
+            raise
+        return 141  # as a command killed by SIGPIPE: `hivespec config --keys | head` stops quietly, like `yes | head`
+
+
+def _stdout_is_gone() -> bool:
+    """Whether stdout's reader went away (the BrokenPipeError was stdout's, not a socket's); if so, stdout goes to
+    /dev/null so the interpreter's last flush at exit cannot fail again."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))  # a pipe with no reader left
+    except (AttributeError, OSError, ValueError):  # no poll (Windows) or no stdout file
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 if __name__ == "__main__":

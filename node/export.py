@@ -147,7 +147,8 @@ def checkpoint_policy(path: Path) -> PolicySource:
         if found is None:
             raise InputError(f"--checkpoint {path} holds no verified checkpoint (ckpt-NNNNNN folders with a manifest.json)")
     else:
-        raise InputError(f"--checkpoint {path} is not a folder; pass a ckpt-NNNNNN folder or the checkpoints folder")
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise InputError(f"--checkpoint {path} {what}; pass a ckpt-NNNNNN folder or the checkpoints folder")
     home = found[0].parent.parent
     try:
         record = read_record(home)

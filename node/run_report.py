@@ -92,7 +92,8 @@ def _read_events(path: Path) -> tuple[dict[int, dict], dict]:
 def load_run(run_dir: Path) -> list[NodeRun]:
     """Every node of the run in ``run_dir`` that logged at least one round, by name; InputError when there is none."""
     if not run_dir.is_dir():
-        raise InputError(f"run directory {run_dir} does not exist; pass the folder `hivespec demo` printed (runs/demo-<time>)")
+        what = "is a file, not a folder" if run_dir.exists() else "does not exist"
+        raise InputError(f"run directory {run_dir} {what}; pass the folder `hivespec demo` printed (runs/demo-<time>)")
     logs = sorted({*run_dir.glob(EVENTS_FILE), *run_dir.glob(f"*/{EVENTS_FILE}")})
     nodes = []
     for path in logs:
@@ -145,7 +146,7 @@ def summarize(nodes: Sequence[NodeRun], run_dir: Path, plots: Sequence[str] = PL
     """The Markdown summary of a run (pure: reads only ``nodes``; `plots` are linked relative to the summary)."""
     steps = max(len(n.rounds) for n in nodes)
     lines = [
-        f"# Run report: {run_dir.name}",
+        f"# Run report: {run_dir.resolve().name or run_dir}",  # `hivespec report .`: the folder's own name
         "",
         f"{len(nodes)} node(s), up to {steps} step(s) each; from `{run_dir}`.",
         "",

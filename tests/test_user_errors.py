@@ -197,6 +197,8 @@ def _cases() -> list[Case]:
         c(["report", "{tmp}/run", "--out", "/proc/hivespec-report"], "--out '/proc/hivespec-report'"),
         c(["report", "{tmp}/nothere"], "run directory {tmp}/nothere does not exist"),
         c(["report", "{tmp}/adir"], "holds no round events"),
+        c(["report", "{tmp}/afile"], "run directory {tmp}/afile is a file, not a folder"),
+        c(["export", "--checkpoint", "{tmp}/nothere", "--out", "{tmp}/out"], "--checkpoint {tmp}/nothere does not exist"),
         c(["eval", "--home", "{tmp}/adir", "--model", "{tmp}/adir"], "not both"),
         c(["eval", "--home", "{tmp}/nohome"], "--home {tmp}/nohome is not a folder"),
         c(["eval", "--model", "{tmp}/nothere"], "--model {tmp}/nothere does not exist"),

@@ -94,3 +94,11 @@ def test_status_takes_the_url_join_prints_and_a_home_s_recorded_url(tmp_path, ca
         server.shutdown()
     assert asked == ["/status", "/status"]
     assert capsys.readouterr().err.count(f"{url}/status sent a bad snapshot") == 2
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly():
+    """`hivespec config --keys | head`: a BrokenPipeError traceback before; now nothing on stderr, the status of SIGPIPE."""
+    process = subprocess.Popen([HIVESPEC, "config", "--keys"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the first line is written
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and stderr == "", stderr

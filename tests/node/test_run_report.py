@@ -74,6 +74,12 @@ def test_the_command_writes_three_plots_and_the_summary(tmp_path, capsys):
     assert str(out / "summary.md") in capsys.readouterr().out
 
 
+def test_a_report_of_the_working_folder_is_titled_with_its_name(tmp_path, monkeypatch):
+    """`hivespec report .` had written "# Run report: " with no name."""
+    monkeypatch.chdir(_run(tmp_path))
+    assert summarize(load_run(Path(".")), Path(".")).startswith("# Run report: demo-run\n")
+
+
 def test_a_folder_without_round_events_is_a_user_error(tmp_path):
     with pytest.raises(InputError, match="holds no round events"):
         load_run(tmp_path)
