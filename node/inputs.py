@@ -135,6 +135,3 @@ def _check_maddr(maddr: str, where: str) -> None:
     if problem is not None:
         why = "" if problem == "not of the form" else f" ({problem})"
         raise InputError(f"{where} {maddr[:120]!r} is not a peer's multiaddr{why}; use the form {MADDR_FORM}")
-    port = int(maddr.split("/")[4])
-    if not 1 <= port <= 65535:
-        raise InputError(f"{where} {maddr[:120]!r} has port {port}; a TCP port is 1..65535")

@@ -150,7 +150,8 @@ def _cases() -> list[Case]:
           "is neither an existing file nor a Hugging Face dataset id"),
         # ----- peers and leaders --------------------------------------------------------------------
         c(["join", "--initial-peer", "garbage"], "'garbage' is not a peer's multiaddr"),
-        c(["join", "--initial-peer", PEER.replace("31337", "99999")], "port 99999"),
+        c(["join", "--initial-peer", PEER.replace("31337", "99999")], "port 99999; a TCP port is 1..65535"),
+        c(["join", "--initial-peer", PEER.replace("127.0.0.1", "boot.example.org")], "a host name goes under /dns4/ or /dns6/"),
         c(["join"], "$HIVESPEC_INITIAL_PEERS 'garbage' is not a peer's multiaddr", env={"HIVESPEC_INITIAL_PEERS": "garbage"}),
         c(["follow", "notapeer"], "leader 'notapeer' is not a hivespec peer id"),
         c(["follow", LEADER, "--initial-peer", "/ip4/1.2.3.4/tcp/x"], "'/ip4/1.2.3.4/tcp/x' is not a peer's multiaddr"),

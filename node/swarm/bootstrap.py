@@ -115,6 +115,9 @@ def maddr_problem(text: str) -> str | None:
     """
     if not isinstance(text, str) or _MADDR.fullmatch(text.strip()) is None:
         return "not of the form"
+    port = int(text.strip().split("/")[4])
+    if not 1 <= port <= 65535:
+        return f"port {port}; a TCP port is 1..65535"
     try:
         Multiaddr(text.strip()).value_for_protocol("p2p")
     except ValueError as exc:  # multiaddr's ParseError: "Invalid MultiAddr '...' protocol <name>: <reason>"
