@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -44,20 +45,25 @@ def _bits(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.view(torch.int16).clone() for name, t in params.items()}
 
 
-def test_followers_end_bit_identical_after_dropped_and_reordered_deltas():
+def _leader(seed: int) -> tuple[torch.nn.Module, WeightSync, Callable[[int], list[bytes]]]:
+    """A leader's trainer on the tiny model: the base model every node loads, its sync, and a step giving a version's chunks."""
     trainer = _tiny()
     base_model = copy.deepcopy(trainer)  # every node loads the same base checkpoint
     sync = WeightSync(trainer, _engine_copy(trainer))
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(seed))
 
     def train_step(version: int) -> list[bytes]:
         optimizer.zero_grad()
         trainer(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-        _, chunks = sync.sync(version)
-        return chunks
+        return sync.sync(version)[1]
 
+    return base_model, sync, train_step
+
+
+def test_followers_end_bit_identical_after_dropped_and_reordered_deltas():
+    base_model, sync, train_step = _leader(seed=1)
     leader_identity = Identity.generate()
     leader_gossip = _start(leader_identity)
     follower_gossip = _start(Identity.generate(), leader_gossip.visible_maddrs)
@@ -108,18 +114,7 @@ def test_a_follower_ahead_of_a_leader_that_resumed_from_a_checkpoint_rejoins_its
     """The leader published up to version 6, crashed and resumed from its checkpoint at 4: the follower, at 6 of a
     history the leader abandoned, must come back to the leader's 4 (its next deltas would fail on 6's weights), not
     keep 6 reporting itself up to date."""
-    trainer = _tiny()
-    base_model = copy.deepcopy(trainer)
-    sync = WeightSync(trainer, _engine_copy(trainer))
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
-
-    def train_step(version: int) -> list[bytes]:
-        optimizer.zero_grad()
-        trainer(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        return sync.sync(version)[1]
-
+    base_model, sync, train_step = _leader(seed=2)
     leader_identity = Identity.generate()
     leader_gossip = _start(leader_identity)
     follower_gossip = _start(Identity.generate(), leader_gossip.visible_maddrs)
