@@ -378,6 +378,10 @@ def _terminal_size(text: str) -> tuple[int, int]:
     return width, height
 
 
+SCREENSHOT_SIZE = "100x30"  # dash --screenshot's terminal, WIDTHxHEIGHT
+SCREENSHOT_AFTER_S = 1.0  # and how long after the first snapshot it is taken
+
+
 def cmd_dash(args: argparse.Namespace) -> int:
     from hivespec.dashboard.app import PANELS, DashboardApp
     from hivespec.dashboard.source import HttpSource, SourceError
@@ -385,14 +389,18 @@ def cmd_dash(args: argparse.Namespace) -> int:
     urls = args.node or [_node_url(args)]
     if args.panel not in PANELS:
         raise InputError(f"--panel must be one of {', '.join(PANELS)}, got {args.panel!r}")
+    if not args.screenshot and (args.size is not None or args.after is not None):
+        raise InputError("--size and --after go with --screenshot (a headless run); the live dashboard takes the "
+                         "terminal's size and shows every snapshot as it comes")
     sources = [HttpSource(url) for url in urls]  # SourceError: a malformed URL
-    size = _terminal_size(args.size)
+    size = _terminal_size(args.size or SCREENSHOT_SIZE)
     screenshot = Path(args.screenshot).expanduser() if args.screenshot else None
     if screenshot is not None:
         _check_output_file(screenshot, "--screenshot")
     for source in sources:  # like `status`: a node that is not there ends here, not in an empty dashboard
         source.fetch()
-    app = DashboardApp(sources, screenshot=screenshot, screenshot_after=args.after, initial_panel=args.panel)
+    after = SCREENSHOT_AFTER_S if args.after is None else args.after
+    app = DashboardApp(sources, screenshot=screenshot, screenshot_after=after, initial_panel=args.panel)
     if screenshot is None:
         app.run()
         return 0
@@ -553,8 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--home", help="data directory of the local node (default $HIVESPEC_HOME or the user data dir)")
     dash.add_argument("--panel", default="swarm", help="panel shown first: swarm, throughput, training or sync")
     dash.add_argument("--screenshot", metavar="SVG", help="run headless, save one SVG screenshot and exit")
-    dash.add_argument("--size", default="100x30", help="terminal size for --screenshot (default 100x30)")
-    dash.add_argument("--after", type=number(float, low=0), default=1.0, help="seconds after the first snapshot to take --screenshot")
+    dash.add_argument("--size", help=f"terminal size for --screenshot (default {SCREENSHOT_SIZE})")
+    dash.add_argument("--after", type=number(float, low=0),
+                      help=f"seconds after the first snapshot to take --screenshot (default {SCREENSHOT_AFTER_S:g})")
     dash.set_defaults(func=cmd_dash)
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only peer (no model) that others join through; prints its multiaddrs")
@@ -572,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_identity_show)
 
     doctor = sub.add_parser("doctor", help="check this machine and config: torch/CUDA, memory, p2pd, ports, peers, identity, disk, clock")
-    _add_config_flags(doctor, "public")
+    _add_config_flags(doctor, "public", rounds=False)  # it checks the machine and config; it runs no rounds
     doctor.add_argument("--home", help="data directory to check (default $HIVESPEC_HOME or the user data dir)")
     doctor.add_argument("--initial-peer", action="append", metavar="MULTIADDR", help="bootstrap peer to test (repeatable)")
     doctor.add_argument("--offline", action="store_true", help="skip the checks that start p2pd and contact peers")

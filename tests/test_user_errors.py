@@ -177,6 +177,9 @@ def _cases() -> list[Case]:
         c(["dash", "--node", DEAD_URL, "--size", "huge", "--screenshot", "{tmp}/x.svg"], "--size must be WIDTHxHEIGHT"),
         c(["dash", "--node", "http://[::1", "--screenshot", "{tmp}/x.svg"], "'http://[::1' is malformed (Invalid IPv6 URL)"),
         c(["dash", "--panel", "everything"], "--panel must be one of"),
+        c(["dash", "--node", DEAD_URL, "--size", "80x24"], "--size and --after go with --screenshot"),
+        c(["dash", "--node", DEAD_URL, "--after", "2"], "--size and --after go with --screenshot"),
+        c(["doctor", "--rounds", "3"], "unrecognized arguments: --rounds 3", command="hivespec:"),
         # ----- what a run leaves behind: export, report, eval ------------------------------------------
         c(["export", "--home", "{tmp}/adir", "--checkpoint", "{tmp}/adir", "--out", "{tmp}/out"], "not both"),
         c(["export", "--home", "{tmp}/nohome", "--out", "{tmp}/out"], "--home {tmp}/nohome is not a folder"),
