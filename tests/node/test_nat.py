@@ -75,3 +75,35 @@ def test_a_via_request_never_has_our_p2pd_dial_a_relay_on_our_own_network_it_is_
     reply, dialled, kept = asyncio.run(scenario())
     assert reply == {"ok": False} and dialled == 0
     assert len(kept) == 2 and "/tcp/1/p2p/" in kept[0] and "/8.8.8.8/" in kept[1]  # connected, or at a global address
+
+
+def test_idle_reach_streams_hold_no_answering_slot():
+    """A reach request takes one of the service's 4 answering slots once it is read: a peer holding 4 streams that
+    send nothing (each would hold a slot for its 5-s read timeout) delays no other peer's ping (real p2pd)."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from hivespec.node.swarm.nat import REACH_STREAM, ReachService, ask
+
+    async def scenario() -> tuple[dict, list[bool]]:
+        service_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        maddrs = [str(m) for m in await service_p2p.get_visible_maddrs()]
+        idler, asker = [await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+                        for _ in range(2)]
+        try:
+            await service_p2p.add_binary_stream_handler(REACH_STREAM, ReachService(service_p2p, clock=lambda: 42.0).handle)
+            idle = [await idler.call_binary_stream_handler(service_p2p.peer_id, REACH_STREAM) for _ in range(4)]
+            reply = await ask(asker, service_p2p.peer_id, {"op": "ping"}, 30.0)
+            closed = [reader.at_eof() for _, reader, _ in idle]  # a ping queued behind them comes after they time out
+            for _, _, writer in idle:
+                writer.close()
+            return reply, closed
+        finally:
+            await asker.shutdown()
+            await idler.shutdown()
+            await service_p2p.shutdown()
+
+    reply, closed = asyncio.run(scenario())
+    assert reply == {"ok": True, "time": 42.0}
+    assert not any(closed), "the idle streams were still open when the ping was answered"
