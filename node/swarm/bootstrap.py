@@ -113,13 +113,14 @@ def maddr_problem(text: str) -> str | None:
     The form alone is not enough: ``/ip4/boot.example.org/...`` has it and fails to parse, which had stopped a node's
     start with every other bootstrap peer fine.
     """
-    if not isinstance(text, str) or _MADDR.fullmatch(text.strip()) is None:
+    text = text.strip() if isinstance(text, str) else ""
+    if _MADDR.fullmatch(text) is None:
         return "not of the form"
-    port = int(text.strip().split("/")[4])
+    port = int(text.split("/")[4])
     if not 1 <= port <= 65535:
         return f"port {port}; a TCP port is 1..65535"
     try:
-        Multiaddr(text.strip()).value_for_protocol("p2p")
+        Multiaddr(text).value_for_protocol("p2p")
     except ValueError as exc:  # multiaddr's ParseError: "Invalid MultiAddr '...' protocol <name>: <reason>"
         reason = str(exc).rsplit(": ", 1)[-1]
         if " protocol p2p: " in str(exc):

@@ -190,7 +190,6 @@ class ReachService:
             return {"ok": False if peers else None}
         raise ValueError(f"unknown op {op!r}")
 
-
     async def _relays_we_may_dial(self, circuits: list[str]) -> list[str]:
         """`circuits` whose relay is a peer we are connected to, or at a global IP (not our LAN, loopback, ...)."""
         connected = {str(p.peer_id) for p in await self.p2p.list_peers()}
