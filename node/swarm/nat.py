@@ -142,15 +142,16 @@ class ReachService:
     node/swarm/clock.py).
     """
 
-    def __init__(self, p2p: P2P, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, p2p: P2P, *, clock: Callable[[], float] = time.time, read_timeout: float = 5.0) -> None:
         self.p2p = p2p
         self.clock = clock
+        self.read_timeout = read_timeout  # seconds a requester has to send its request
         self._slots = asyncio.Semaphore(4)
 
     async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             # read before a slot is taken: a peer that opens streams and sends nothing holds none
-            request = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), 5.0), raw=False)
+            request = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), self.read_timeout), raw=False)
             if not isinstance(request, dict):
                 raise TypeError("request is not a map")
             async with self._slots:

@@ -79,7 +79,7 @@ def test_a_via_request_never_has_our_p2pd_dial_a_relay_on_our_own_network_it_is_
 
 def test_idle_reach_streams_hold_no_answering_slot():
     """A reach request takes one of the service's 4 answering slots once it is read: a peer holding 4 streams that
-    send nothing (each would hold a slot for its 5-s read timeout) delays no other peer's ping (real p2pd)."""
+    send nothing (each would hold a slot until its read timeout) delays no other peer's ping (real p2pd)."""
     import asyncio
 
     from hivemind.p2p import P2P
@@ -92,10 +92,12 @@ def test_idle_reach_streams_hold_no_answering_slot():
         idler, asker = [await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
                         for _ in range(2)]
         try:
-            await service_p2p.add_binary_stream_handler(REACH_STREAM, ReachService(service_p2p, clock=lambda: 42.0).handle)
+            # a read timeout far longer than the test: a ping queued behind the idle streams would not come in time
+            service = ReachService(service_p2p, clock=lambda: 42.0, read_timeout=120.0)
+            await service_p2p.add_binary_stream_handler(REACH_STREAM, service.handle)
             idle = [await idler.call_binary_stream_handler(service_p2p.peer_id, REACH_STREAM) for _ in range(4)]
             reply = await ask(asker, service_p2p.peer_id, {"op": "ping"}, 30.0)
-            closed = [reader.at_eof() for _, reader, _ in idle]  # a ping queued behind them comes after they time out
+            closed = [reader.at_eof() for _, reader, _ in idle]  # a ping queued behind them would still wait
             for _, _, writer in idle:
                 writer.close()
             return reply, closed
