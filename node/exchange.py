@@ -103,7 +103,7 @@ class RoundExchange:
         now = time.time()
         self.store.add_rollouts([
             StoredRollout.from_rollout(r, author=self.identity.peer_id, round=round_index, policy_version=policy_version,
-                                       own=True, received_at=now)
+                                       own=True, received_at=now, born=now)
             for r in rollouts
         ])
         # journaled first: a crash here loses nothing we made

@@ -25,7 +25,7 @@ from hivespec.protocol.advantages import group_advantages
 from hivespec.protocol.rollout import Rollout, decode_rollout, rollout_content_hash
 
 if TYPE_CHECKING:
-    from hivespec.node.training.store import RolloutStore
+    from hivespec.node.training.store import RolloutStore, StoredRollout
 
 log = logging.getLogger(__name__)
 
@@ -181,13 +181,13 @@ class ForeignPool:
             row = rows.get(bytes.fromhex(entry["hash"]))
             rollout = _decode_row(row.payload) if row is not None else None
             if rollout is not None:
-                born = float(entry.get("born", row.received_at))  # checkpoints before born was kept: when it arrived
+                born = float(entry.get("born", _born(row)))  # checkpoints from before born was kept: the journal's
                 pending.append(PendingRollout(entry["author"], int(entry["round"]), rollout, int(entry.get("version", row.policy_version)), born))
                 saved_advantage.append(entry.get("advantage"))
         for row in store.foreign_after(journal_rowid):
             rollout = _decode_row(row.payload)
             if rollout is not None:
-                pending.append(PendingRollout(row.author, row.round, rollout, row.policy_version, row.received_at))
+                pending.append(PendingRollout(row.author, row.round, rollout, row.policy_version, _born(row)))
                 saved_advantage.append(None)
         # Advantages not in the checkpoint: over each author's group of the prompt as restored.
         computed = group_advantages([p.rollout.reward for p in pending], [_group(p) for p in pending])
@@ -204,6 +204,11 @@ def _group(item: PendingRollout) -> str:
 def _informative_group(items: Sequence[PendingRollout]) -> bool:
     """Whether some sample of a (part of a) prompt group carries a gradient."""
     return any(i.informative for i in items)
+
+
+def _born(row: StoredRollout) -> float:
+    """When a journaled rollout's author signed it; for rows from before the journal kept that, when it arrived."""
+    return row.received_at if row.born is None else row.born
 
 
 def _decode_row(payload: bytes) -> Rollout | None:

@@ -251,7 +251,8 @@ class Intake:
             self.store.prune_envelopes(now - self.limits.max_clock_skew_s - 60.0)
         rows = [
             StoredRollout.from_rollout(
-                r, author=author, round=batch.round, policy_version=batch.policy_version, own=False, received_at=now
+                r, author=author, round=batch.round, policy_version=batch.policy_version, own=False, received_at=now,
+                born=envelope.timestamp,
             )
             for r in usable
         ]

@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     own            INTEGER NOT NULL,
     n_tokens       INTEGER NOT NULL,
     payload        BLOB NOT NULL,
-    received_at    REAL NOT NULL
+    received_at    REAL NOT NULL,
+    born           REAL
 );
 CREATE INDEX IF NOT EXISTS rollouts_round ON rollouts(round);
 CREATE INDEX IF NOT EXISTS rollouts_prompt ON rollouts(prompt_id);
@@ -70,12 +71,16 @@ CREATE TRIGGER IF NOT EXISTS rollouts_totals AFTER INSERT ON rollouts BEGIN
 END
 """
 
-_COLUMNS = "content_hash, author, round, prompt_id, policy_version, reward, own, n_tokens, payload, received_at"
+_COLUMNS = "content_hash, author, round, prompt_id, policy_version, reward, own, n_tokens, payload, received_at, born"
 
 
 @dataclass(frozen=True)
 class StoredRollout:
-    """One journaled rollout; `payload` is opaque bytes (an encoded rollout), `own` marks our own."""
+    """One journaled rollout; `payload` is opaque bytes (an encoded rollout), `own` marks our own.
+
+    `born` is when its author signed the batch (None in rows from before it was kept): a foreign rollout's
+    age for the staleness window is counted from it, not from when it arrived.
+    """
 
     content_hash: bytes
     author: str
@@ -87,10 +92,12 @@ class StoredRollout:
     n_tokens: int
     payload: bytes
     received_at: float
+    born: float | None = None
 
     @classmethod
     def from_rollout(
-        cls, rollout: Rollout, *, author: str, round: int, policy_version: int, own: bool, received_at: float
+        cls, rollout: Rollout, *, author: str, round: int, policy_version: int, own: bool, received_at: float,
+        born: float | None = None,
     ) -> StoredRollout:
         """Journal row for a validated rollout; the payload is protocol's rollout encoding."""
         return cls(
@@ -104,6 +111,7 @@ class StoredRollout:
             n_tokens=len(rollout.completion_ids),
             payload=encode_rollout(rollout),
             received_at=received_at,
+            born=born,
         )
 
     def _row(self) -> tuple:
@@ -118,12 +126,13 @@ class StoredRollout:
             int(self.n_tokens),
             bytes(self.payload),
             float(self.received_at),
+            None if self.born is None else float(self.born),
         )
 
     @classmethod
     def _from_row(cls, row: tuple) -> StoredRollout:
-        h, author, rnd, prompt_id, version, reward, own, n_tokens, payload, received_at = row
-        return cls(h, author, rnd, prompt_id, version, reward, bool(own), n_tokens, payload, received_at)
+        h, author, rnd, prompt_id, version, reward, own, n_tokens, payload, received_at, born = row
+        return cls(h, author, rnd, prompt_id, version, reward, bool(own), n_tokens, payload, received_at, born)
 
 
 class StoreSchemaError(RuntimeError):
@@ -182,6 +191,8 @@ class RolloutStore:
                 # Stores from before the bounded replay log: their rows count as seen now.
                 conn.execute("ALTER TABLE envelopes ADD COLUMN ts REAL NOT NULL DEFAULT 0")
                 conn.execute("UPDATE envelopes SET ts = ?", (time.time(),))
+            if "born" not in {row[1] for row in conn.execute("PRAGMA table_info(rollouts)")}:
+                conn.execute("ALTER TABLE rollouts ADD COLUMN born REAL")  # stores from before it was kept: NULL
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -203,7 +214,7 @@ class RolloutStore:
             try:
                 # rowcount: the rows this statement inserted (total_changes would also count the trigger's).
                 added = self._conn.executemany(
-                    f"INSERT OR IGNORE INTO rollouts ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values
+                    f"INSERT OR IGNORE INTO rollouts ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values
                 ).rowcount
                 fault_point("store.before_commit")
                 self._conn.execute("COMMIT")

@@ -149,6 +149,21 @@ def test_restore_reads_the_checkpointed_pool_and_what_was_journaled_after_it():
     ]
 
 
+def test_what_was_journaled_after_a_checkpoint_restores_as_old_as_its_author_signed_it():
+    # Signed 300 s before it arrived (the window is 240 s): it ages out after a resume as it would have without one.
+    store = RolloutStore(":memory:")
+    mark = store.journal_high_water()
+    late = _pending("peer-b", "b", [0.0, 1.0], age=300.0)
+    store.add_rollouts([StoredRollout.from_rollout(rollout, author=author, round=round_index, policy_version=version, own=False,
+                                                   received_at=NOW, born=born)
+                        for author, round_index, rollout, version, born in late])
+    pool = _pool([])
+    pool.restore([], mark, store)
+    store.close()
+    assert [p.born for p in pool.pending] == [NOW - 300.0] * 2
+    assert pool.select(round_index=6, own_count=4, policy_version=74, now=NOW) == []
+
+
 def test_a_group_larger_than_the_budget_gives_part_of_itself_with_whole_group_advantages():
     # A fast node's step of 2 own samples takes 2 of a slow peer's 4-sample group, not all 4:
     # its training cost stays what foreign_fraction says, and the advantages stay those of the whole group.

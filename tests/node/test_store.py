@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sqlite3
 import threading
@@ -208,3 +209,17 @@ def test_a_journal_of_schema_1_gains_its_totals(tmp_path: Path) -> None:
         assert store.counts() == {"own": 1, "foreign": 3, "total": 4}
         store.add_rollouts([make_rollout(7)])
         assert store.counts() == {"own": 1, "foreign": 4, "total": 5}
+
+
+def test_a_journal_from_before_born_was_kept_gains_the_column_and_its_rows_read_as_unknown(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    with RolloutStore(path) as store:
+        store.add_rollouts([make_rollout(1)])
+    conn = sqlite3.connect(path)  # as a store from before it was kept left it
+    conn.execute("ALTER TABLE rollouts DROP COLUMN born")
+    conn.commit()
+    conn.close()
+    signed = dataclasses.replace(make_rollout(2), born=1.5)
+    with RolloutStore(path) as store:
+        store.add_rollouts([signed])
+        assert [(r.received_at, r.born) for r in store.foreign_after(0)] == [(1.0, None), (2.0, 1.5)]
