@@ -20,6 +20,10 @@ reasoning-gym's default scorer pays ``len(oracle) / len(answer)`` to any answer 
 contains the oracle, so a completion listing many candidates would earn partial credit; scoring
 one extracted answer, all or nothing, closes that.
 
+A dataset whose scorer runs the answer's text as code (Python's ``eval``, sympy's ``parse_expr``:
+countdown, n_queens, the integration sets, ...) is refused when the mix is built: the answer it
+would run is a stranger's completion (`scorer_runs_answer_as_code`).
+
 reasoning-gym is an optional extra (``pip install 'hivespec[rg]'``): its dependency set brings
 matplotlib, sympy and a C extension built from source. It is imported only when a mix names it.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import re
 from collections import OrderedDict
@@ -50,6 +55,11 @@ _RG_ID = re.compile(
 # Longest final answer handed to a scorer; longer is not an answer, and bounds the scorer's work.
 MAX_ANSWER_CHARS = 512
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+# What runs a string as Python: eval/exec, and sympy's parsers (which eval). A free call only: ``re.compile(`` is no such call.
+_RUNS_TEXT = re.compile(r"(?<![\w.])(?:eval|exec)\s*\(|\b(?:parse_expr|sympify|parse_latex)\s*\(")
+# Datasets whose class runs only its own data so (read in reasoning-gym 0.1.25): codeio execs its bundled
+# generators, number_sorting evals its own oracle. Their scorers never run the answer.
+_RUNS_OWN_DATA_ONLY = {"codeio": "0.1.25", "number_sorting": "0.1.25"}
 _ANSWER_PHRASE = re.compile(r"\banswer\s*(?:is|:|=)\s*:?\s*(?:\*\*)?\s*([^\n]+)", re.IGNORECASE)
 
 
@@ -77,6 +87,23 @@ def _registry() -> dict[str, Any]:
             f"tasks.mix names the reasoning-gym family (family: rg), but reasoning-gym is not installed; run: {INSTALL_HINT}"
         ) from None
     return DATASETS
+
+
+def scorer_runs_answer_as_code(dataset: str, dataset_cls: type) -> str | None:
+    """How ``dataset``'s scorer may run an answer's text as code (``"eval"``, ``"parse_expr"``), or None when it cannot.
+
+    Read from the source of the class that defines ``score_answer``, its helper methods included. A peer's
+    completion is such an answer: ``<answer>__import__('os').system(...)</answer>`` would run on this node.
+    """
+    if _RUNS_OWN_DATA_ONLY.get(dataset) == installed_version():
+        return None
+    owner = next((cls for cls in dataset_cls.__mro__ if "score_answer" in vars(cls)), dataset_cls)
+    try:
+        source = inspect.getsource(owner)
+    except (OSError, TypeError):
+        return "a scorer whose source cannot be read to check"
+    found = _RUNS_TEXT.search(source)
+    return None if found is None else found.group(0).rstrip("( ")
 
 
 def config_hash(config: Any) -> str:
@@ -122,6 +149,12 @@ class RgDataset:
             raise RgConfigError(
                 f"reasoning-gym has no dataset {dataset!r} (version {installed_version()}); "
                 f"some known ones: {', '.join(sorted(registry)[:12])}, ..."
+            )
+        runs = scorer_runs_answer_as_code(dataset, registry[dataset][0])
+        if runs is not None:
+            raise RgConfigError(
+                f"rg {dataset}: reasoning-gym scores it by running the answer's text as code ({runs}), and the answers "
+                "a node scores are its peers' completions: any peer could run code on this node; choose another dataset"
             )
         options = dict(config or {})
         self.seed = options.pop("seed", DEFAULT_SEED)

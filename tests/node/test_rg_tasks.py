@@ -9,7 +9,7 @@ import pytest
 
 from hivespec.node.config import ConfigError, TaskMix
 from hivespec.node.tasks import MixEntry, TaskSource
-from hivespec.node.tasks.rg import RgConfigError, RgDataset, extract_final_answer, installed_version
+from hivespec.node.tasks.rg import RgConfigError, RgDataset, extract_final_answer, installed_version, scorer_runs_answer_as_code
 
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="the rg extra is installed by `make install`")
 
@@ -108,6 +108,22 @@ def test_bad_rg_configs_are_actionable() -> None:
         RgDataset("leg_counting", {"min_animals": 5, "max_animals": 2})
     with pytest.raises(RgConfigError, match="seed must be"):
         RgDataset("leg_counting", {"seed": -1})
+
+
+@pytest.mark.parametrize("name", ["countdown", "n_queens", "string_insertion", "polynomial_multiplication"])
+def test_a_dataset_whose_scorer_runs_the_answer_as_code_is_refused(name: str, tmp_path) -> None:
+    """reasoning-gym's scorer evals these answers: a peer's completion would run on the node that scores it."""
+    dataset = reasoning_gym.create_dataset(name, seed=0, size=2)
+    marker = tmp_path / "ran"
+    dataset.score_answer(f"__import__('pathlib').Path({str(marker)!r}).touch()", dataset[0])
+    assert marker.exists(), "the hole this check closes"
+    with pytest.raises(RgConfigError, match=rf"rg {name}: .* running the answer's text as code .*choose another dataset"):
+        TaskSource([MixEntry("rg", name=name)])
+
+
+def test_datasets_that_run_only_their_own_data_are_offered() -> None:
+    for name in ("number_sorting", "codeio", "leg_counting"):
+        assert scorer_runs_answer_as_code(name, reasoning_gym.factory.DATASETS[name][0]) is None, name
 
 
 def test_config_without_the_extra_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
