@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
@@ -97,6 +99,19 @@ def test_extract_final_answer_rules() -> None:
     assert extract_final_answer("\n  nus  \nsun", "nus") == "nus"
     assert extract_final_answer("no number here", "7") is None
     assert extract_final_answer("<answer>" + "9" * 600 + "</answer>", "9") is None
+    assert extract_final_answer("<answer> a </answer><answer>b", "x") == "a"  # an unclosed tag is no pair
+    assert extract_final_answer("The answer is:\n\n **gnisucxe**", "gnisucxe") == "gnisucxe"
+
+
+def test_a_hostile_completion_is_read_in_linear_time() -> None:
+    """"answer is" + 20,000 newlines was split three ways by the phrase rule (hours), 40,000 unclosed <answer> tags were
+    each searched to the end (minutes); each is one pass now. In a child process: a regex cannot be interrupted."""
+    code = (
+        "from hivespec.node.tasks.rg import extract_final_answer as final\n"
+        "assert final('answer is' + '\\n' * 20_000, 'abc') == 'answer is'\n"
+        "assert final('<answer>' * 40_000, '12') is None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_bad_rg_configs_are_actionable() -> None:
