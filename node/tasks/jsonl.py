@@ -137,7 +137,9 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
             raise JsonlTaskError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
         yield from enumerate(records)
         return
-    for index, line in enumerate(text.splitlines()):
+    # Rows end at "\n" only: str.splitlines also splits at U+2028, U+0085 and others, which JSON lets a string
+    # hold unescaped (json.dumps(..., ensure_ascii=False) writes them so), cutting such a row in two.
+    for index, line in enumerate(text.split("\n")):
         if line.strip():
             try:
                 yield index, json.loads(line)

@@ -184,6 +184,14 @@ def test_jsonl_bad_lines_name_the_line(tmp_path: Path, text: str, message: str) 
         JsonlFamily(_write(tmp_path, text))
 
 
+def test_jsonl_rows_are_lines_ended_by_newline_alone(tmp_path: Path) -> None:
+    """JSON lets a string hold U+2028 and U+0085 unescaped; str.splitlines would cut such a row in two."""
+    rows = [{"question": "first\u2028line?", "answer": 1}, {"question": "caf\x85e?", "answer": 2}, {"question": "c?", "answer": 3}]
+    text = "\r\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\r\n"
+    family = JsonlFamily(_write(tmp_path, text))
+    assert [family.from_prompt_id(f"jsonl:{family.digest}:{i}").question for i in range(3)] == ["first\u2028line?", "caf\x85e?", "c?"]
+
+
 def test_jsonl_missing_file_is_clear(tmp_path: Path) -> None:
     with pytest.raises(JsonlTaskError, match="cannot read task file"):
         JsonlFamily(tmp_path / "absent.jsonl")
