@@ -20,6 +20,7 @@ GSM8K reference from after its ``####`` and a MATH-style one from its ``\\boxed{
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
@@ -126,10 +127,12 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
         except Exception as error:  # noqa: BLE001 - pyarrow raises many kinds on a corrupt file
             raise JsonlTaskError(f"{path}: not a readable Parquet file ({error})") from None
         return
+    data = path.read_bytes()
+    body = data.removeprefix(codecs.BOM_UTF8)  # the mark Excel and Windows PowerShell write before UTF-8
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = body.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise JsonlTaskError(f"{path}: not UTF-8 (byte {error.start})") from None
+        raise JsonlTaskError(f"{path}: not UTF-8 (byte {error.start + len(data) - len(body)})") from None
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)

@@ -192,6 +192,15 @@ def test_jsonl_rows_are_lines_ended_by_newline_alone(tmp_path: Path) -> None:
     assert [family.from_prompt_id(f"jsonl:{family.digest}:{i}").question for i in range(3)] == ["first\u2028line?", "caf\x85e?", "c?"]
 
 
+def test_jsonl_with_a_utf8_byte_order_mark_loads(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"question": "a?", "answer": 1}\n')
+    assert JsonlFamily(path).make(0).question == "a?"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"question": "\xff", "answer": 1}\n')
+    with pytest.raises(JsonlTaskError, match=r"not UTF-8 \(byte 17\)"):
+        JsonlFamily(path)
+
+
 def test_jsonl_missing_file_is_clear(tmp_path: Path) -> None:
     with pytest.raises(JsonlTaskError, match="cannot read task file"):
         JsonlFamily(tmp_path / "absent.jsonl")
