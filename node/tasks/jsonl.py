@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -138,6 +139,8 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
             records = json.loads(text)
         except json.JSONDecodeError as error:
             raise JsonlTaskError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+        except (ValueError, RecursionError) as error:
+            raise JsonlTaskError(f"{path}: not readable JSON ({_past_json_limits(error)})") from None
         yield from enumerate(records)
         return
     # Rows end at "\n" only: str.splitlines also splits at U+2028, U+0085 and others, which JSON lets a string
@@ -148,6 +151,15 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 yield index, json.loads(line)
             except json.JSONDecodeError as error:
                 raise JsonlTaskError(f"{path}:{index + 1}: not valid JSON ({error.msg} at column {error.colno})") from None
+            except (ValueError, RecursionError) as error:
+                raise JsonlTaskError(f"{path}:{index + 1}: not readable JSON ({_past_json_limits(error)})") from None
+
+
+def _past_json_limits(error: ValueError | RecursionError) -> str:
+    """What in valid JSON Python's json refused: an integer too long to convert, or nesting deeper than the stack."""
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return f"an integer of more than {sys.get_int_max_str_digits()} digits; write it as a string"
 
 
 def _split_files(folder: Path, subset: str | None, split: str) -> list[Path]:

@@ -177,6 +177,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         ('{"question": "q", "answer": "Paris"}\n', r"tasks\.jsonl:1: 'answer' must be a number"),
         ('{"question": "q", "answer": true}\n', r"tasks\.jsonl:1: 'answer' must be a number"),
         ("\n\n", r"no tasks"),
+        ('{"question": "q", "answer": ' + "1" * 5000 + "}\n", r"tasks\.jsonl:1: not readable JSON \(an integer of more than 4300 digits"),
+        ('{"question": "q", "answer": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n", r"tasks\.jsonl:1: not readable JSON \(nested too deeply"),
     ],
 )
 def test_jsonl_bad_lines_name_the_line(tmp_path: Path, text: str, message: str) -> None:
