@@ -277,6 +277,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
 
     tasks = TaskSource.from_config(config.tasks)  # before the model: a bad task mix fails in seconds
+    tasks.check_trainable()
     phase("loading", f"model {config.model.name}")
     source = {"revision": config.model.revision, "trust_remote_code": config.model.trust_remote_code}
     tokenizer = load_tokenizer(config.model.name, **source)

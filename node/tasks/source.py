@@ -29,6 +29,9 @@ SYSTEM_PROMPT: str | None = None
 # The only cells inside the useful 10-60% base-rate window (bench/base_rates.py, 48 samples each,
 # T=1.0): arith:d1 35%, count:d1 19%. Every harder cell measured at or below 8%.
 DEFAULT_MIX: tuple[tuple[str, int, float], ...] = (("arith", 1, 1.0), ("count", 1, 1.0))
+# Seeds 0..N-1 of each mix entry that `check_trainable` tries for a question outside the held-out share: every
+# question of a source of up to N (a jsonl file's rows, an rg dataset's indices).
+TRAINABLE_DRAWS = 1000
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,25 @@ class TaskSource:
             if not self.is_heldout(task):
                 tasks.append(task)
         return tasks
+
+    def check_trainable(self) -> None:
+        """Raise ConfigError naming each mix entry whose questions are all held out (none of seeds 0..TRAINABLE_DRAWS-1
+        gives one that is not): training would never draw it, and `prompts` of a mix of such entries redraws forever.
+
+        For a training node; an evaluation may hold out a whole source.
+        """
+        if self.heldout_fraction <= 0:
+            return
+        unused = [
+            label for (family, difficulty), label in zip(self.mix, self.labels)
+            if all(self.is_heldout(family.make(seed, difficulty)) for seed in range(TRAINABLE_DRAWS))
+        ]
+        if unused:
+            raise ConfigError(
+                f"tasks.heldout_fraction {self.heldout_fraction:g} holds out every question of tasks.mix {', '.join(unused)} "
+                f"(the first {TRAINABLE_DRAWS} drawn): training could never draw one; lower tasks.heldout_fraction or give "
+                "the entry more questions"
+            )
 
     def is_heldout(self, task: Task) -> bool:
         """Whether ``task``'s question is in the held-out share (decided by its text, so two seeds

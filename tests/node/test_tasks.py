@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
+from hivespec.node.config import ConfigError
 from hivespec.node.tasks import (
     GSM_MINI_PATH,
     ArithmeticFamily,
     CountingFamily,
     JsonlFamily,
     JsonlTaskError,
+    MixEntry,
     Task,
     TaskSource,
     chat_prompt_ids,
@@ -326,3 +329,20 @@ def test_extract_answer_is_fast_on_hostile_text() -> None:
 def test_extract_answer_dash_versus_minus(completion: str, expected: int | None) -> None:
     got = extract_answer(completion)
     assert (None if got is None else int(got)) == expected
+
+
+def test_a_mix_entry_whose_every_question_is_held_out_is_refused_for_training(tmp_path: Path) -> None:
+    """`prompts` redraws held-out questions: a source wholly held out made a training node's first round redraw forever."""
+    path = tmp_path / "one.jsonl"
+    for n in range(100):  # a one-question file whose question falls in the held-out quarter
+        path.write_text(json.dumps({"question": f"What is {n} + 1?", "answer": n + 1}) + "\n")
+        alone = TaskSource([MixEntry("jsonl", name=str(path))], heldout_fraction=0.25)
+        if alone.is_heldout(alone.mix[0][0].make(0, 1)):
+            break
+    with pytest.raises(ConfigError, match=rf"0.25 holds out every question of tasks.mix jsonl:{re.escape(str(path))} \("):
+        alone.check_trainable()
+    with pytest.raises(ConfigError, match="every question of tasks.mix jsonl:"):  # beside another entry it would never train
+        TaskSource([MixEntry("jsonl", name=str(path)), ("arith", 1, 1.0)], heldout_fraction=0.25).check_trainable()
+    assert len(alone.heldout(seed=0, count=1)) == 1  # an evaluation may hold out a whole source
+    TaskSource([("arith", 1, 1.0), ("count", 1, 1.0)], heldout_fraction=0.25).check_trainable()
+    TaskSource([MixEntry("jsonl", name=str(path))]).check_trainable()
