@@ -136,6 +136,7 @@ class _Stop:
     def __init__(self) -> None:
         self.signum = 0
         self.children: list[_Child] = []
+        self._asked: set[int] = set()  # pids of the nodes sent the first stop
 
     def __call__(self, signum: int, _frame) -> None:
         if self.signum:
@@ -149,8 +150,15 @@ class _Stop:
             "safe point (send it again to stop them at once)",
             file=sys.stderr, flush=True,
         )
+        self.ask()
+
+    def ask(self) -> None:
+        """Send the first stop to each node not sent it yet: one started after the signal (while the demo sized or
+        spawned its nodes) would otherwise run on, and the wait for the nodes to stop would wait out its grace."""
         for child in self.children:
-            _signal(child, signal.SIGTERM)
+            if child.process.pid not in self._asked:
+                self._asked.add(child.process.pid)
+                _signal(child, signal.SIGTERM)
 
 
 def _why(child: _Child) -> str:
@@ -200,9 +208,9 @@ def run_demo(
     children = stop.children
     try:
         _prepare_model(config.model.name)
-        if stop.signum:  # stopped while the model was converting: no node started yet
-            raise _Stopped
         size = _nodes_for_this_machine(config, nodes)
+        if stop.signum:  # stopped while the model was converting or the nodes were sized: no node started yet
+            raise _Stopped
         nodes = size.nodes
         if size.micro_batch_size != config.train.micro_batch_size:
             overrides = {**overrides, "train.micro_batch_size": str(size.micro_batch_size)}
@@ -460,7 +468,7 @@ def _wait_ready(children: list[_Child], waiting: list[_Child], started: float, s
         if all(child.ready for child in waiting):
             return waiting[0].ready["maddrs"] if waiting else []
         if stop.signum:
-            _wait_stopped(children, ticker)
+            _wait_stopped(children, ticker, stop)
         for child in waiting:
             if child.process.poll() is not None:
                 raise child.failure(" before it was ready")
@@ -470,8 +478,9 @@ def _wait_ready(children: list[_Child], waiting: list[_Child], started: float, s
     raise _DemoFailure(f"not ready after {READY_TIMEOUT_S:.0f}s: {slow}")
 
 
-def _wait_stopped(children: list[_Child], ticker: _Ticker) -> None:
+def _wait_stopped(children: list[_Child], ticker: _Ticker, stop: _Stop) -> None:
     """After a forwarded stop: keep showing status until every node has exited (or the grace runs out)."""
+    stop.ask()
     deadline = time.monotonic() + STOP_GRACE_S
     while any(c.process.poll() is None for c in children) and time.monotonic() < deadline:
         for child in children:
@@ -493,7 +502,7 @@ def _tail(children: list[_Child], rounds: int, started: float, stop: _Stop, *, s
     ticker = _Ticker(started)
     while not all(child.done for child in children):
         if stop.signum:
-            _wait_stopped(children, ticker)
+            _wait_stopped(children, ticker, stop)
         for child in children:
             for event in child.poll_events():
                 if event["event"] == "round":

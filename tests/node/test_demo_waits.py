@@ -5,6 +5,7 @@ Stand-in node processes (a sleeping or failing Python), no model: the wait logic
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -98,3 +99,38 @@ def test_the_closing_lines_say_what_the_runs_hold_on_disk(tmp_path):
     assert demo.disk_line(latest) == (
         f"disk: this run holds 600 MB; {tmp_path}/ holds 1.6 GB in 3 demo runs: remove those you no longer need "
         f"(the oldest: rm -r {tmp_path / 'demo-20261128-090000'})")
+
+
+def test_a_node_started_after_the_stop_is_asked_to_stop_too_and_each_node_once(tmp_path, children, monkeypatch):
+    """A Ctrl-C while the demo sizes or spawns its nodes came before a node it then started: that node must hear it."""
+    monkeypatch.setattr(demo, "STOP_GRACE_S", 30.0)  # what the old wait waited out for a node never asked
+
+    def counting_node(name: str) -> demo._Child:
+        # Records each SIGTERM it gets, and exits a second after the first (room for a second one to arrive).
+        code = (
+            "import signal, sys, time, pathlib\n"
+            f"heard = pathlib.Path({str(tmp_path / name)!r} + '.terms')\n"
+            "first = []\n"
+            "def on_term(*_):\n"
+            "    heard.open('a').write('term\\n'); first.append(first[0] if first else time.monotonic())\n"
+            "signal.signal(signal.SIGTERM, on_term)\n"
+            f"pathlib.Path({str(tmp_path / name)!r} + '.up').touch()\n"
+            "while not first or time.monotonic() - first[0] < 1.0:\n"
+            "    time.sleep(0.05)\n"
+        )
+        child = _child(tmp_path, name, code)
+        while not (tmp_path / f"{name}.up").exists():
+            assert child.process.poll() is None, f"{name} exited before it was up"
+            time.sleep(0.05)
+        return child
+
+    stop = demo._Stop()
+    children.append(counting_node("node-0"))
+    stop.children.extend(children)
+    stop(signal.SIGINT, None)  # the Ctrl-C: node-0 is asked
+    children.append(counting_node("node-1"))  # spawned after it
+    stop.children.append(children[1])
+    with pytest.raises(demo._Stopped):
+        demo._wait_ready(stop.children, stop.children, time.monotonic(), stop)
+    assert [child.process.poll() for child in children] == [0, 0]
+    assert [(tmp_path / f"{c.name}.terms").read_text() for c in children] == ["term\n", "term\n"]
