@@ -17,7 +17,11 @@ if TYPE_CHECKING:
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float = 1e-4) -> list[float]:
-    """GRPO advantages: (r - mean) / (std + eps) within each group; 0 for groups of one or no spread."""
+    """GRPO advantages: (r - mean) / (std + eps) within each group; 0 for groups of one or no spread.
+
+    Never raises on finite rewards: a group whose spread overflows float64 (a peer's claim such as
+    [1e200, -1e200], read before any verifier has seen it) is given no signal, like a flat one.
+    """
     members: dict[str, list[int]] = defaultdict(list)
     for index, group in enumerate(groups):
         members[group].append(index)
@@ -25,8 +29,9 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
     for indices in members.values():
         values = [rewards[i] for i in indices]
         mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        if len(values) < 2 or std < 1e-8:
+        # d * d overflows to inf where d ** 2 raises OverflowError
+        std = math.sqrt(sum((v - mean) * (v - mean) for v in values) / len(values))
+        if len(values) < 2 or not 1e-8 <= std < math.inf:
             continue
         for i in indices:
             advantages[i] = (rewards[i] - mean) / (std + eps)

@@ -115,3 +115,12 @@ def test_informative_samples_counts_the_nonzero_grpo_advantages_of_a_batch(group
     assert informative_samples(rollouts) == expected
     advantages = group_advantages([r.reward for r in rollouts], [r.prompt_id for r in rollouts])
     assert sum(a != 0.0 for a in advantages) == expected  # the trainer's and the pool's rule, exactly
+
+
+@pytest.mark.parametrize("rewards", [[1e200, -1e200], [1.7e308, 1.7e308, -1e308], [1e300, 5e299]])
+def test_a_peers_rewards_whose_spread_overflows_count_no_informative_sample_and_raise_nothing(rewards: list[float]) -> None:
+    # A fetcher counts a stranger's batch before any verifier has seen its rewards (`rollouts.claim_holds`): finite
+    # rewards the wire accepts must not raise (an OverflowError there ended the node's whole fetch of the step).
+    rollouts = _rollouts({"a": rewards})
+    assert informative_samples(rollouts) == 0
+    assert group_advantages(rewards, ["a"] * len(rewards)) == [0.0] * len(rewards)
