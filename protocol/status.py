@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ MAX_MAP = 256  # counters maps (intake reasons, gossip counters)
 MAX_STR = 2048  # log messages; names and ids are far shorter
 
 T = TypeVar("T")
+_FLOAT_MAX = sys.float_info.max
 
 
 @dataclass(frozen=True)
@@ -349,6 +351,8 @@ def _decode_value(hint: Any, value: object, path: str) -> Any:
     if hint is float:
         if type(value) not in (int, float):
             raise Reject(Reason.BAD_TYPE, f"{path} must be a number, got {value!r}")
+        if type(value) is int and not -_FLOAT_MAX <= value <= _FLOAT_MAX:  # float() would raise OverflowError
+            raise Reject(Reason.NOT_FINITE, f"{path}: the integer {str(value)[:20]}... is beyond any float")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

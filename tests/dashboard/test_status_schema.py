@@ -91,6 +91,7 @@ def test_bad_fields_are_rejected_with_their_path(mutate, reason, names):
         (b"[1, 2]", Reason.BAD_TYPE),
         (b'{"version": 1, "time": NaN}', Reason.NOT_FINITE),
         (b'{"version": 1, "time": Infinity}', Reason.NOT_FINITE),
+        (b'{"version": 1, "time": ' + b"9" * 400 + b"}", Reason.NOT_FINITE),  # an int float() cannot hold: OverflowError
         (b"[" * 100_000 + b"]" * 100_000, Reason.TOO_DEEP),
         (b'{"a": ' * 20 + b"1" + b"}" * 20, Reason.TOO_DEEP),
         (b" " * (MAX_STATUS_BYTES + 1), Reason.TOO_LARGE),
