@@ -389,7 +389,12 @@ def _decode_chunk(data: bytes, base: State, base_hash: bytes, limits: Limits) ->
     # Positions: class membership from the base, then one stream of gap quotients for every class.
     structure, counts, work = [], [], 0
     for p in pieces:
-        cls = dc.classes(p.local.bits.reshape(-1)[p.start : p.stop], p.dtype, p.split)
+        try:
+            cls = dc.classes(p.local.bits.reshape(-1)[p.start : p.stop], p.dtype, p.split,
+                             max_listed=limits.max_delta_chunk_elements - work)
+        except dc.OverLimit as exc:
+            raise Reject(Reason.TOO_LARGE, f"tensor {p.name!r}: {exc} (chunk decode limit "
+                                           f"{limits.max_delta_chunk_elements})") from None
         work += cls.listed.size
         for c, size in zip(p.classes, cls.sizes):
             if c.count > size:

@@ -71,6 +71,10 @@ class OutOfRange(CodingError):
     """A decoded position lies outside its piece's range."""
 
 
+class OverLimit(CodingError):
+    """A base range has more elements outside its implicit class than the caller allows to list."""
+
+
 def max_exponent(dtype: str) -> int:
     width, mantissa = FLOAT_LAYOUT[dtype]
     return (1 << (width - 1 - mantissa)) - 1
@@ -347,8 +351,12 @@ def check_split(split: ClassSplit, dtype: str) -> None:
         raise CodingError(f"implicit class {split.implicit} of {len(t) + 1}")
 
 
-def classes(bits: np.ndarray, dtype: str, split: ClassSplit) -> Classes:
-    """Class membership of a flat base range under `split` (one pass over the range, then the listed elements)."""
+def classes(bits: np.ndarray, dtype: str, split: ClassSplit, *, max_listed: int | None = None) -> Classes:
+    """Class membership of a flat base range under `split` (one pass over the range, then the listed elements).
+
+    With `max_listed`, raises `OverLimit` as soon as more elements than that fall outside the implicit
+    class, before they are all listed: a split a peer chose can make that nearly the whole range.
+    """
     n = bits.size
     if not split.thresholds:
         return Classes(split, np.zeros(0, np.int64), np.zeros(0, np.int64), [None], [n])
@@ -362,7 +370,7 @@ def classes(bits: np.ndarray, dtype: str, split: ClassSplit) -> Classes:
     hi = bits.dtype.type(limits[j]) if j < limits.size else None
     magnitude = np.empty(min(n, _BLOCK), bits.dtype)
     below, above = np.empty(magnitude.size, bool), np.empty(magnitude.size, bool)
-    parts = []
+    parts, listed_size = [], 0
     for a in range(0, n, _BLOCK):
         b = min(n, a + _BLOCK)
         m, lt, ge = magnitude[: b - a], below[: b - a], above[: b - a]
@@ -374,6 +382,9 @@ def classes(bits: np.ndarray, dtype: str, split: ClassSplit) -> Classes:
             if lo is not None:
                 np.logical_or(lt, ge, out=ge)
         parts.append(np.flatnonzero(ge if hi is not None else lt) + a)
+        listed_size += parts[-1].size
+        if max_listed is not None and listed_size > max_listed:
+            raise OverLimit(f"more than {max_listed} elements outside the implicit class")
     listed = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     which = np.searchsorted(limits, bits[listed].astype(np.int64) & (int(sign) - 1), side="right")
     members: list[np.ndarray | None] = [None if c == j else listed[which == c] for c in range(limits.size + 1)]

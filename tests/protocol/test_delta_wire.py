@@ -1,6 +1,7 @@
 """Delta wire format v4: bit-exact round trips (hypothesis), conditioning on the base, chunking, and every malformed delta rejected."""
 
 import dataclasses
+import tracemalloc
 from math import lgamma, log
 
 import msgpack
@@ -308,6 +309,33 @@ def test_malformed_pieces_are_rejected():
     check([chunk + b"\x00"], Reason.MALFORMED, base=base)
     check([chunk], Reason.TOO_LARGE, base=base, limits=dataclasses.replace(DEFAULT_LIMITS, max_delta_chunk_bytes=100))
     check([chunk], Reason.TOO_LARGE, base=base, limits=dataclasses.replace(DEFAULT_LIMITS, max_delta_chunk_elements=10))
+
+
+def test_a_class_split_listing_a_whole_tensor_is_refused_before_it_is_listed():
+    # A few hundred bytes naming one big tensor, with a split whose implicit class is empty: every element is "listed"
+    # (int64 positions, their classes, their members). Refused only after listing, it took 16x the tensor in memory
+    # (1 GiB for a 64-MiB one) to decode a chunk that could never pass the decode limit.
+    n = 1 << 22
+    base = {"w": TensorBits("bfloat16", np.full(n, 0x3F80, np.uint16))}  # 1.0 everywhere: exponent 127 >= the threshold
+    base_hash = state_hash(base)
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_delta_chunk_elements=1 << 12)
+    nothing = [0, "gaps", 0, b"", b""]
+    chunk = pack({
+        "format": DELTA_FORMAT_VERSION, "base_version": 0, "version": 1, "base_hash": base_hash, "result_hash": base_hash,
+        "chunk": 0, "chunks": 1, "position_table": FrequencyTable.from_counts(np.ones(1)).to_bytes(), "position_symbols": b"",
+        "value_contexts": [], "value_tables": [], "value_symbols": b"",
+        "pieces": [{"name": "w", "shape": [n], "dtype": "bfloat16", "start": 0, "stop": n, "split": [1], "implicit": 0,
+                    "classes": [nothing, nothing], "values": "raw", "value_bits": b""}],
+    })
+    assert len(chunk) < 512
+    tracemalloc.start()
+    try:
+        verdict, delta = decode_delta([chunk], base=base, base_hash=base_hash, limits=limits)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert verdict.reason is Reason.TOO_LARGE and delta is None, verdict
+    assert peak < n * 2  # under the tensor's own size; listing it all took 8 bytes per element for the positions alone
 
 
 def flip_byte(data: bytes) -> bytes:
