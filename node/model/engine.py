@@ -427,13 +427,15 @@ class TorchEngine:
             new_mask[i, : 1 + lengths[i]] = 1
         input_ids, new_mask = input_ids.to(self._device), new_mask.to(self._device)
         offsets = torch.arange(width + 1, dtype=torch.int64, device=self._device)
+        draft_lengths = torch.tensor(lengths, dtype=torch.int64, device=self._device)
         attention_mask = torch.cat([state.attention_mask, new_mask], dim=-1)
-        logits = self._forward(
-            input_ids, attention_mask, state.next_positions[:, None] + offsets, state.cache, keep=width + 1
-        )
+        # A padding slot is masked out but its position is still looked up: it repeats the row's
+        # last real one, so it never runs past the model's positions (learned position tables) or
+        # stretches a dynamic RoPE for the whole batch.
+        positions = state.next_positions[:, None] + torch.minimum(offsets[None, :], draft_lengths[:, None])
+        logits = self._forward(input_ids, attention_mask, positions, state.cache, keep=width + 1)
         stats.batch_forwards += 1
         stats.speculative_steps += width > 0
-        draft_lengths = torch.tensor(lengths, dtype=torch.int64, device=self._device)
         verdict = verify_drafts(
             logits,
             input_ids[:, 1:],

@@ -19,8 +19,9 @@ from hivespec.node.model.engine import (
     TorchEngine,
 )
 from hivespec.node.model.loader import load_model
+from hivespec.node.speculation.curve import VerifyCostCurve
 from hivespec.node.speculation.drafter import SuffixDrafter
-from hivespec.node.speculation.policy import UniformPolicy
+from hivespec.node.speculation.policy import LengthAwarePolicy, UniformPolicy
 
 torch.set_num_threads(1)
 
@@ -135,6 +136,35 @@ def test_speculative_false_and_missing_drafter(model):
         TorchEngine(model).generate(requests, params, speculative=True)
     with pytest.raises(ValueError, match="both a drafter and a policy"):
         TorchEngine(model, drafter=drafter)
+
+
+
+def test_padding_slots_stay_within_learned_positions():
+    """A verify forward padded past the drafts (a cheaper wider forward) near the model's last position.
+
+    GPT-2 looks every position id up in a learned table of n_positions rows: a padding slot placed
+    past the last one raised IndexError, though plain decoding of the same request fits.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=50, n_positions=24, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+        gpt2 = GPT2LMHeadModel(config).eval().double()
+    requests = [GenerationRequest((1, 2, 3, 4), seed=5, sample_index=0)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=20)  # 4 + 20 = every one of the 24 positions
+    plain = TorchEngine(gpt2).generate(requests, params)
+    drafter = SuffixDrafter()
+    for _ in range(3):
+        drafter.observe(requests[0].prompt_ids, plain[0].completion_ids)
+    # A 9-token forward is priced cheaper than a 2- or 3-token one: every step pads to 9.
+    curve = VerifyCostCurve((1,), (1, 2, 3, 5, 9), ((1.0, 3.0, 3.0, 3.0, 1.05),), (1.0,))
+    stats = SpeculationStats()
+    spec = TorchEngine(gpt2, drafter=drafter, policy=LengthAwarePolicy(curve, drafter, max_budget=2)).generate(
+        requests, params, stats=stats
+    )
+    _assert_same(plain, spec)
+    assert stats.accepted > 0
 
 
 @pytest.mark.slow
