@@ -22,6 +22,7 @@ decoding output: same tokens, same log-probs, up to the rounding of different fo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import DynamicCache, DynamicLayer
 
 from hivespec.kernels.host_transfer import synchronize, to_host
 from hivespec.kernels.sampling import sample_tokens
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from hivespec.node.config import RolloutConfig
     from hivespec.node.speculation.drafter import Draft, DraftSession, SuffixDrafter
     from hivespec.node.speculation.policy import RowPlan, SpeculationPolicy
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GenerationRequest", "RolloutEngine", "Sample", "SamplingParams", "SpeculationStats", "TorchEngine", "unique_parameters",
@@ -263,6 +266,11 @@ class TorchEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._model = model
         self._max_batch_size = max_batch_size
+        # A verify step crops rejected drafts off the cache and masks holes by key index: only a
+        # full-attention layer can do both. A sliding-window layer forgets what a crop would need
+        # (transformers raises) and measures its window in key slots, holes included; a linear
+        # attention layer folds every token into its state.
+        self.can_speculate = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
         self.drafter: SuffixDrafter | None = None
         self.policy: SpeculationPolicy | None = None
         self.set_speculation(drafter, policy)
@@ -279,6 +287,9 @@ class TorchEngine:
         """Turn speculative decoding on (a drafter and a policy) or off (None, None) for later calls."""
         if (drafter is None) != (policy is None):
             raise ValueError("speculation needs both a drafter and a policy (or neither for plain decoding)")
+        if drafter is not None and not self.can_speculate:
+            log.warning("speculative decoding is off: the model has sliding-window or linear attention layers, whose "
+                        "cache cannot drop rejected drafts; decoding plainly")
         self.drafter, self.policy = drafter, policy
 
     def sync_parameters(self) -> dict[str, Tensor]:
@@ -304,12 +315,16 @@ class TorchEngine:
         step added across the batch (for progress and throughput counters; it may raise to
         abandon the call, e.g. on a stop request). speculative defaults to "when the engine has
         a drafter and its policy is active" (a policy still waiting for its verify-cost curve
-        is not); stats, if given, accumulates counters.
+        is not) and never on a model that cannot roll its cache back (`can_speculate`); stats,
+        if given, accumulates counters.
         """
         if speculative is None:
-            speculative = self.drafter is not None and self.policy is not None and self.policy.active
+            speculative = self.drafter is not None and self.policy is not None and self.policy.active and self.can_speculate
         if speculative and self.drafter is None:
             raise ValueError("speculative=True needs an engine built with a drafter and a policy")
+        if speculative and not self.can_speculate:
+            raise ValueError("speculative=True on a model with sliding-window or linear attention layers, whose cache "
+                             "cannot drop rejected drafts; decode it plainly (speculative=False)")
         if self._model.training:
             raise ValueError("the model is in training mode (dropout would break keyed sampling); call model.eval()")
         for request in requests:

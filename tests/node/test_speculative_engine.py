@@ -167,6 +167,36 @@ def test_padding_slots_stay_within_learned_positions():
     assert stats.accepted > 0
 
 
+def test_a_sliding_window_model_decodes_plainly_with_a_drafter(model):
+    """Mistral-style sliding-window layers forget the keys a verify step's crop needs.
+
+    A drafter on such a model (Gemma 3, Mistral v0.1, Qwen2 with use_sliding_window) had raised
+    RuntimeError from the cache's crop once a completion outgrew the window; the engine now
+    decodes it plainly, and refuses an explicit speculative=True.
+    """
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=6, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        mistral = MistralForCausalLM(config).eval().double()
+    requests = [GenerationRequest((1, 2, 3), seed=4, sample_index=i) for i in range(2)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=30)
+    plain = TorchEngine(mistral).generate(requests, params)
+    drafter = SuffixDrafter()
+    for sample in plain:
+        drafter.observe(sample.prompt_ids, sample.completion_ids)
+    engine = TorchEngine(mistral, drafter=drafter, policy=UniformPolicy(6))
+    stats = SpeculationStats()
+    assert engine.generate(requests, params, stats=stats) == plain
+    assert stats.drafted == 0
+    assert not engine.can_speculate and TorchEngine(model).can_speculate
+    with pytest.raises(ValueError, match="sliding-window"):
+        engine.generate(requests, params, speculative=True)
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_embedded_model_fp32_speculative_matches_plain():
