@@ -12,6 +12,12 @@ forwards. The Ed25519 signature covers
 
 The tag keeps these signatures from being valid in any other hivespec context. All header
 fields are fixed width or length-prefixed, so the byte string is unambiguous.
+
+The wire form is canonical too: an envelope is accepted only in the exact bytes `seal` writes
+(keys in the order above, the shortest int and length headers, ts as float64). msgpack has other
+encodings of the same map, and without this a relay could re-encode an honest envelope into any
+number of bodies with new sha256s, all verifying, that readers fetch and then drop as replays
+(an "ignore" that costs the relay nothing).
 """
 
 from __future__ import annotations
@@ -96,17 +102,12 @@ def seal(identity: Identity, kind: Kind, seq: int, body: bytes, *, timestamp: fl
         raise ValueError(f"timestamp must be finite, got {ts!r}")
     body = bytes(body)
     sig = identity.sign(signed_message(ENVELOPE_VERSION, kind.value, identity.public_key, seq, ts, body))
-    return pack(
-        {
-            "v": ENVELOPE_VERSION,
-            "kind": kind.value,
-            "author": identity.public_key,
-            "seq": seq,
-            "ts": ts,
-            "body": body,
-            "sig": sig,
-        }
-    )
+    return _wire(ENVELOPE_VERSION, kind.value, identity.public_key, seq, ts, body, sig)
+
+
+def _wire(version: int, kind: str, author: bytes, seq: int, ts: float, body: bytes, sig: bytes) -> bytes:
+    """The one (canonical) encoding of an envelope's fields."""
+    return pack({"v": version, "kind": kind, "author": author, "seq": seq, "ts": ts, "body": body, "sig": sig})
 
 
 def _is_int(value: object) -> bool:
@@ -124,7 +125,7 @@ def open_envelope(
 
     Checks, cheapest first: size, msgpack, exact key set, field types and lengths, version,
     kind (and `expected_kind` when given), seq range, finite timestamp within
-    `limits.max_clock_skew_s` of `now` (default `time.time()`), then the signature. The body is
+    `limits.max_clock_skew_s` of `now` (default `time.time()`), canonical encoding, then the signature. The body is
     returned undecoded; decode it with the decoder for its kind.
     """
     verdict, obj = safe_unpack(data, max_size=limits.max_envelope_bytes, max_depth=limits.max_depth)
@@ -174,6 +175,11 @@ def open_envelope(
             Reason.CLOCK_SKEW,
             f"timestamp {ts:.3f} is {ts - clock:+.1f} s from our clock (limit ±{limits.max_clock_skew_s:g} s); "
             "check that both machines sync their clocks (NTP)",
+        ), None
+    if _wire(version, kind, author, seq, ts, body, sig) != data:
+        return Verdict.reject(
+            Reason.MALFORMED, "envelope is not in the canonical encoding seal writes (key order, int and length headers, "
+            "float64 ts): re-encoded on the way"
         ), None
     message = signed_message(version, kind, author, seq, ts, body)
     if not verify_signature(author, sig, message):

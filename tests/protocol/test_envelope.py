@@ -144,6 +144,32 @@ def test_forged_and_flipped_signatures():
     check(repack(sealed(), sig=b"\x00" * 64), Reason.BAD_SIGNATURE)
 
 
+def _reencodings(data: bytes) -> list[bytes]:
+    """The same fields, signature included, in other valid msgpack encodings than the one `seal` writes."""
+    m = fields(data)
+    body = pack(m["body"])  # bin 8: header c4 07
+    assert body[:1] == b"\xc4"
+    return [
+        pack(dict(reversed(list(m.items())))),  # keys in another order
+        data.replace(b"\xa3seq\x07", b"\xa3seq\xcf" + (7).to_bytes(8, "big")),  # seq in a uint64 header
+        msgpack.packb(m, use_bin_type=True, use_single_float=True),  # ts as float32 (exact for NOW)
+        data.replace(body, b"\xc5" + len(m["body"]).to_bytes(2, "big") + m["body"]),  # body in a bin 16 header
+        b"\x88" + data[1:] + pack("body") + pack(m["body"]),  # a repeated key: the last value wins
+    ]
+
+
+def test_an_envelope_re_encoded_on_the_way_is_refused():
+    # Each verifies with the author's signature; accepted, one signed message would travel as any number of bodies
+    # with new sha256s that readers fetch again and drop as replays, at no cost to the relay that re-encoded them.
+    data = sealed()
+    assert open_envelope(data, now=NOW)[0].ok
+    variants = _reencodings(data)
+    assert len(set(variants) | {data}) == len(variants) + 1
+    for variant in variants:
+        assert fields(variant) == fields(data)
+        assert "canonical" in check(variant, Reason.MALFORMED).detail
+
+
 def test_seal_rejects_bad_arguments():
     with pytest.raises(ValueError, match="seq"):
         seal(ALICE, Kind.ROLLOUTS, -1, b"")
