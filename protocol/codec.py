@@ -31,10 +31,17 @@ class _ExtTypeRefused(Exception):
     pass
 
 
-def safe_unpack(data: bytes, *, max_size: int, max_depth: int) -> tuple[Verdict, object | None]:
+class _TooManyItems(Exception):
+    pass
+
+
+def safe_unpack(data: bytes, *, max_size: int, max_depth: int, max_items: int | None = None) -> tuple[Verdict, object | None]:
     """Decode untrusted msgpack under limits; returns (verdict, obj), obj is None when rejected.
 
     `max_depth` counts containers: a scalar is depth 0, `[1]` depth 1, `{"a": [1]}` depth 2.
+    `max_items` bounds the entries of all arrays and maps together, counted while decoding: a
+    4 MiB message of one-byte empty maps is 4 million Python objects (570 MiB, seconds of CPU)
+    before any schema check could refuse it. Pass what the message's schema can hold.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         return Verdict.reject(Reason.BAD_TYPE, f"expected bytes, got {type(data).__name__}"), None
@@ -43,6 +50,16 @@ def safe_unpack(data: bytes, *, max_size: int, max_depth: int) -> tuple[Verdict,
         return Verdict.reject(Reason.TOO_LARGE, f"{n} bytes > limit {max_size}"), None
     if n == 0:
         return Verdict.reject(Reason.MALFORMED, "empty message"), None
+    budget = n if max_items is None else min(n, max_items)
+    left = budget
+
+    def count(container: Any) -> Any:
+        nonlocal left
+        left -= 1 + len(container)  # an empty map is an object too
+        if left < 0:
+            raise _TooManyItems(f"more than {budget} arrays, maps and entries in them")
+        return container
+
     try:
         # Every length header is bounded by the buffer size, so a forged header that claims
         # 2**32 elements cannot make msgpack allocate before it runs out of input.
@@ -52,14 +69,18 @@ def safe_unpack(data: bytes, *, max_size: int, max_depth: int) -> tuple[Verdict,
             strict_map_key=True,
             use_list=True,
             ext_hook=_reject_ext,
+            list_hook=None if max_items is None else count,
+            object_hook=None if max_items is None else count,
             max_str_len=n,
             max_bin_len=n,
-            max_array_len=n,
-            max_map_len=n,
+            max_array_len=budget,
+            max_map_len=budget,
             max_ext_len=n,
         )
     except _ExtTypeRefused as exc:
         return Verdict.reject(Reason.BAD_TYPE, str(exc)), None
+    except _TooManyItems as exc:
+        return Verdict.reject(Reason.TOO_LARGE, str(exc)), None
     except msgpack.ExtraData as exc:
         return Verdict.reject(Reason.MALFORMED, f"trailing bytes after the message ({exc})"), None
     except msgpack.StackError:
@@ -68,6 +89,10 @@ def safe_unpack(data: bytes, *, max_size: int, max_depth: int) -> tuple[Verdict,
         return Verdict.reject(Reason.TOO_DEEP, "nesting exceeds the interpreter's recursion limit"), None
     except UnicodeDecodeError as exc:
         return Verdict.reject(Reason.MALFORMED, f"invalid UTF-8 in a str ({exc.reason})"), None
+    except ValueError as exc:
+        if budget < n and "exceeds max_" in str(exc):  # msgpack's words for a header over max_array_len / max_map_len
+            return Verdict.reject(Reason.TOO_LARGE, f"{exc} (arrays, maps and entries this message may hold)"), None
+        return Verdict.reject(Reason.MALFORMED, f"invalid msgpack: {type(exc).__name__}: {exc}"), None
     except Exception as exc:  # noqa: BLE001 - msgpack raises ValueError, TypeError, FormatError, ...
         return Verdict.reject(Reason.MALFORMED, f"invalid msgpack: {type(exc).__name__}: {exc}"), None
     verdict = check_tree(obj, max_depth=max_depth)

@@ -37,6 +37,9 @@ ENVELOPE_VERSION = 1
 DOMAIN_TAG = b"hivespec/envelope/v1\0"
 _KEYS = frozenset({"v", "kind", "author", "seq", "ts", "body", "sig"})
 _MAX_SEQ = (1 << 64) - 1
+# An envelope is one map of seven scalars; the bound refuses 4 MiB of tiny containers before they are built, with room
+# for a map of other keys (another version's) to be refused by name.
+_MAX_ITEMS = 256
 
 
 class Kind(StrEnum):
@@ -128,7 +131,7 @@ def open_envelope(
     `limits.max_clock_skew_s` of `now` (default `time.time()`), canonical encoding, then the signature. The body is
     returned undecoded; decode it with the decoder for its kind.
     """
-    verdict, obj = safe_unpack(data, max_size=limits.max_envelope_bytes, max_depth=limits.max_depth)
+    verdict, obj = safe_unpack(data, max_size=limits.max_envelope_bytes, max_depth=limits.max_depth, max_items=_MAX_ITEMS)
     if not verdict.ok:
         return verdict, None
     if not isinstance(obj, dict):

@@ -211,7 +211,10 @@ def decode_batch(
     Pass `vocab_size` to reject token ids the local model cannot embed. Semantic checks that
     need local state (fingerprint match, staleness, reward recompute, dedupe) are the intake's.
     """
-    verdict, obj = safe_unpack(body, max_size=limits.max_envelope_bytes, max_depth=limits.max_depth)
+    # The batch map, its rollouts list, and per rollout its list entry, its map and the map's entries: anything
+    # beyond is refused while decoding (a stranger signs its own body, so its bytes are as hostile as any).
+    max_items = 2 + len(_BATCH_KEYS) + limits.max_rollouts_per_batch * (2 + len(_ROLLOUT_KEYS))
+    verdict, obj = safe_unpack(body, max_size=limits.max_envelope_bytes, max_depth=limits.max_depth, max_items=max_items)
     if not verdict.ok:
         return verdict, None
     try:

@@ -72,6 +72,19 @@ def test_depth_limit_is_inclusive():
     assert unpack(pack(5), max_depth=0)[0].ok
 
 
+def test_max_items_counts_every_array_map_and_entry_while_decoding():
+    obj = {"a": [1, 2], "b": {}}  # the outer map (1 + 2), the list (1 + 2), the empty map (1): 7
+    assert safe_unpack(pack(obj), max_size=LIMIT, max_depth=8, max_items=7) == (Verdict.accept(), obj)
+    for data in (pack(obj), pack([{}] * 3), pack([[]] * 3)):
+        verdict, out = safe_unpack(data, max_size=LIMIT, max_depth=8, max_items=6)
+        assert verdict.reason is Reason.TOO_LARGE and out is None, verdict
+    # A header over the budget is refused before msgpack allocates for it; so is the first container past it.
+    assert "max_array_len" in safe_unpack(b"\xdd\x00\x10\x00\x00" + b"\x80" * (1 << 20), max_size=2 * LIMIT,
+                                          max_depth=8, max_items=100)[0].detail
+    deep = pack([[{}] * 50] * 50)
+    assert "more than 100" in safe_unpack(deep, max_size=LIMIT, max_depth=8, max_items=100)[0].detail
+
+
 def test_check_tree_rejects_non_msgpack_types():
     assert check_tree({"a": object()}, max_depth=4).reason is Reason.BAD_TYPE
     assert check_tree({1: 2}, max_depth=4).reason is Reason.BAD_TYPE

@@ -1,6 +1,7 @@
 """Signed envelopes: round trip, and every way a forged, stale or malformed one is refused."""
 
 import dataclasses
+import tracemalloc
 
 import msgpack
 import pytest
@@ -168,6 +169,19 @@ def test_an_envelope_re_encoded_on_the_way_is_refused():
     for variant in variants:
         assert fields(variant) == fields(data)
         assert "canonical" in check(variant, Reason.MALFORMED).detail
+
+
+def test_an_envelope_of_millions_of_tiny_containers_is_refused_before_they_are_built():
+    # 4 MiB of one-byte empty maps: 4 million dicts (570 MiB, seconds of CPU) were built and walked before the
+    # check that an envelope is one map. Any stranger may send one.
+    data = b"\xdd" + (DEFAULT_LIMITS.max_envelope_bytes - 5).to_bytes(4, "big") + b"\x80" * (DEFAULT_LIMITS.max_envelope_bytes - 5)
+    tracemalloc.start()
+    try:
+        verdict = check(data, Reason.TOO_LARGE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(data), verdict
 
 
 def test_seal_rejects_bad_arguments():

@@ -1,6 +1,8 @@
 """Rollout batches on the wire: round trip, content hash, and every schema rejection."""
 
 import dataclasses
+import struct
+import tracemalloc
 
 import msgpack
 import numpy as np
@@ -155,6 +157,28 @@ def test_too_many_rollouts_and_tokens():
     one = encode_batch(make_batch(1))
     assert "prompt_ids" in check(one, Reason.TOO_LARGE, limits=dataclasses.replace(DEFAULT_LIMITS, max_prompt_tokens=3)).detail
     assert "completion_ids" in check(one, Reason.TOO_LARGE, limits=dataclasses.replace(DEFAULT_LIMITS, max_completion_tokens=2)).detail
+
+
+def test_a_body_of_millions_of_tiny_containers_is_refused_before_they_are_built():
+    # A stranger signs its own body, so this reaches decode_batch through a valid envelope. A batch head whose rollouts
+    # are 1024 arrays of one-byte empty maps: 4 million dicts (570 MiB and seconds of CPU) were built, then walked,
+    # before the schema refused the first one.
+    per = DEFAULT_LIMITS.max_envelope_bytes // 1024 - 64
+    rollouts = b"\xdc" + struct.pack(">H", 1024) + (b"\xdd" + struct.pack(">I", per) + b"\x80" * per) * 1024
+    body = pack({**wire_batch(), "rollouts": []})[:-1] + rollouts  # the batch map with "rollouts" last
+    assert len(body) <= DEFAULT_LIMITS.max_envelope_bytes
+    tracemalloc.start()
+    try:
+        verdict, batch = decode_batch(body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert verdict.reason is Reason.TOO_LARGE and batch is None, verdict
+    assert peak < len(body)
+    # The largest batch the limits allow still decodes, and one rollout more is refused.
+    most = DEFAULT_LIMITS.max_rollouts_per_batch
+    assert decode_batch(encode_batch(make_batch(most)))[0].ok
+    check(encode_batch(make_batch(most + 1)), Reason.TOO_LARGE)
 
 
 @pytest.mark.parametrize(
