@@ -106,6 +106,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from hivespec.node.config import InputError, default_home
     from hivespec.node.evaluate import EvalSettings, format_table, score_model, to_json
     from hivespec.node.export import EVAL_ADVICE, find_policy, load_policy_model, read_export_record
+    from hivespec.node.model.device import check_device
     from hivespec.node.model.loader import (
         ModelSourceError,
         configure_threads,
@@ -118,6 +119,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     configure_threads()
     if args.home and args.model:
         raise InputError("pass --home (a node's latest policy) or --model (an exported folder), not both")
+    device = check_device(args.device, setting="--device", on_cpu="pass --device cpu")
     if args.model:
         folder = _model_folder(Path(args.model).expanduser())
         record = read_export_record(folder)
@@ -171,7 +173,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         def say(line: str) -> None:
             print(f"  {label}, {line}", file=sys.stderr if args.json else sys.stdout, flush=True)  # --json: stdout is the JSON
 
-        return score_model(model.to(dtype), tokenizer, source_tasks, questions, settings, label=label, name=name, on_progress=say)
+        return score_model(model.to(device=device, dtype=dtype), tokenizer, source_tasks, questions, settings, label=label, name=name, on_progress=say)
 
     trained_scores = score("trained", trained_name, trained, tokenizer)
     del trained
@@ -222,5 +224,6 @@ def add_result_commands(sub: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-new-tokens", type=number(int, low=1), default=48, help="most new tokens per completion (default 48, the demo's)")
     evaluate.add_argument("--seed", type=number(int, low=0), default=0, help="which held-out questions (default 0)")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype while generating")
+    evaluate.add_argument("--device", default="cpu", help="where the models generate: cpu, cuda or cuda:N (default cpu)")
     evaluate.add_argument("--json", action="store_true", help="print every metric, and the per-question scores, as JSON")
     evaluate.set_defaults(func=cmd_eval)

@@ -209,6 +209,7 @@ def _cases() -> list[Case]:
         c(["eval", "--home", "{tmp}/bad-policy"], "evaluate a checkpoint instead: `hivespec export --checkpoint DIR"),
         c(["eval", "--model", "{tmp}/adir"], "--model {tmp}/adir has no config.json"),
         # Number flags are refused as they are parsed: they had failed with a traceback, one after the base's greedy pass.
+        c(["eval", "--device", "gpu"], "--device 'gpu' is not a torch device; use cpu, cuda or cuda:N"),
         c(["eval", "--n", "0"], "argument --n: must be >= 1, got 0"),
         c(["eval", "--samples", "-1"], "argument --samples: must be >= 0, got -1"),
         c(["eval", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),

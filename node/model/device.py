@@ -20,25 +20,26 @@ class DeviceError(UserError):
     """``model.device`` names a device this torch build or this machine does not have."""
 
 
-def check_device(name: str) -> torch.device:
-    """``torch.device(name)`` when this process can use it, else `DeviceError`."""
-    where = f"model.device {name!r}"
+def check_device(name: str, *, setting: str = "model.device", on_cpu: str = "set model.device: cpu") -> torch.device:
+    """``torch.device(name)`` when this process can use it, else `DeviceError` naming `setting` and `on_cpu`, the way
+    back to the CPU (a command's flag words them as ``--device``)."""
+    where = f"{setting} {name!r}"
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise DeviceError(f"{where} is not a torch device; use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if torch.version.cuda is None:
-            raise DeviceError(f"{where}: this torch ({torch.__version__}) is a CPU-only build; set model.device: cpu, "
+            raise DeviceError(f"{where}: this torch ({torch.__version__}) is a CPU-only build; {on_cpu}, "
                               "or install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
         if not torch.cuda.is_available():
             raise DeviceError(f"{where}: no CUDA device is visible (torch {torch.__version__}); check the NVIDIA driver "
-                              "(nvidia-smi) and CUDA_VISIBLE_DEVICES, or set model.device: cpu")
+                              f"(nvidia-smi) and CUDA_VISIBLE_DEVICES, or {on_cpu}")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise DeviceError(f"{where}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0; "
                               "pick one of them")
     elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise DeviceError(f"{where}: MPS (Apple GPU) is not available here; set model.device: cpu")
+        raise DeviceError(f"{where}: MPS (Apple GPU) is not available here; {on_cpu}")
     return device
 
 
