@@ -16,9 +16,12 @@ costs O(new tokens + draft length) dict and list lookups. An index is immutable 
 window that changes marks it stale and it is rebuilt, once, at the next session that needs it
 (a few ms per thousand tokens), so sessions already running keep a consistent snapshot.
 
-Memory is bounded: at most `max_prompts` prompt windows (least recently used evicted) of at
-most `window` rollouts each, a global window of at most `global_max_tokens` tokens, and at most
-`max_built` built per-prompt indexes at a time.
+Memory is bounded whatever peers send (a rollout may carry up to the wire's 8192 completion
+tokens, which a peer can fill with junk of a valid reward): at most `max_prompts` prompt windows
+(least recently used evicted) of at most `window` rollouts and `global_max_tokens` tokens each
+(oldest rollouts dropped first), a global window of at most `global_max_tokens` tokens, and at
+most `max_built` built per-prompt indexes holding at most `max_built_tokens` tokens together (an
+index costs about 0.5 KB a token).
 """
 
 from __future__ import annotations
@@ -193,13 +196,24 @@ class DraftSession:
 
 
 class _PromptWindow:
-    __slots__ = ("index", "lengths", "prompt", "rollouts")
+    __slots__ = ("index", "lengths", "prompt", "rollouts", "tokens")
 
-    def __init__(self, prompt: tuple[int, ...], window: int) -> None:
+    def __init__(self, prompt: tuple[int, ...]) -> None:
         self.prompt = prompt
-        self.rollouts: deque[array] = deque(maxlen=window)
-        self.lengths: deque[int] = deque(maxlen=window)
+        self.rollouts: deque[array] = deque()
+        self.lengths: deque[int] = deque()
+        self.tokens = 0  # in rollouts
         self.index: SuffixIndex | None = None
+
+    def add(self, sequence: array, length: int, window: int, max_tokens: int) -> None:
+        """Append a rollout, dropping the oldest while more than `window` or `max_tokens` (the newest always stays)."""
+        self.rollouts.append(sequence)
+        self.lengths.append(length)
+        self.tokens += len(sequence)
+        while len(self.rollouts) > 1 and (len(self.rollouts) > window or self.tokens > max_tokens):
+            self.tokens -= len(self.rollouts.popleft())
+            self.lengths.popleft()
+        self.index = None
 
 
 class SuffixDrafter:
@@ -219,11 +233,12 @@ class SuffixDrafter:
         global_max_tokens: int = 32768,
         max_prompts: int = 1024,
         max_built: int = 64,
+        max_built_tokens: int = 262144,
         min_prob: float = 0.1,
         spec_factor: float = 2.0,
         prompt_tail: int = 8,
     ) -> None:
-        for name, value in (("window", window), ("global_max_tokens", global_max_tokens), ("max_prompts", max_prompts), ("max_built", max_built)):
+        for name, value in (("window", window), ("global_max_tokens", global_max_tokens), ("max_prompts", max_prompts), ("max_built", max_built), ("max_built_tokens", max_built_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0.0 <= min_prob <= 1.0:
@@ -236,11 +251,13 @@ class SuffixDrafter:
         self.global_max_tokens = global_max_tokens
         self.max_prompts = max_prompts
         self.max_built = max_built
+        self.max_built_tokens = max_built_tokens
         self.min_prob = min_prob
         self.spec_factor = spec_factor
         self.prompt_tail = prompt_tail
         self._prompts: OrderedDict[tuple[int, ...], _PromptWindow] = OrderedDict()
-        self._built: OrderedDict[tuple[int, ...], None] = OrderedDict()  # prompts whose index is held, LRU
+        self._built: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prompts whose index is held (its tokens), LRU
+        self._built_tokens = 0
         self._global: deque[array] = deque()
         self._global_tokens = 0
         self._global_index: SuffixIndex | None = None
@@ -253,15 +270,14 @@ class SuffixDrafter:
         sequence.extend(int(t) for t in completion_ids)
         entry = self._prompts.get(prompt)
         if entry is None:
-            entry = self._prompts[prompt] = _PromptWindow(prompt, self.window)
+            entry = self._prompts[prompt] = _PromptWindow(prompt)
             while len(self._prompts) > self.max_prompts:
                 evicted, _ = self._prompts.popitem(last=False)
-                self._built.pop(evicted, None)
+                self._unbuild(evicted)
         else:
             self._prompts.move_to_end(prompt)
-        entry.rollouts.append(sequence)
-        entry.lengths.append(len(completion_ids))
-        entry.index = None
+            self._unbuild(prompt)
+        entry.add(sequence, len(completion_ids), self.window, self.global_max_tokens)
         self._global.append(sequence)
         self._global_tokens += len(sequence)
         while self._global_tokens > self.global_max_tokens and len(self._global) > 1:
@@ -292,15 +308,24 @@ class SuffixDrafter:
         entry = self._prompts.get(prompt)
         if entry is None:
             return SuffixIndex([prompt])
-        if entry.index is None:
-            entry.index = SuffixIndex([prompt, *entry.rollouts])
-        self._built[prompt] = None
+        index = entry.index
+        if index is None:
+            index = entry.index = SuffixIndex([prompt, *entry.rollouts])
+            self._built[prompt] = index.tokens
+            self._built_tokens += index.tokens
         self._built.move_to_end(prompt)
-        while len(self._built) > self.max_built:
-            evicted, _ = self._built.popitem(last=False)
-            if evicted in self._prompts:
-                self._prompts[evicted].index = None
-        return entry.index
+        while len(self._built) > 1 and (len(self._built) > self.max_built or self._built_tokens > self.max_built_tokens):
+            self._unbuild(next(iter(self._built)))
+        return index
+
+    def _unbuild(self, prompt: tuple[int, ...]) -> None:
+        """Drop this prompt's built index (rebuilt when a session needs it again)."""
+        tokens = self._built.pop(prompt, None)
+        if tokens is not None:
+            self._built_tokens -= tokens
+        entry = self._prompts.get(prompt)
+        if entry is not None:
+            entry.index = None
 
     def _global_snapshot(self) -> SuffixIndex:
         if self._global_index is None:

@@ -101,6 +101,29 @@ def test_window_eviction_and_memory_bounds():
     assert drafter.length_history([0]) == []
 
 
+
+def test_a_peer_sending_the_longest_completions_cannot_bloat_the_prompt_windows():
+    """A peer may send completions of the wire's 8192 tokens for our prompts, junk with an honest reward.
+
+    Each prompt window had held 16 of them (131k tokens, a ~60 MB index built in seconds) and 64
+    such indexes were kept: gigabytes. Now a window holds at most global_max_tokens tokens and the
+    built indexes at most max_built_tokens together.
+    """
+    rng = random.Random(0)
+    drafter = SuffixDrafter(window=16, global_max_tokens=1000, max_built_tokens=3000, prompt_tail=0)
+    for p in range(6):
+        for _ in range(16):
+            drafter.observe([p], [rng.randrange(1000) for _ in range(400)])
+        drafter.session([p])
+        assert drafter.length_history([p]) == [400, 400]  # the newest that fit in 1000 tokens
+    assert drafter.held_tokens() <= 1000 + 6 * 1000
+    built = [e.index.tokens for e in drafter._prompts.values() if e.index is not None]
+    assert 1 <= len(built) and sum(built) <= 3000
+    # The newest rollout always stays, even alone over the bound, and drafts as before.
+    drafter.observe([9], list(range(2000)))
+    assert drafter.length_history([9]) == [2000]
+    assert drafter.session([9]).propose([0, 1, 2], budget=3).tokens == [3, 4, 5]
+
 def test_sessions_keep_their_snapshot_while_new_rollouts_arrive():
     drafter = SuffixDrafter(prompt_tail=0)
     drafter.observe([1], [2, 3, 4])
@@ -144,5 +167,7 @@ def test_a_rollout_seen_with_a_few_tokens_changed_is_drafted_a_run_at_a_time():
 def test_bad_settings_are_rejected():
     with pytest.raises(ValueError, match="window must be >= 1"):
         SuffixDrafter(window=0)
+    with pytest.raises(ValueError, match="max_built_tokens must be >= 1"):
+        SuffixDrafter(max_built_tokens=0)
     with pytest.raises(ValueError, match="min_prob"):
         SuffixDrafter(min_prob=1.5)
