@@ -404,6 +404,8 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
     home = root / name
     home.mkdir(parents=True, exist_ok=True)
     events = home / "events.jsonl"
+    # A --dir run in before holds that run's events (a node appends to its file): this run's begin where it ends now.
+    offset = events.stat().st_size if events.exists() else 0
     command = [
         sys.executable, "-P", "-m", "hivespec.node.cli", "-v", "join",
         "--config", preset, "--home", str(home), "--name", name,
@@ -428,7 +430,7 @@ def _spawn(index: int, root: Path, preset: str, overrides: Mapping[str, str], no
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0, env=env
     )
-    return _Child(name=name, home=home, process=process, events_path=events)
+    return _Child(name=name, home=home, process=process, events_path=events, offset=offset)
 
 
 def node_trace_path(path: str, index: int) -> Path:

@@ -134,3 +134,18 @@ def test_a_node_started_after_the_stop_is_asked_to_stop_too_and_each_node_once(t
         demo._wait_ready(stop.children, stop.children, time.monotonic(), stop)
     assert [child.process.poll() for child in children] == [0, 0]
     assert [(tmp_path / f"{c.name}.terms").read_text() for c in children] == ["term\n", "term\n"]
+
+
+def test_a_dir_run_in_before_does_not_lend_its_events_to_the_next_run(tmp_path):
+    """A second `demo --dir D` read the first run's ready event: its node-0 'ready' at once, at last run's address."""
+    events = tmp_path / "node-0" / "events.jsonl"
+    events.parent.mkdir()
+    events.write_text('{"event": "ready", "maddrs": ["/ip4/127.0.0.1/tcp/41234/p2p/QmLastRun"]}\n{"event": "done"}\n')
+    # A real node process that ends on the user's error before it writes an event.
+    child = demo._spawn(0, tmp_path, "demo", {"rollout.prompts_per_round": "0"}, 1, initial_peers=[])
+    try:
+        with pytest.raises(UserError, match=r"^node-0: rollout.prompts_per_round must be >= 1, got 0$"):
+            demo._wait_ready([child], [child], time.monotonic(), demo._Stop())
+    finally:
+        child.process.kill()
+        child.process.wait()
