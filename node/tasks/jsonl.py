@@ -143,6 +143,8 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
             raise JsonlTaskError(f"{path}: not readable JSON ({_past_json_limits(error)})") from None
         yield from enumerate(records)
         return
+    if suffix == ".json" and "\n" in text.strip() and text.lstrip().startswith("{"):
+        _refuse_one_object(path, text)
     # Rows end at "\n" only: str.splitlines also splits at U+2028, U+0085 and others, which JSON lets a string
     # hold unescaped (json.dumps(..., ensure_ascii=False) writes them so), cutting such a row in two.
     for index, line in enumerate(text.split("\n")):
@@ -153,6 +155,21 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 raise JsonlTaskError(f"{path}:{index + 1}: not valid JSON ({error.msg} at column {error.colno})") from None
             except (ValueError, RecursionError) as error:
                 raise JsonlTaskError(f"{path}:{index + 1}: not readable JSON ({_past_json_limits(error)})") from None
+
+
+def _refuse_one_object(path: Path, text: str) -> None:
+    """Raise JsonlTaskError when a .json file's text is one object over several lines (``{"data": [...]}``), which
+    the reading as one object a line would call invalid JSON at its first line."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):  # not one document: rows, one a line, read as such
+        return
+    if isinstance(document, dict):
+        keys = ", ".join(map(repr, list(document)[:8]))
+        raise JsonlTaskError(
+            f"{path}: one JSON object (keys {keys}), not a list of rows: write the rows as a list [{{...}}, ...] "
+            "or one object a line (.jsonl)"
+        )
 
 
 def _past_json_limits(error: ValueError | RecursionError) -> str:

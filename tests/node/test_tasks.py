@@ -206,6 +206,16 @@ def test_jsonl_with_a_utf8_byte_order_mark_loads(tmp_path: Path) -> None:
         JsonlFamily(path)
 
 
+def test_a_json_file_of_one_object_says_so(tmp_path: Path) -> None:
+    """A valid .json holding {"data": [...]} was called 'not valid JSON' at its first line."""
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps({"data": [{"question": "a?", "answer": 1}]}, indent=2))
+    with pytest.raises(JsonlTaskError, match=r"tasks\.json: one JSON object \(keys 'data'\), not a list of rows"):
+        JsonlFamily(path)
+    path.write_text('{"question": "a?", "answer": 1}\n{"question": "b?", "answer": 2}\n')  # one object a line still reads
+    assert len(JsonlFamily(path)) == 2
+
+
 def test_jsonl_missing_file_is_clear(tmp_path: Path) -> None:
     with pytest.raises(JsonlTaskError, match="cannot read task file"):
         JsonlFamily(tmp_path / "absent.jsonl")
