@@ -62,8 +62,10 @@ class VerifyCostCurve:
 
     `ratios[i][j]` belongs to batches[i] and widths[j]; widths[0] is 1 (ratio 1.0). Between
     measured points the ratio is interpolated linearly in the width and taken from the next
-    larger measured batch (the conservative side); beyond the largest width it is extrapolated
-    along the last segment.
+    larger measured batch (the conservative side); beyond the largest width it grows linearly from
+    it (as for widths the calibration skipped): a W-token forward costs at most W / widest forwards
+    of the widest, and an extrapolated segment that slopes down (noise, or a widest width that
+    happened to be fast) would price a 129-token verify like a plain step.
     """
 
     batches: tuple[int, ...]
@@ -85,6 +87,8 @@ class VerifyCostCurve:
         if width <= 1:
             return 1.0
         row = self.ratios[min(bisect_left(self.batches, batch), len(self.batches) - 1)]
+        if width > self.widths[-1]:
+            return row[-1] * width / self.widths[-1]
         j = min(max(bisect_left(self.widths, width), 1), len(self.widths) - 1)
         if self.widths[j] == width:
             return row[j]

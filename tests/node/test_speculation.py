@@ -20,6 +20,7 @@ from hivespec.node.speculation.feed import DrafterFeed
 from hivespec.node.speculation.policy import (
     CurveCalibration,
     LengthAwarePolicy,
+    RowPlan,
     build_speculation,
     length_class,
     where_drafting_pays,
@@ -41,6 +42,18 @@ def test_ratio_interpolates_and_takes_the_next_larger_batch():
     assert curve.ratio(1, 7) == pytest.approx(1.55)
     assert curve.ratio(4, 9) == pytest.approx(3.2)  # batch 4 uses the batch-8 row
     assert curve.ratio(32, 17) == pytest.approx(5.0)
+
+
+
+def test_widths_past_the_widest_measured_are_priced_linearly_from_it():
+    """num_speculative_tokens may exceed the curve's widest width (17); a last segment that slopes down
+    had been extended to a ratio of 1.0, so the policy verified 129 tokens a step as if it cost a plain one."""
+    curve = VerifyCostCurve((1,), (1, 2, 3, 5, 9, 17), ((1.0, 1.8, 1.9, 1.4, 2.2, 2.1),), (0.05,))
+    assert curve.ratio(1, 17) == pytest.approx(2.1)
+    assert curve.ratio(1, 34) == pytest.approx(4.2) and curve.ratio(1, 129) > curve.ratio(1, 65) > curve.ratio(1, 33)
+    policy = LengthAwarePolicy(curve, SuffixDrafter(), max_budget=128)
+    draft = Draft(list(range(128)), [0.9 ** (j + 1) for j in range(128)], 10)
+    assert 1 <= policy.width([draft], [RowPlan(128)]) <= 16
 
 
 def test_a_slow_narrow_width_is_covered_by_a_cheaper_wider_one_and_the_curve_is_cached(tmp_path):
