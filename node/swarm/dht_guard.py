@@ -61,6 +61,9 @@ MAX_RECORDS_PER_KEY = 64  # records our storage keeps under one key: a new subke
 MAX_DICTIONARY_BYTES = MAX_SUBKEYS_PER_VALUE * (RECORD_MAX_BYTES // 4)  # well under p2pd's 4 MiB cap
 MAX_NEAREST = 64  # hivemind returns bucket_size (20) neighbours per key
 MAX_STORED_KEYS = 65536  # local storage and cache bound: oldest expirations are dropped first
+# Arrays and entries a dictionary value holds: [maxsize, latest, items] and 4 per item ([subkey, value, expiration]),
+# twice over so a value a little over MAX_SUBKEYS_PER_VALUE is still refused by that name.
+_MAX_DICTIONARY_ITEMS = 2 * (5 + 5 * MAX_SUBKEYS_PER_VALUE)
 _NODE_ID_BYTES = DHTID.HASH_NBYTES
 _DICT_EXT, _TUPLE_EXT = 0x50, 0x40
 _VALIDATED_CACHE = 4096
@@ -260,7 +263,7 @@ def check_dictionary_value(data: bytes) -> str | None:
     outer = _unpack(data, allow_ext=True)
     if not isinstance(outer, msgpack.ExtType) or outer.code != _DICT_EXT:
         return "not_a_dictionary"
-    inner = _unpack(outer.data, allow_ext=False)
+    inner = _unpack(outer.data, allow_ext=False, max_items=_MAX_DICTIONARY_ITEMS)
     if not isinstance(inner, list) or len(inner) != 3:
         return "bad_dictionary"
     maxsize, latest, items = inner
@@ -284,17 +287,29 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not (isinstance(value, float) and math.isnan(value))
 
 
-def _unpack(data: bytes, *, allow_ext: bool) -> Any:
+def _unpack(data: bytes, *, allow_ext: bool, max_items: int | None = None) -> Any:
+    """`data` decoded, or None; with `max_items`, None as soon as its arrays and their entries number more (counted
+    while decoding: 4 MiB of one-byte empty arrays is 4 million lists, 320 MiB and seconds of the DHT's loop)."""
     def hook(code: int, payload: bytes) -> Any:
         if not allow_ext:
             raise ValueError("nested ext type")
         return msgpack.ExtType(code, payload)
 
     n = len(data)
+    budget = n if max_items is None else min(n, max_items)
+    left = budget
+
+    def count(array: list) -> list:
+        nonlocal left
+        left -= 1 + len(array)
+        if left < 0:
+            raise ValueError(f"more than {budget} arrays and entries")
+        return array
+
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, ext_hook=hook, max_str_len=n, max_bin_len=n,
-            max_array_len=n, max_map_len=0, max_ext_len=n,
+            max_array_len=budget, max_map_len=0, max_ext_len=n, list_hook=None if max_items is None else count,
         )
     except Exception:  # noqa: BLE001 - any decoding failure makes the value invalid
         return None
