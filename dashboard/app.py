@@ -149,6 +149,8 @@ class DashboardApp(App[None]):
             result = feed.source.fetch()
         except SourceError as exc:
             result = exc
+        except Exception as exc:  # noqa: BLE001 - a fetch that raised anything else had left this node unpolled for good
+            result = SourceError(f"{feed.source.label}: {type(exc).__name__}: {exc}")
         try:
             self.call_from_thread(self._apply, index, result)
         except RuntimeError:  # the app is shutting down

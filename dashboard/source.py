@@ -7,6 +7,7 @@ fail only with `SourceError`, whose message says what to check. Standard library
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -68,6 +69,8 @@ class HttpSource:
                 data = response.read(MAX_STATUS_BYTES + 1)
         except urllib.error.HTTPError as exc:
             raise SourceError(f"{self.url}/status answered HTTP {exc.code}; is this a hivespec node?") from None
+        except http.client.HTTPException as exc:  # another service on the port (ssh, say) answered, not in HTTP
+            raise SourceError(_not_http(self.url, exc)) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise SourceError(f"no answer from {self.url} ({reason}); is the node running?") from None
@@ -88,8 +91,15 @@ class HttpSource:
                 response.read(1024)
         except urllib.error.HTTPError as exc:
             raise SourceError(f"{self.url}/control answered HTTP {exc.code}") from None
+        except http.client.HTTPException as exc:
+            raise SourceError(_not_http(self.url, exc)) from None
         except (urllib.error.URLError, OSError) as exc:
             raise SourceError(f"could not reach {self.url} to {'pause' if paused else 'resume'} ({getattr(exc, 'reason', exc)})") from None
+
+
+def _not_http(url: str, exc: http.client.HTTPException) -> str:
+    what = f"{type(exc).__name__}: {str(exc).strip()[:80]!r}" if str(exc).strip() else type(exc).__name__
+    return f"{url} did not answer in HTTP ({what}); is it the node's status URL (the 'status:' line of `hivespec join`)?"
 
 
 class LocalSource:

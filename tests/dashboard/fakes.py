@@ -101,18 +101,22 @@ def crowded(snapshot, peers: int, *, newcomer: bool = False):
 
 
 class FakeSource:
-    """Serves `snapshots` in order (the last one repeats); `fail` makes it unreachable; records pause requests."""
+    """Serves `snapshots` in order (the last one repeats); `fail` makes it unreachable, `broken` raises that exception
+    as it is (a source's bug); records pause requests."""
 
     def __init__(self, *snapshots: StatusSnapshot, label: str = "fake:1") -> None:
         self.label = label
         self.snapshots = list(snapshots)
         self.fail: str | None = None
+        self.broken: Exception | None = None
         self.pause_requests: list[bool] = []
         self.fetches = 0
 
     def fetch(self) -> StatusSnapshot:
         if self.fail is not None:
             raise SourceError(self.fail)
+        if self.broken is not None:
+            raise self.broken
         self.fetches += 1
         snapshot = self.snapshots[0] if len(self.snapshots) == 1 else self.snapshots.pop(0)
         if self.pause_requests:

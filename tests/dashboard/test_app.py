@@ -112,6 +112,24 @@ def test_a_lost_node_is_shown_as_lost_keeps_its_last_view_and_recovers():
     _run(scenario())
 
 
+def test_a_source_that_raises_something_else_shows_the_node_lost_and_polling_goes_on():
+    """Any exception out of a fetch had ended its worker with the node still marked as being fetched: never polled again,
+    its last view shown as if live."""
+    source = FakeSource(make_snapshot())
+
+    async def scenario():
+        app = _app(source)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _until(pilot, lambda: app.feed.snapshot is not None)
+            source.broken = ValueError("a bug in the source")
+            await _until(pilot, lambda: "LOST" in screen_text(app))
+            assert "ValueError: a bug in the source" in screen_text(app)
+            fetches, source.broken = source.fetches, None
+            await _until(pilot, lambda: app.feed.error is None and source.fetches > fetches)
+
+    _run(scenario())
+
+
 def test_a_node_that_never_answered_says_so():
     source = FakeSource(make_snapshot(), label="127.0.0.1:9")
     source.fail = "no answer from http://127.0.0.1:9 (Connection refused); is the node running?"
