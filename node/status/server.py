@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -178,6 +179,14 @@ class _Server(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback to stderr, the node's terminal: one for every dashboard that gave up waiting.
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.debug("status client %s hung up: %s", client_address, error)
+        else:
+            log.error("status request from %s failed", client_address, exc_info=error)
 
 
 def _handler_for(board: StatusBoard, control: RunControl) -> type[BaseHTTPRequestHandler]:
