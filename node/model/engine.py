@@ -502,10 +502,11 @@ class TorchEngine:
         shift = (width - counts)[:, None]
         pad = slots < shift
         index = order.gather(1, (slots - shift).clamp(min=0)).masked_fill(pad, 0)
+        kept_slots = index[:, None, :, None]
         for layer in state.cache.layers:
-            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
+            # Keys and values may differ in head size (multi-head latent attention: DeepSeek, MiniCPM3).
+            layer.keys = layer.keys.gather(2, kept_slots.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
+            layer.values = layer.values.gather(2, kept_slots.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
         state.attention_mask = (~pad).to(state.attention_mask.dtype)
 
     def _prefill(self, requests: list[GenerationRequest], stats: SpeculationStats) -> _DecodeState:

@@ -197,6 +197,36 @@ def test_a_sliding_window_model_decodes_plainly_with_a_drafter(model):
     with pytest.raises(ValueError, match="sliding-window"):
         engine.generate(requests, params, speculative=True)
 
+
+def test_holes_are_compacted_where_keys_and_values_differ_in_head_size():
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3) caches keys and values of different head sizes.
+
+    The compaction gathered the values with the keys' shape and raised RuntimeError at the first one.
+    """
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=60, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4,
+        max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        mla = DeepseekV3ForCausalLM(config).eval().double()
+    requests = [GenerationRequest((5, 6, 7), seed=1, sample_index=0), GenerationRequest((9, 8), seed=1, sample_index=1)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=60)
+    plain = TorchEngine(mla).generate(requests, params)
+    # Row 0's drafter is always right, row 1's always wrong: row 1 leaves holes every step.
+    drafter = SuffixDrafter()
+    drafter.observe(plain[0].prompt_ids, plain[0].completion_ids)
+    rng = random.Random(0)
+    drafter.observe(plain[1].prompt_ids, [rng.randrange(60) for _ in range(60)])
+    stats = SpeculationStats()
+    spec = TorchEngine(mla, drafter=drafter, policy=UniformPolicy(8)).generate(requests, params, stats=stats)
+    _assert_same(plain, spec)
+    assert stats.compactions >= 1
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_embedded_model_fp32_speculative_matches_plain():
