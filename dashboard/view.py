@@ -150,6 +150,8 @@ def phase_text(snapshot: StatusSnapshot) -> tuple[Level, str]:
         return "warn", "stopping at the round's next safe point"
     if node.phase == "done":
         return "good", f"done: {done} rounds"
+    if node.phase == "failed":
+        return "bad", f"STOPPED by an error after {done} rounds: no round runs any more (the log says why)"
     if node.phase == "starting":
         return "unknown", "starting"
     if node.solo:

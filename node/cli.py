@@ -261,9 +261,11 @@ def _join_with_dashboard(node, events: _EventLog | None, home: Path) -> int:
         except UserError as exc:  # the dashboard's log shows it; after the dashboard, the one line
             failed.append(exc)
             logging.getLogger(__name__).error("node %s stopped: %s", node.name, one_line(exc))
+            node.status.failed()  # else the header goes on saying "training round N"
         except Exception as exc:  # shown in the dashboard's log; the exit code says so too
             failed.append(exc)
             logging.getLogger(__name__).exception("node %s stopped", node.name)
+            node.status.failed()
 
     worker = threading.Thread(target=run_rounds, name="hivespec-rounds", daemon=True)
     worker.start()

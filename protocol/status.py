@@ -52,7 +52,7 @@ class NodeInfo:
     policy_version: int = 0
     round: int = -1  # last finished round, -1 before the first
     rounds_target: int = 0  # rounds the node was asked to run, 0 = forever
-    phase: str = "starting"  # "starting", "running", "pausing", "paused", "stopping", "done"
+    phase: str = "starting"  # "starting", "running", "pausing", "paused", "stopping", "done", "failed" (an error ended the rounds)
     paused: bool = False  # training is (or will be, after the current round) held
     started_at: float = 0.0  # unix time the node started
     uptime_s: float = 0.0

@@ -321,6 +321,13 @@ class StatusBoard:
             self._state.round_started_at = None
             self._cache = None
 
+    def failed(self) -> None:
+        """The round loop ended with an error (logged by the caller): no round runs any more, though the process lives on."""
+        with self._lock:
+            self._state.phase = "failed"
+            self._state.round_started_at = None
+            self._cache = None
+
     # ----- snapshots ---------------------------------------------------------------------
 
     def snapshot(self) -> StatusSnapshot:
@@ -342,9 +349,10 @@ class StatusBoard:
         peers = [_peer_row(peer_id, tallies.get(peer_id, _PeerTally()), scores.get(peer_id, {})) for peer_id in sorted(shown)]
         swarm = _gossip_swarm_status(sources)
         control = self.control
-        if control.stopping and phase != "done":
+        ended = phase in ("done", "failed")  # no round runs any more: a pause or stop request changes nothing
+        if control.stopping and not ended:
             phase = "stopping"
-        elif control.paused and phase != "done":
+        elif control.paused and not ended:
             phase = "pausing" if round_started_at is not None else "paused"
         elif phase == "between":
             phase = "running"

@@ -147,3 +147,24 @@ def test_the_board_keeps_the_most_recent_peers_and_a_snapshot_stays_decodable(mo
     verdict, snapshot = decode_status(encode_status(board.snapshot()))
     assert verdict.ok, verdict
     assert [p.peer_id for p in snapshot.peers] == ["p1", "p3", "p4", "p5"]  # tallied peers first, at most PEERS_KEPT rows
+
+
+def test_a_round_loop_ended_by_an_error_reads_as_stopped_not_as_training_on():
+    """`join --dashboard` keeps its dashboard up after the rounds' thread fails; the header had gone on saying
+    "training round N", whatever the user paused or stopped."""
+    from hivespec.dashboard.view import phase_text
+
+    control = RunControl()
+    board = StatusBoard(NodeFacts(name="n", peer_id="me", swarm="s", model="tiny", device="cpu", rounds_target=9),
+                        BoardSources(policy_version=lambda: 0), control)
+    board.round_started(0)
+    board.record_round(_report())
+    board.round_started(8)
+    assert phase_text(board.snapshot()) == ("good", "training round 9/9")
+    board.failed()
+    control.set_paused(True)
+    verdict, snapshot = decode_status(encode_status(board.snapshot()))
+    assert verdict.ok, verdict
+    assert (snapshot.node.phase, snapshot.node.round_started_at) == ("failed", None)
+    level, text = phase_text(snapshot)
+    assert level == "bad" and text.startswith("STOPPED by an error after 8 rounds")
