@@ -138,6 +138,7 @@ def _cases() -> list[Case]:
         # ----- devices and engines ----------------------------------------------------------------
         c(["join", "--set", "model.device=gpu"], "model.device 'gpu' is not a torch device"),
         c(["join", "--set", "model.device=cuda:99"], "model.device 'cuda:99'"),
+        c(["join", "--set", "model.device=mps"], "model.device 'mps': hivespec samples in float64, which Apple GPUs (MPS) do not support"),
         # ----- key files ------------------------------------------------------------------------------
         c(["identity", "show", "--home", "{tmp}/garbage-key"], "is not a hivespec key file"),
         c(["identity", "show", "--home", "{tmp}/open-key"], "chmod 600"),

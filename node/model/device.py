@@ -2,7 +2,7 @@
 measurements are timed by (`work_clock`).
 
 A device string torch cannot parse, a CUDA device on a CPU-only torch build or on a machine
-without a visible GPU, a GPU index past the last one, or MPS where there is none: each is a
+without a visible GPU, a GPU index past the last one, or MPS (its kernels have no float64): each is a
 `DeviceError` (a `UserError`) naming the fix, raised before a model is built on it.
 """
 
@@ -38,8 +38,10 @@ def check_device(name: str, *, setting: str = "model.device", on_cpu: str = "set
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise DeviceError(f"{where}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0; "
                               "pick one of them")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise DeviceError(f"{where}: MPS (Apple GPU) is not available here; {on_cpu}")
+    elif device.type == "mps":
+        # kernels/sampling.py draws its keyed noise and samples in float64 (device-independent, never exactly 0 or 1),
+        # which MPS does not have: every step, plain decoding included, would raise.
+        raise DeviceError(f"{where}: hivespec samples in float64, which Apple GPUs (MPS) do not support; {on_cpu}")
     return device
 
 
