@@ -41,6 +41,9 @@ STATUS_FILE = "status.json"  # in the node's home: where `hivespec status` finds
 CONTROL_HEADER = "X-Hivespec-Control"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _MAX_CONTROL_BYTES = 1024
+# A client that sends half a request (or reads nothing) held its thread for good: one connection left open per poll
+# by anything on the machine, and the node ran out of threads. Dashboards answer in 2 s.
+CLIENT_TIMEOUT_S = 10.0
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what prometheus_client's generate_latest writes
 
 
@@ -140,12 +143,15 @@ class _SnapshotCollector(Collector):
 class StatusServer:
     """``/status``, ``/metrics`` and ``/control`` on a loopback address, from a daemon thread."""
 
-    def __init__(self, board: StatusBoard, control: RunControl, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, board: StatusBoard, control: RunControl, *, host: str = "127.0.0.1", port: int = 0,
+        client_timeout: float = CLIENT_TIMEOUT_S,
+    ) -> None:
         if host not in LOOPBACK_HOSTS:
             raise ValueError(f"the status server binds loopback only (127.0.0.1, ::1 or localhost), got {host!r}")
         self.board = board
         self.control = control
-        handler = _handler_for(board, control)
+        handler = _handler_for(board, control, client_timeout)
         try:
             self._server = _Server((host, port), handler)
         except OSError as exc:
@@ -189,9 +195,10 @@ class _Server(ThreadingHTTPServer):
             log.error("status request from %s failed", client_address, exc_info=error)
 
 
-def _handler_for(board: StatusBoard, control: RunControl) -> type[BaseHTTPRequestHandler]:
+def _handler_for(board: StatusBoard, control: RunControl, client_timeout: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "hivespec-status"
+        timeout = client_timeout  # each socket read and write; a client that stalls is dropped, its thread freed
 
         def do_GET(self) -> None:
             if not self._local_host():

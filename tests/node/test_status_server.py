@@ -1,4 +1,4 @@
-"""The status server with clients that do not wait for their answer."""
+"""The status server with clients that hang up before their answer or stall half way."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.request
 from types import SimpleNamespace
 
 from hivespec.node.status.board import RunControl
@@ -38,3 +39,18 @@ def test_a_client_that_hangs_up_before_its_answer_costs_a_debug_line_not_a_trace
         server.close()
     assert [r.levelno for r in caplog.records if "hung up" in r.getMessage()] == [logging.DEBUG]
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_client_that_sends_half_a_request_is_dropped_after_the_client_timeout():
+    """Each stalled connection had held a server thread for as long as it stayed open."""
+    server = StatusServer(SimpleNamespace(snapshot_bytes=lambda: b"{}", logs=SimpleNamespace(counts={})), RunControl(),
+                          port=0, client_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as stalled:
+            stalled.sendall(b"GET /status HTTP/1.0\r\n")  # and never the blank line that ends the request
+            stalled.settimeout(30)
+            assert stalled.recv(1024) == b""  # the server hung up
+        with urllib.request.urlopen(f"{server.url}/status", timeout=30) as response:  # and serves the next client
+            assert response.read() == b"{}"
+    finally:
+        server.close()
