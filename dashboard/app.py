@@ -235,10 +235,10 @@ class DashboardApp(App[None]):
         try:
             feed.source.set_paused(paused)
         except SourceError as exc:
-            self.call_from_thread(self.notify, str(exc), severity="error")
+            self.call_from_thread(self.notify, str(exc), severity="error", markup=False)
             return
         message = f"{name}: training pauses after the current round" if paused else f"{name}: training resumed"
-        self.call_from_thread(self.notify, message)
+        self.call_from_thread(self.notify, message, markup=False)  # names and errors are not ours to write: no markup
 
     def _save_screenshot_and_exit(self) -> None:
         assert self.screenshot is not None

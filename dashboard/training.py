@@ -71,7 +71,7 @@ class TrainingPanel(Vertical):
         for source in trainer.sources:
             name = names.get(source.source) or (short_id(source.source) if source.source.startswith("hs") else source.source)
             table.add_row(
-                name,
+                Text(name),  # a DataTable reads a plain string as markup, and names are the nodes' to choose
                 fmt_int(source.samples),
                 fmt_percent(source.kept_fraction, 1),
                 fmt_percent(source.truncated_fraction, 1),

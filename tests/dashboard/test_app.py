@@ -198,6 +198,22 @@ def test_n_switches_between_local_nodes_and_names_peers_by_their_node_names():
     _run(scenario())
 
 
+def test_a_local_node_named_like_markup_is_shown_by_its_name_in_the_training_table():
+    """Another node's name labels its row of the sources table (a DataTable, which reads a plain string as markup):
+    a name with '[/' in it had ended the dashboard with a MarkupError."""
+    first = make_snapshot()
+    second = make_snapshot(name="rig[/1]", peer_id="hs0123456789abcdef")  # PEER_A: a source of the first node's step
+    sources = [FakeSource(first, label="a"), FakeSource(second, label="b")]
+
+    async def scenario():
+        app = _app(*sources, initial_panel="training")
+        async with app.run_test(size=(100, 30)) as pilot:
+            await _until(pilot, lambda: all(feed.snapshot is not None for feed in app.feeds))
+            await _until(pilot, lambda: "rig[/1]" in screen_text(app).split("source", 1)[-1])
+
+    _run(scenario())
+
+
 @pytest.mark.parametrize(("panel", "size", "keys"), [
     ("swarm", (80, 24), ()),
     ("throughput", (80, 24), ()),
