@@ -82,13 +82,29 @@ def model_shape(model_name: str, revision: str | None = None, *, params: int | N
     return shape_of(config, parameter_count(model_name, revision) if params is None else params)
 
 
+# Each size under the names architectures spell it in config.json (and `to_dict()`: transformers' attribute_map aliases
+# are not written there): Llama's, GPT-2's (GPT-J, GPT-BigCode), OPT's and T5-style ones.
+_NAMES = {
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "heads": ("num_attention_heads", "n_head", "num_heads"),
+}
+
+
+def _size(config: dict, what: str) -> int | None:
+    return next((int(config[name]) for name in _NAMES[what] if config.get(name)), None)
+
+
 def shape_of(config: dict, params: int) -> ModelShape:
     """A model's shape from its config as a dict (config.json, or a loaded model's `config.to_dict()`)."""
     config = config.get("text_config", config)  # a multimodal wrapper keeps its language model's config inside
-    hidden = int(config["hidden_size"])
-    return ModelShape(params=params, layers=int(config["num_hidden_layers"]), hidden=hidden,
-                      intermediate=int(config.get("intermediate_size") or 4 * hidden),
-                      heads=int(config.get("num_attention_heads") or 1))
+    hidden, layers = _size(config, "hidden"), _size(config, "layers")
+    if hidden is None or layers is None:
+        raise ValueError(f"the model's config names no hidden size or layer count (any of {_NAMES['hidden']} and "
+                         f"{_NAMES['layers']}); keys: {sorted(config)}")
+    return ModelShape(params=params, layers=layers, hidden=hidden,
+                      intermediate=_size(config, "intermediate") or 4 * hidden, heads=_size(config, "heads") or 1)
 
 
 def parameter_count(model_name: str, revision: str | None = None) -> int:

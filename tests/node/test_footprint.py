@@ -78,6 +78,16 @@ def test_a_loaded_model_and_its_config_alone_give_one_shape():
     assert shape_of(tiny.config.to_dict(), sum(p.numel() for p in tiny.parameters())) == model_shape("tiny")
 
 
+def test_a_gpt2_style_config_gives_its_shape_under_its_own_names():
+    """GPT-2 (GPT-J, StarCoder) writes n_embd, n_layer, n_head, n_inner: a node of such a model sized itself by
+    `config.to_dict()` and ended its start in KeyError 'hidden_size'."""
+    from transformers import GPT2Config
+
+    gpt2 = GPT2Config(vocab_size=100, n_embd=64, n_layer=3, n_head=4).to_dict()
+    assert shape_of(gpt2, 1000) == ModelShape(params=1000, layers=3, hidden=64, intermediate=256, heads=4)
+    assert shape_of({**gpt2, "n_inner": 96}, 1000).intermediate == 96
+
+
 def test_a_node_short_of_memory_trains_in_smaller_micro_batches_and_says_so():
     config = load_config("demo")  # as a node has it once its precision is known
     config = replace(config, model=replace(config.model, autocast=True, engine_dtype="bfloat16"))
