@@ -107,6 +107,8 @@ class _Section:
             value = getattr(self, f.name)
             if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
+            if math.isinf(value):  # within most ranges, but a wait of inf overflows (Event.wait, Future.result)
+                raise ConfigError(f"{self.SECTION}{f.name} must be a finite number {bounds}, got {value!r}")
             if math.isnan(value) or not bounds.holds(value):  # NaN is in no range
                 raise ConfigError(f"{self.SECTION}{f.name} must be {bounds}, got {value!r}")
         self.check()

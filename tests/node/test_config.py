@@ -41,6 +41,10 @@ def test_unknown_keys_are_errors_naming_the_valid_ones():
         ("model.engine_dtype", "int8", "must be one of"),
         ("rounds", "three", "must be an integer"),
         ("model.autocast", "maybe", "true or false"),
+        # inf is in most ranges, but a wait of inf overflows: bootstrap_timeout ended gossip's start in an OverflowError
+        ("swarm.bootstrap_timeout", "inf", r"swarm.bootstrap_timeout must be a finite number >= 0, got inf"),
+        ("train.tis_mask_high", ".inf", "tis_mask_high must be a finite number >= 1"),
+        ("supervise.stall_after", "-.inf", "stall_after must be a finite number > 0"),
     ],
 )
 def test_bad_values_say_what_is_wrong(key, value, message):
