@@ -401,6 +401,18 @@ class SuperviseConfig(_Section):
     stall_after: float = _help("seconds without progress before the watchdog reports a loop as stalled", 600.0, gt=0)
     gossip_probe_every: float = _help("seconds between liveness probes of gossip (p2pd and its event loop)", 15.0, gt=0)
 
+    # Gossip is heard from only when a probe passes: at most every gossip_probe_every, plus the watchdog's 5-s check
+    # period and a probe's 5-s timeout. A shorter stall_after reported a healthy gossip stalled, stacks and all, each time.
+    PROBE_SLACK_S: ClassVar[float] = 10.0
+
+    def check(self) -> None:
+        if self.stall_after <= self.gossip_probe_every + self.PROBE_SLACK_S:
+            raise ConfigError(
+                f"supervise.stall_after ({self.stall_after:g} s) must be more than supervise.gossip_probe_every "
+                f"({self.gossip_probe_every:g} s) + {self.PROBE_SLACK_S:g} s: gossip is heard from only at each probe, so it "
+                "would be reported stalled between any two; raise stall_after or lower gossip_probe_every"
+            )
+
 
 @dataclass
 class SpeculationConfig(_Section):

@@ -45,6 +45,8 @@ def test_unknown_keys_are_errors_naming_the_valid_ones():
         ("swarm.bootstrap_timeout", "inf", r"swarm.bootstrap_timeout must be a finite number >= 0, got inf"),
         ("train.tis_mask_high", ".inf", "tis_mask_high must be a finite number >= 1"),
         ("supervise.stall_after", "-.inf", "stall_after must be a finite number > 0"),
+        # gossip is heard from at each probe only: a healthy one was reported stalled (thread stacks) every 15 s
+        ("supervise.stall_after", "10", r"stall_after \(10 s\) must be more than supervise.gossip_probe_every \(15 s\) \+ 10 s"),
     ],
 )
 def test_bad_values_say_what_is_wrong(key, value, message):
