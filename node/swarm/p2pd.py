@@ -20,6 +20,7 @@ when it stops p2pd itself. Three things differ here:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 import sys
@@ -29,6 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from hivemind.p2p import P2P
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+log = logging.getLogger(__name__)
 
 # The longest socket name we make below our directory: "<pid>-p2pclient-<11 characters>.sock".
 _NAME_ROOM = len("4194304-p2pclient-") + 11 + len(".sock") + 1
@@ -46,9 +51,8 @@ async def start_p2pd(
     startup_timeout: float,
 ) -> P2P:
     """p2pd via hivemind's P2P.create; with `relays` it reserves slots on them at once (node/swarm/nat.py's doc)."""
-    if identity_path is not None and not os.path.isfile(identity_path):
-        # Made here rather than by P2P.create, which announces it on stderr in the middle of our one-line messages.
-        P2P.generate_identity(identity_path)
+    if identity_path is not None:
+        ensure_p2p_key(Path(identity_path))
     directory = socket_dir()
     if directory is not None:
         sweep_stale_sockets(directory)
@@ -63,6 +67,58 @@ async def start_p2pd(
     if not relays:
         return await _SessionP2P.create(**kwargs)
     return await _RelayedP2P.create(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private", **kwargs)
+
+
+def ensure_p2p_key(path: Path) -> None:
+    """A libp2p key at `path` that p2pd can read: kept where one is there, else a new RSA key written whole.
+
+    Made here rather than by `P2P.generate_identity`, which announces it on stderr in the middle of our
+    one-line messages, writes the file in place with the umask's mode and chmods it after, and does not
+    fsync: a node killed (or a laptop losing power) just after its first start left an empty or torn
+    key, and p2pd then refused every later start ("proto: cannot parse invalid wire-format data"), which
+    the node reported as a port or peers problem. A file that holds no key is replaced, with a warning:
+    it never gave p2pd a peer id (the node's own identity, identity.key, is another file).
+    """
+    if path.is_file():
+        problem = _p2p_key_problem(path.read_bytes())
+        if problem is None:
+            return
+        log.warning("%s holds no libp2p key (%s; a write cut short?): writing a new one, so this node gets a new libp2p address", path, problem)
+    key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes()).SerializeToString()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):  # left by a killed process that had our pid
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)  # p2pd only reads it; never readable by others
+    try:
+        try:
+            os.write(fd, key)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _p2p_key_problem(data: bytes) -> str | None:
+    """Why `data` is no libp2p private key p2pd would read (an RSA one must hold a whole DER key); None where it is one."""
+    from cryptography.hazmat.primitives.serialization import load_der_private_key
+    from google.protobuf.message import DecodeError
+
+    if not data:
+        return "empty"
+    key = crypto_pb2.PrivateKey()
+    try:
+        key.ParseFromString(data)
+    except DecodeError as exc:
+        return f"not a key record: {exc}"
+    if key.key_type == crypto_pb2.KeyType.RSA:
+        try:
+            load_der_private_key(key.data, password=None)
+        except ValueError:
+            return "a cut RSA key"
+    return None
 
 
 def socket_dir() -> Path | None:

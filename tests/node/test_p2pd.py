@@ -68,3 +68,29 @@ def test_the_sockets_of_processes_that_are_gone_are_swept_and_no_others():
     finally:
         for path in (*stale, alive, other):
             path.unlink(missing_ok=True)
+
+
+def test_a_torn_p2p_key_is_replaced_and_p2pd_starts_with_the_same_key_after(tmp_path, caplog):
+    """A node killed (or a laptop losing power) just after its first start left p2p.key empty or cut short: p2pd then
+    refused every later start ("proto: cannot parse invalid wire-format data"). Such a file holds no key to keep."""
+    key = tmp_path / "p2p.key"
+
+    async def peer_id() -> str:
+        p2p = await start_p2pd(host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=None, use_relay=False,
+                               nat_port_map=False, relays=(), identity_path=str(key), startup_timeout=30)
+        try:
+            return p2p.peer_id.to_base58()
+        finally:
+            await p2p.shutdown()
+
+    first = asyncio.run(peer_id())  # a new key: written whole, never readable by others
+    assert key.stat().st_mode & 0o077 == 0 and not list(tmp_path.glob(".p2p.key.*"))
+    whole = key.read_bytes()
+    assert asyncio.run(peer_id()) == first and key.read_bytes() == whole  # a good key is kept
+    for torn in (b"", whole[: len(whole) // 2], b"\xff" * 40):
+        key.chmod(0o600)
+        key.write_bytes(torn)
+        caplog.clear()
+        replaced = asyncio.run(peer_id())
+        assert replaced != first and "holds no libp2p key" in caplog.text
+        assert asyncio.run(peer_id()) == replaced  # and the new key is kept from then on
