@@ -284,6 +284,14 @@ def check_identity(home: Path) -> Check:
     if home.exists() and not home.is_dir():
         return Check("identity", "fail", f"the home {home} is a file, not a folder; point --home (or $HIVESPEC_HOME) at a folder")
     if not path.exists():
+        # As join's check_home would find it, without making the folder: a file on the way, or a folder not ours to write.
+        parent = _existing_parent(home)
+        if not parent.is_dir():
+            return Check("identity", "fail", f"the home {home} cannot be made: {parent} is a file; point --home (or "
+                         "$HIVESPEC_HOME) at a folder you can write")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return Check("identity", "fail", f"the home {home} cannot be made or written: {parent} is not writable; point "
+                         "--home (or $HIVESPEC_HOME) at a folder you can write")
         return Check("identity", "ok", f"no key yet at {path}; `hivespec join` creates it (mode 0600)")
     st = path.stat()
     if not stat.S_ISREG(st.st_mode):

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hivespec.node.config import SwarmConfig, load_config
+from hivespec.node.config import InputError, SwarmConfig, load_config
 from hivespec.node.doctor import check_checkpoints, check_disk, check_identity, check_ports, run_checks
 from hivespec.node.identity_file import load_or_create_identity
+from hivespec.node.inputs import check_home
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.training.checkpoint import MODEL_FILE
 from hivespec.protocol.identity import Identity
@@ -28,6 +29,17 @@ def test_identity_line_says_chmod_when_the_key_is_readable_by_others(tmp_path):
     os.chmod(key, 0o644)
     check = check_identity(tmp_path)
     assert check.status == "fail" and f"chmod 600 {key}" in check.detail
+
+
+def test_identity_line_fails_where_join_could_not_make_the_home(tmp_path):
+    """The line said join creates the key where join's home check then refused the folder (a file on its path)."""
+    (tmp_path / "notes").write_text("not a folder")
+    home = tmp_path / "notes" / "hivespec"
+    with pytest.raises(InputError, match="cannot create it"):
+        check_home(_config(home))
+    check = check_identity(home)
+    assert check.status == "fail" and f"{tmp_path / 'notes'} is a file" in check.detail
+    assert check_identity(tmp_path / "new" / "home").status == "ok"  # a folder join can make
 
 
 def test_a_busy_port_fails_with_how_to_find_its_owner(tmp_path):
