@@ -358,7 +358,11 @@ def check_ports(config: NodeConfig) -> list[Check]:
         if port == 0:
             checks.append(Check(name, "ok", f"{host}: any free port (0)"))
             continue
-        if taken := port_in_use(host, port):
+        if (taken := port_in_use(host, port)) and key == "status.port":  # the status server then takes a free port
+            checks.append(Check(name, "warn", f"{host}:{port} is taken ({taken}): the node serves its status on a free "
+                                f"port instead (`hivespec status` finds it in the home's status.json), or set {key}"))
+            continue
+        if taken:
             checks.append(Check(name, "fail", f"{host}:{port} cannot be bound ({taken}): another process uses "
                                 f"it (`ss -ltnp | grep :{port}`), or set {key}"))
             continue

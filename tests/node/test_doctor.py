@@ -52,6 +52,26 @@ def test_a_busy_port_fails_with_how_to_find_its_owner(tmp_path):
     assert check_ports(_config(tmp_path))[0].status == "ok"
 
 
+def test_a_busy_status_port_is_a_warning_as_the_status_server_takes_a_free_one(tmp_path):
+    """It failed the doctor (another node on this machine has the default 4483) where the node serves on a free port."""
+    from hivespec.node.status.board import BoardSources, NodeFacts, RunControl, StatusBoard
+    from hivespec.node.status.server import StatusServer
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        check = check_ports(_config(tmp_path, **{"status.enabled": "true", "status.port": str(port)}))[1]
+        assert check.name == "status port" and check.status == "warn" and "a free port instead" in check.detail
+        control = RunControl()
+        server = StatusServer(StatusBoard(NodeFacts(name="n", peer_id="hs0", swarm="s", model="m", device="cpu",
+                                                    rounds_target=1), BoardSources(lambda: 0), control), control, port=port)
+        try:
+            assert server.port not in (0, port)  # as the doctor said
+        finally:
+            server.close()
+
+
 def test_disk_line_compares_free_space_with_what_checkpoints_need(tmp_path):
     check = check_disk(_config(tmp_path), tmp_path, params=3_000_000)
     assert check.status == "ok" and "checkpoints need" in check.detail
