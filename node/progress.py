@@ -2,9 +2,9 @@
 
 `RoundProgress.phase` reports a new phase at once (``join --events`` writes it as a ``phase``
 event; the demo prints it); `progress` reports within a phase at most every
-`PROGRESS_EVERY_S`. The callbacks it makes for decoding and training also check the stop
-switch, so a stop request ends the round at the next decode step or micro-batch. Owns no state
-of the round itself.
+`PROGRESS_EVERY_S`, and each call is a heartbeat of the loop's phase. The callbacks it makes for
+decoding and training also check the stop switch, so a stop request ends the round at the next
+decode step or micro-batch. Owns no state of the round itself.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class RoundProgress:
         self.on_phase = on_phase
         self.watchdog = watchdog
         self._reported_at = 0.0
+        self._beat_phase = ""  # the round loop's phase as last beaten (progress within it beats it again)
 
     def phase(self, phase: str, detail: str = "") -> None:
         """Tell `on_phase` what the node is doing now (loading, calibrating, generating, training, ...)."""
@@ -39,12 +40,19 @@ class RoundProgress:
             self.on_phase(phase, detail)
 
     def progress(self, phase: str, detail: str) -> None:
-        """A progress report within a phase, at most every PROGRESS_EVERY_S."""
+        """A progress report within a phase, at most every PROGRESS_EVERY_S; a heartbeat each time.
+
+        Progress is what the watchdog waits for: a training step of many micro batches (a larger model on
+        a slow CPU) may outlast supervise.stall_after, and was reported as a stall, stacks and all.
+        """
+        if self.watchdog is not None and self._beat_phase:
+            self.watchdog.beat("round", self._beat_phase)
         if time.monotonic() - self._reported_at >= PROGRESS_EVERY_S:
             self.phase(phase, detail)
 
     def beat(self, phase: str) -> None:
         """The round loop is alive and in `phase` (a loop silent for too long is reported as stalled)."""
+        self._beat_phase = phase
         if self.watchdog is not None:
             self.watchdog.beat("round", phase)
 

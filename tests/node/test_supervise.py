@@ -15,6 +15,8 @@ import pytest
 from hivespec.node.config import SwarmConfig, load_config
 from hivespec.node.model.footprint import ModelShape, config_peak_bytes
 from hivespec.node.model.loader import load_model
+from hivespec.node.progress import RoundProgress
+from hivespec.node.status.board import RunControl
 from hivespec.node.supervise import MicroBatchFit, Watchdog, is_out_of_memory
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.supervisor import Backoff, GossipSupervisor
@@ -106,6 +108,25 @@ def test_watchdog_reports_a_silent_loop_once_per_period_and_its_recovery(caplog)
         watchdog.beat("round", "train")
     assert "made progress again" in caplog.text
     assert watchdog.check() == [] and watchdog.status()["round"]["phase"] == "train"
+
+
+def test_decode_steps_and_micro_batches_are_heartbeats_of_the_round_loop():
+    """A phase longer than stall_after that makes progress (a training step of many micro batches: a larger model on a
+    slow CPU) was reported as a stall, every thread's stack in the log, as only a phase's start beat the watchdog."""
+    clock = _Clock()
+    watchdog = Watchdog(stall_after=600, check_every=1, clock=clock)
+    progress = RoundProgress(RunControl(), watchdog=watchdog)
+    on_tokens, between = progress.generating(0, total=16), progress.training(0)
+    steps = {"rollout": lambda: on_tokens(16), "train": lambda: between(0, 4)}  # a decode step, a micro batch
+    for phase, step in steps.items():
+        progress.beat(phase)
+        for _ in range(4):
+            clock.now += 400
+            step()
+            assert watchdog.check() == [], phase
+        assert watchdog.status()["round"]["phase"] == phase
+    clock.now += 601  # no step for a whole stall_after: that is a stall
+    assert watchdog.check() == ["round"]
 
 
 def test_watchdog_probes_beat_a_loop_only_while_healthy():
