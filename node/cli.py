@@ -31,15 +31,17 @@ from hivespec.protocol.errors import UserError, one_line
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
+    """--set's pairs, then the flags that set a key; a flag's text is taken as text, quoted for the YAML --set reads
+    (as YAML, --home 'run #2' was the folder 'run', --name 'gpu box #2' the name 'gpu box' and --name yes a boolean)."""
     pairs = dict(parse_override(text) for text in (args.set or []))
     if getattr(args, "rounds", None) is not None:
         pairs["rounds"] = str(args.rounds)
     if getattr(args, "model", None):
-        pairs["model.name"] = args.model
+        pairs["model.name"] = json.dumps(args.model)
     if getattr(args, "home", None):
-        pairs["home"] = str(args.home)
+        pairs["home"] = json.dumps(str(args.home))
     if getattr(args, "name", None):
-        pairs["name"] = args.name
+        pairs["name"] = json.dumps(args.name)
     peers = getattr(args, "initial_peer", None)
     if peers:
         pairs["swarm.initial_peers"] = json.dumps(peers)

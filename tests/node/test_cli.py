@@ -49,6 +49,19 @@ def test_config_prints_resolved_values_and_documents_every_key():
     assert "train.tis_clip" in keys and "truncated importance sampling" in keys
 
 
+def test_the_flags_that_set_a_key_take_their_value_as_text(tmp_path):
+    """They went through --set's YAML: --home 'run #2' was the folder 'run' (' #' starts a YAML comment), another node's
+    home maybe; --name 'gpu box #2' was 'gpu box', and --name yes a boolean, refused as 'name must be a string'."""
+    from hivespec.node.cli import _config, build_parser
+
+    home = tmp_path / "run #2"
+    args = build_parser().parse_args(["join", "--home", str(home), "--name", "gpu box #2", "--model", "./models/mine #3"])
+    config = _config(args)
+    assert (config.home, config.name, config.model.name) == (str(home), "gpu box #2", "./models/mine #3")
+    for name in ("yes", "null", "bob: the builder", "[lab] 2"):
+        assert _config(build_parser().parse_args(["join", "--name", name])).name == name
+
+
 def test_the_swarm_line_says_whether_a_node_joined_waits_for_its_peers_or_starts_the_swarm():
     from hivespec.node.cli import _swarm_line
 
