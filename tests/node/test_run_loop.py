@@ -27,3 +27,26 @@ def test_a_node_returns_only_the_reports_it_is_asked_to_keep(tmp_path):
         assert [r.round for r in seen] == [0, 1, 2] and kept == seen[-1:]
     finally:
         node.close()
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_dir_with_a_tilde_is_in_the_user_s_home(tmp_path, monkeypatch):
+    """checkpoint.dir: ~/ckpts was checked (and sized by the doctor) in the user's home, but the node wrote its checkpoints
+    to a folder named '~' in whatever folder it was started from: a resume from elsewhere found none."""
+    from hivespec.node.build import build_node
+
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.chdir(tmp_path)
+    config = load_config("tiny", overrides={
+        "home": str(tmp_path / "home"), "model.name": str(make_digit_model(tmp_path / "digit-model")), "rounds": "1",
+        "swarm.swarm": "test-tilde", "swarm.bootstrap_timeout": "0", "status.enabled": "false",
+        "checkpoint.dir": "~/ckpts", "speculation.enabled": "false", "model.attention": "sdpa", "train.share_prompts": "false",
+    })
+    node = build_node(config)
+    try:
+        assert node.checkpoints.directory == tmp_path / "user" / "ckpts"
+        node.run()
+    finally:
+        node.close()
+    assert (tmp_path / "user" / "ckpts").is_dir() and [p.name for p in (tmp_path / "user" / "ckpts").iterdir()]
+    assert not (tmp_path / "~").exists()
