@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hivespec.node.config import InputError, NodeConfig, SwarmConfig
+from hivespec.node.config import ConfigError, InputError, NodeConfig, SwarmConfig
 from hivespec.node.heldout_probe import HeldoutProbe
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.inputs import check_home
@@ -255,6 +255,17 @@ def _resolve_attention(
     return plan
 
 
+def _check_completion_length(config: NodeConfig, model_config) -> None:
+    """`ConfigError` where rollout.max_completion_length leaves no room for a prompt in the model's positions (the
+    engine's ValueError at the first round's first prompt had ended the node in a traceback, after every measurement)."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    wanted = config.rollout.max_completion_length
+    if isinstance(positions, int) and wanted >= positions:
+        raise ConfigError(f"rollout.max_completion_length {wanted} leaves no room for a prompt in the model's {positions} "
+                          f"positions ({config.model.name}); set it well below that, e.g. "
+                          f"--set rollout.max_completion_length={positions // 2}")
+
+
 def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListener | None = None) -> Node:
     """Build every part of a node from its config (loads the model, starts gossip).
 
@@ -282,6 +293,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     source = {"revision": config.model.revision, "trust_remote_code": config.model.trust_remote_code}
     tokenizer = load_tokenizer(config.model.name, **source)
     trainer_model = load_model(config.model.name, dtype=DTYPES[config.model.train_dtype], device=config.model.device, **source)
+    _check_completion_length(config, trainer_model.config)
     phase("loading", f"model {config.model.name}: choosing precision (bf16 or float32, measured once per machine)")
     config, precision = _resolve_precision(config, trainer_model, threads)
     engine_model = copy.deepcopy(trainer_model).to(DTYPES[config.model.engine_dtype]).eval().requires_grad_(False)

@@ -8,7 +8,8 @@ The classes: usage errors, config values and ranges (file, env, --set, flags), p
 model sources (a folder, a file, a name, a hub id not cached while offline), devices and
 engines, key files, peers and leaders, status URLs and nodes that are not running, the
 environment (HIVESPEC_FAULTS, HIVESPEC_INITIAL_PEERS). Cases run in parallel threads; all but
-a few are refused before torch is imported, none loads a model but the follower's tiny one.
+a few are refused before torch is imported, none loads a model but the tiny one (the follower's, and a completion
+length past its positions).
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ def _cases() -> list[Case]:
           "difficulty must be in 1..6, got 9"),
         c(["join", "--model", "tiny", "--home", "{tmp}/tasks-home-2", "--set", "tasks.mix=[{family: jsonl, name: {tmp}/nope.jsonl}]"],
           "is neither an existing file nor a Hugging Face dataset id"),
+        # Found once the model's positions are known (it had been the first round's ValueError traceback).
+        c(["join", "--model", "tiny", "--home", "{tmp}/long-home", "--set", "rollout.max_completion_length=2048"],
+          "rollout.max_completion_length 2048 leaves no room for a prompt in the model's 2048 positions (tiny)"),
         # ----- peers and leaders --------------------------------------------------------------------
         c(["join", "--initial-peer", "garbage"], "'garbage' is not a peer's multiaddr"),
         c(["join", "--initial-peer", PEER.replace("31337", "99999")], "port 99999; a TCP port is 1..65535"),
