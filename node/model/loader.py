@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "HIVESPEC_CACHE_DIR"
 
 # Written last into the export folder: its presence marks a complete cache, its content names
-# the GGUF the cache came from so a changed wheel triggers a fresh export.
+# the GGUF the cache came from so a changed wheel triggers a fresh export, and the size of every
+# file beside it, so a file a crash or a cut-short copy truncated triggers one too.
 _MARKER = "hivespec-source.json"
 _CACHE_FORMAT = 1
 
@@ -101,8 +102,10 @@ def _gguf_identity(gguf: Path) -> dict[str, Any]:
 
 def _cache_is_current(folder: Path, identity: dict[str, Any]) -> bool:
     try:
-        return json.loads((folder / _MARKER).read_text()) == identity
-    except (OSError, ValueError):
+        marker = json.loads((folder / _MARKER).read_text())
+        sizes = marker.pop("files", {})  # absent from markers written before the sizes were
+        return marker == identity and all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
 
 
@@ -153,7 +156,14 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
         with bars_fit_for_a_log():
             model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / _MARKER).write_text(json.dumps(identity))
+        sizes = {}
+        for path in sorted(p for p in staging.iterdir() if p.is_file()):
+            # On disk before the folder is renamed into place: after a power cut the rename can
+            # outlive the files' data, leaving a marked folder of empty files.
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            sizes[path.name] = path.stat().st_size
+        (staging / _MARKER).write_text(json.dumps({**identity, "files": sizes}))
         if target.exists():
             # A stale export (other wheel version): move it aside first, since os.replace
             # cannot overwrite a non-empty folder. Readers holding its files keep them (POSIX).

@@ -170,6 +170,31 @@ def test_cache_export_is_locked_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_
     assert [p.name for p in target.parent.iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_cache_whose_weights_were_cut_short_is_exported_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A marked cache whose weights a power cut emptied (the folder's rename reached the disk, the data not) or a
+    cut-short copy of ~/.cache truncated was trusted: every start ended in safetensors' 'header too small'."""
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"x" * 10)
+    monkeypatch.setenv("HIVESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_module, "embedded_gguf_path", lambda: gguf)
+
+    class Fake:
+        config = type("Config", (), {})()
+
+        def save_pretrained(self, folder: Path) -> None:
+            (Path(folder) / "model.safetensors").write_bytes(b"w" * 1000)
+
+    monkeypatch.setattr(model_module.AutoTokenizer, "from_pretrained", lambda *a, **k: Fake())
+    monkeypatch.setattr(model_module.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Fake())
+    weights = ensure_embedded_cache() / "model.safetensors"
+    weights.write_bytes(b"")
+    assert ensure_embedded_cache() / "model.safetensors" == weights and weights.stat().st_size == 1000
+    marker = weights.parent / model_module._MARKER
+    before_sizes = {key: value for key, value in json.loads(marker.read_text()).items() if key != "files"}
+    marker.write_text(json.dumps(before_sizes))  # a cache exported before the marker held sizes is kept
+    assert ensure_embedded_cache() and json.loads(marker.read_text()) == before_sizes
+
+
 def test_progress_bars_written_to_a_log_keep_their_last_frame(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GGUF conversion's bars (tqdm, as transformers draws them) land in a captured log as one line each, other lines intact."""
     from tqdm.auto import tqdm
