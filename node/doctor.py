@@ -227,8 +227,12 @@ def gpu_checks(gpus: list[GpuProperties], *, device: str, params: int | None, en
                           "(README, GPU machine) and check `nvidia-smi`, or set model.device=cpu"),
                     Check("vram", "skip", "no CUDA device")]
         return [Check("gpu", "skip", f"no CUDA device ({why}); the node runs on the CPU"), Check("vram", "skip", "no CUDA device")]
-    wanted = int(device.split(":")[1]) if wants_cuda and ":" in device else (0 if wants_cuda else None)
+    index = device.partition(":")[2]
+    wanted = (int(index) if index.isdigit() else -1) if wants_cuda and index else (0 if wants_cuda else None)
     checks = []
+    if wanted is not None and wanted not in [gpu.index for gpu in gpus]:  # the node's device check refuses it at start
+        checks.append(Check("gpu", "fail", f"model.device {device!r} is none of this machine's {len(gpus)} CUDA device(s) "
+                            f"(cuda:0..cuda:{len(gpus) - 1}); pick one of them"))
     for gpu in gpus:
         used = gpu.index == wanted
         tag = f"cuda:{gpu.index} {gpu.name} (compute {gpu.capability[0]}.{gpu.capability[1]})"

@@ -48,6 +48,15 @@ def test_only_the_configured_device_can_fail_and_others_are_labelled():
     assert "not the configured device" in checks[2].detail and "not the configured device" in checks[3].detail
 
 
+def test_a_configured_device_this_machine_lacks_fails():
+    """model.device cuda:1 on a one-GPU machine (or cuda:x) passed every line (cuda:0 'not the configured device', or a
+    ValueError traceback), where the node's start refuses it."""
+    for device in ("cuda:1", "cuda:x"):
+        checks = gpu_checks([H100], device=device, params=PARAMS, engine_dtype="bfloat16")
+        assert checks[0].status == "fail" and f"model.device {device!r} is none of this machine's 1 CUDA device(s)" in checks[0].detail
+    assert "fail" not in {c.status for c in gpu_checks([H100], device="cuda:0", params=PARAMS, engine_dtype="bfloat16")}
+
+
 def test_no_gpu_is_a_skip_on_cpu_and_a_failure_when_cuda_is_configured():
     cpu = gpu_checks([], device="cpu", params=PARAMS, engine_dtype="bfloat16", torch_version="2.13.0+cpu")
     assert [(c.name, c.status) for c in cpu] == [("gpu", "skip"), ("vram", "skip")]
