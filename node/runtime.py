@@ -185,6 +185,9 @@ class Node:
         """
         reports: deque[RoundReport] = deque(maxlen=keep)
         heap = HeapTrimmer()
+        if self.config.rounds and self.next_round >= self.config.rounds:  # else only the rows' header said anything
+            log.warning("resumed at round %d: the %d rounds asked for (rounds counts from the first) are done, so none "
+                        "runs; raise --rounds, 0 runs forever, --no-resume starts over", self.next_round, self.config.rounds)
         saved_at = self.next_round
         stopped: RoundStopped | None = None
         while self.config.rounds == 0 or self.next_round < self.config.rounds:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from test_resume import make_digit_model
 
@@ -50,3 +52,25 @@ def test_checkpoint_dir_with_a_tilde_is_in_the_user_s_home(tmp_path, monkeypatch
         node.close()
     assert (tmp_path / "user" / "ckpts").is_dir() and [p.name for p in (tmp_path / "user" / "ckpts").iterdir()]
     assert not (tmp_path / "~").exists()
+
+
+
+@pytest.mark.timeout(600)
+def test_a_node_resumed_past_its_rounds_says_why_none_runs(tmp_path, caplog):
+    """`hivespec join --rounds 1` run again in its home resumes at round 1: nothing runs, as rounds counts from the first,
+    but only the rows' header said anything (then the node lingered and exited 0, as if it had trained)."""
+    from hivespec.node.build import build_node
+
+    config = load_config("tiny", overrides={
+        "home": str(tmp_path / "home"), "model.name": str(make_digit_model(tmp_path / "digit-model")), "rounds": "1",
+        "swarm.swarm": "test-rounds-done", "swarm.bootstrap_timeout": "0", "status.enabled": "false",
+        "speculation.enabled": "false", "model.attention": "sdpa", "train.share_prompts": "false",
+    })
+    for run in range(2):
+        node = build_node(config)
+        try:
+            with caplog.at_level(logging.WARNING, logger="hivespec.node.runtime"):
+                assert len(node.run()) == 1 - run
+        finally:
+            node.close()
+    assert caplog.text.count("resumed at round 1: the 1 rounds asked for (rounds counts from the first) are done") == 1
