@@ -73,13 +73,24 @@ class ModelShape:
 
 def model_shape(model_name: str, revision: str | None = None, *, params: int | None = None) -> ModelShape:
     """The configured model's shape from its config alone (no weights loaded); `params` where the caller counted them."""
-    from hivespec.node.model.loader import TINY_MODEL, load_tokenizer, model_folder, tiny_config
+    from safetensors import SafetensorError
+
+    from hivespec.node.model.loader import TINY_MODEL, ModelSourceError, load_tokenizer, model_folder, tiny_config
 
     if model_name == TINY_MODEL:
         config = tiny_config(load_tokenizer()).to_dict()
     else:
-        config = json.loads((model_folder(model_name, revision) / "config.json").read_text())
-    return shape_of(config, parameter_count(model_name, revision) if params is None else params)
+        config_file = model_folder(model_name, revision) / "config.json"
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelSourceError(f"cannot read the config of model {model_name!r} ({config_file}): {exc}") from None
+    try:
+        return shape_of(config, parameter_count(model_name, revision) if params is None else params)
+    except ModelSourceError:
+        raise
+    except (OSError, ValueError, SafetensorError) as exc:  # no weights, cut-short weights, a config without sizes
+        raise ModelSourceError(f"cannot size model {model_name!r}: {exc}") from None
 
 
 # Each size under the names architectures spell it in config.json (and `to_dict()`: transformers' attribute_map aliases

@@ -33,6 +33,7 @@ from typing import Any
 
 import platformdirs
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -228,7 +229,7 @@ def load_tokenizer(source: str = EMBEDDED_MODEL, *, revision: str | None = None,
     folder = model_folder(EMBEDDED_MODEL if source == TINY_MODEL else source, revision, trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
-    except ValueError as error:
+    except (OSError, ValueError) as error:
         raise ModelSourceError(_remote_code_hint(source, error)) from None
 
 
@@ -289,7 +290,7 @@ def load_model_config(source: str = EMBEDDED_MODEL, *, revision: str | None = No
     folder = model_folder(source, revision, trust_remote_code)
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
-    except ValueError as error:
+    except (OSError, ValueError) as error:
         raise ModelSourceError(_remote_code_hint(source, error)) from None
 
 
@@ -337,7 +338,7 @@ def load_model(
                 model = AutoModelForCausalLM.from_pretrained(
                     str(folder), local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code
                 )
-        except ValueError as error:
+        except (OSError, ValueError, SafetensorError) as error:  # also a folder without weights, cut-short weights
             raise ModelSourceError(_remote_code_hint(source, error)) from None
         if folder.parent.name == "snapshots":  # a hub snapshot: the folder name is its commit
             model.config._commit_hash = folder.name

@@ -94,6 +94,30 @@ def test_unknown_source_is_an_actionable_error(tmp_path: Path, monkeypatch: pyte
         load_model(str(tmp_path))
 
 
+def test_a_folder_without_whole_weights_is_a_one_line_error(tmp_path: Path, tokenizer) -> None:
+    """A folder holding config.json and a tokenizer, its weights missing (a download cut short, pickled .bin files
+    left behind) or cut short, ended `hivespec join` (doctor, demo) in transformers' OSError traceback."""
+    from hivespec.node.model.footprint import model_shape
+    from hivespec.node.model.loader import ModelSourceError
+
+    model = load_model(TINY_MODEL)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    for load in (load_model, model_shape):
+        with pytest.raises(ModelSourceError, match=f"'{tmp_path}'"):
+            load(str(tmp_path))
+    weights.unlink()
+    for load in (load_model, model_shape):
+        with pytest.raises(ModelSourceError, match="no .*safetensors"):
+            load(str(tmp_path))
+    (tmp_path / "config.json").write_text("{")
+    for load in (load_model, model_shape):
+        with pytest.raises(ModelSourceError, match="config"):
+            load(str(tmp_path))
+
+
 def test_fingerprint_is_short_stable_and_dtype_blind(tokenizer) -> None:
     fp32 = load_model(TINY_MODEL, seed=1)
     bf16 = load_model(TINY_MODEL, seed=2, dtype=torch.bfloat16)
