@@ -389,12 +389,17 @@ def node_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:
     """The torch intra-op threads a node runs with: `requested`, else cores / local nodes, at least 1.
 
     Oversubscribing cores made CPU forwards 10-30x slower, so nodes sharing a machine split it.
+    The cores are those this process may run on (taskset, a container's cpuset), not the machine's.
     """
     if requested is not None and requested < 1:
         raise ValueError(f"thread count must be >= 1, got {requested}")
     if local_nodes < 1:
         raise ValueError(f"local_nodes must be >= 1, got {local_nodes}")
-    return requested if requested is not None else max(1, (os.cpu_count() or 1) // local_nodes)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on macOS
+        cores = os.cpu_count() or 1
+    return requested if requested is not None else max(1, cores // local_nodes)
 
 
 def configure_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:

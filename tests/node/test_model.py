@@ -252,6 +252,16 @@ def test_configure_threads() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_threads_follow_the_cores_this_process_may_run_on() -> None:
+    """A node pinned to one core (taskset -c 0, a container's cpuset) ran as many torch threads as the machine has
+    cores, oversubscribing the one it had."""
+    code = ("import os; from hivespec.node.model.loader import node_threads; "
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(node_threads(), node_threads(local_nodes=2))")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["1", "1"], result.stderr
+
+
 def test_fingerprint_is_stable_across_processes(tokenizer) -> None:
     code = (
         "from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint\n"
