@@ -128,11 +128,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         def load_trained():
             try:
                 return load_model(str(folder)), load_tokenizer(str(folder))
-            except ModelSourceError as exc:
-                raise InputError(str(exc)) from None
-            except OSError as exc:  # a config.json without weights or tokenizer files beside it
-                raise InputError(f"cannot load --model {folder}: {' '.join(str(exc).split())[:240]}; pass the folder "
-                                 "`hivespec export --out` wrote") from None
+            except (ModelSourceError, OSError) as exc:  # a config.json without whole weights or tokenizer files beside it
+                reason = " ".join(str(exc).removeprefix(f"cannot load model {str(folder)!r}: ").split())
+                raise InputError(f"cannot load --model {folder}: {reason[:240]}; pass the folder `hivespec export --out` "
+                                 "wrote") from None
     else:
         home = Path(args.home).expanduser() if args.home else default_home()
         source = find_policy(home, EVAL_ADVICE)
