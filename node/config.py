@@ -537,10 +537,26 @@ def load_config(
     return _build(NodeConfig, data, "")
 
 
-def _yaml_value(raw: str, source: str) -> Any:
-    """A --set or env value read as YAML (so numbers, booleans and lists keep their type)."""
+@dataclass(frozen=True)
+class _Typed:
+    """A --set or env value: the text as typed and what YAML reads it as. A text key takes the text (`_coerce`)."""
+
+    text: str
+    value: Any
+
+    def for_key(self, takes_text: bool) -> Any:
+        """The text, stripped, for a key that takes text where YAML reads it as another scalar or cuts it (0420 is 272,
+        1.10 is 1.1, yes is true, 'run #2' is 'run': a comment); else, and for quoted text, null and lists, the YAML."""
+        text = self.text.strip()
+        if takes_text and not isinstance(self.value, (list, dict, type(None))) and text[:1] not in ("'", '"'):
+            return text
+        return self.value
+
+
+def _yaml_value(raw: str, source: str) -> _Typed:
+    """A --set or env value read as YAML (so numbers, booleans and lists keep their type), its text kept."""
     try:
-        return yaml.safe_load(raw)
+        return _Typed(raw, yaml.safe_load(raw))
     except yaml.YAMLError as exc:
         raise ConfigError(
             f"{source}={raw!r} is not a valid value ({_yaml_problem(exc)}); quote text with brackets or colons, "
@@ -574,6 +590,8 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, *, source: str) -
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
+    if isinstance(data, _Typed):
+        data = data.value
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -592,6 +610,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 def _coerce(hint: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if isinstance(value, _Typed):
+        value = value.for_key(hint is str or (origin in (typing.Union, types.UnionType) and str in args))
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key + ".")
     if origin in (typing.Union, types.UnionType):

@@ -76,3 +76,16 @@ def test_parse_override_and_describe():
 def test_missing_file_lists_presets():
     with pytest.raises(ConfigError, match="presets"):
         load_config("no-such-preset", environ={})
+
+
+def test_a_text_key_takes_its_value_as_typed_where_yaml_would_read_another():
+    # As YAML, 0420 is 272 (octal), 1.10 is 1.1, yes is true and ' #...' a comment: a private swarm named 0420 by
+    # --set joined the swarm "272", and a hub tag 1.10 asked for 1.1.
+    config = load_config(None, overrides={"swarm.swarm": "0420", "model.revision": "1.10", "name": "yes",
+                                          "home": "/tmp/run #2", "swarm.peers_file": "'quoted: as YAML'"}, environ={})
+    assert (config.swarm.swarm, config.model.revision, config.name, config.home) == ("0420", "1.10", "yes", "/tmp/run #2")
+    assert config.swarm.peers_file == "quoted: as YAML"
+    assert load_config(None, overrides={"model.revision": "null"}, environ={}).model.revision is None
+    assert load_config(None, environ={"HIVESPEC_SWARM__SWARM": "007"}).swarm.swarm == "007"
+    # Other keys read YAML as before.
+    assert load_config(None, overrides={"rounds": "12", "swarm.initial_peers": "[]"}, environ={}).rounds == 12
