@@ -11,6 +11,7 @@ trained on. Owns no network and no disk; an out-of-memory generation is split an
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from hivespec.node.config import RolloutConfig
     from hivespec.node.model.vllm_engine import VllmEngine
     from hivespec.node.tasks.source import TaskSource
+
+log = logging.getLogger(__name__)
 
 
 def derive_seed(*parts: object) -> int:
@@ -44,18 +47,26 @@ def make_rollouts(
     stats: SpeculationStats,
     on_tokens: Callable[[int], None] | None = None,
     on_split: Callable[[int], None] | None = None,
+    max_positions: int | None = None,
 ) -> list[Rollout]:
     """Generate ``num_generations`` completions of each of the round's ``prompts_per_round`` prompts and score them.
 
     `stats` accumulates the engine's speculation counters. `on_tokens(added)` hears decoding
     progress (the native engine only: vLLM decodes a whole call at once) and may raise to stop
-    the round; `on_split(size)` hears each out-of-memory split.
+    the round; `on_split(size)` hears each out-of-memory split. A prompt that leaves less than
+    ``sampling.max_new_tokens`` of the model's `max_positions` is skipped with a warning (a
+    user's task file may hold one long question; the engine refuses it, which had ended the round).
     """
     prompts = tasks.prompts(seed=seed, round=round_index, count=config.prompts_per_round)
     sampling_seed = derive_seed(seed, "sampling", round_index)
     requests, owners = [], []
     for group, task in enumerate(prompts):
         prompt_ids = tuple(tasks.chat_prompt_ids(tokenizer, task))
+        if max_positions is not None and len(prompt_ids) + sampling.max_new_tokens > max_positions:
+            log.warning("round %d: prompt %s is %d tokens, and %d more would pass the model's %d positions: skipped "
+                        "(shorten it, or lower rollout.max_completion_length)", round_index, task.prompt_id,
+                        len(prompt_ids), sampling.max_new_tokens, max_positions)
+            continue
         for i in range(config.num_generations):
             requests.append(GenerationRequest(prompt_ids=prompt_ids, seed=sampling_seed, sample_index=group * config.num_generations + i))
             owners.append(task)

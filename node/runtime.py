@@ -245,7 +245,8 @@ class Node:
         completions = self.config.rollout.prompts_per_round * self.config.rollout.num_generations
         own = make_rollouts(self.engine, self.tasks, self.tokenizer, self.sampling, self.config.rollout, seed=self.seed,
                             round_index=round_index, stats=spec, on_tokens=self.progress.generating(round_index, completions),
-                            on_split=self._count_oom)
+                            on_split=self._count_oom,
+                            max_positions=getattr(self.trainer.model.config, "max_position_embeddings", None))
         self.feed.feed(own, own=True, author=self.identity.peer_id, round_index=round_index, policy_version=self.trainer.version)
         timings["rollout"] = time.perf_counter() - started
 
