@@ -262,6 +262,7 @@ def test_threads_follow_the_cores_this_process_may_run_on() -> None:
     assert result.stdout.split() == ["1", "1"], result.stderr
 
 
+@pytest.mark.slow
 def test_fingerprint_is_stable_across_processes(tokenizer) -> None:
     code = (
         "from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint\n"
