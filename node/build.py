@@ -315,9 +315,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     memory.fit(trainer)
     journal_hours = config.checkpoint.journal_hours
     store = RolloutStore(home / "rollouts.sqlite", keep_seconds=None if journal_hours is None else journal_hours * 3600)
-    # ~ expanded as inputs.check_node_inputs and the doctor read it (a literal ./~ folder held the checkpoints)
-    checkpoint_dir = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else home / "checkpoints"
-    checkpoints = CheckpointManager(checkpoint_dir, keep=config.checkpoint.keep)
+    checkpoints = CheckpointManager(config.checkpoint.folder(home), keep=config.checkpoint.keep)
     checkpoint = checkpoints.load_latest() if config.checkpoint.resume else None
     if checkpoint is not None:
         try:  # the home was trained with another model: the user's --home and --model disagree

@@ -382,6 +382,10 @@ class CheckpointConfig(_Section):
         if self.dir is not None and not self.dir.strip():
             raise ConfigError("checkpoint.dir is empty; give a folder or null for <home>/checkpoints")
 
+    def folder(self, home: Path) -> Path:
+        """Where the checkpoints go: `dir` with ~ expanded, else <home>/checkpoints."""
+        return Path(self.dir).expanduser() if self.dir else home / "checkpoints"
+
 
 @dataclass
 class EvalConfig(_Section):

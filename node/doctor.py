@@ -319,7 +319,7 @@ def _existing_parent(path: Path) -> Path:
 
 
 def check_disk(config: NodeConfig, home: Path, params: int | None) -> Check:
-    directory = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else home / "checkpoints"
+    directory = config.checkpoint.folder(home)
     free = shutil.disk_usage(_existing_parent(directory)).free
     if params is None:
         return Check("disk", "skip", f"{_gib(free)} free at {directory}; model size unknown")
@@ -333,7 +333,7 @@ def check_disk(config: NodeConfig, home: Path, params: int | None) -> Check:
 
 
 def check_checkpoints(config: NodeConfig, home: Path) -> Check:
-    directory = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else home / "checkpoints"
+    directory = config.checkpoint.folder(home)
     found = list_checkpoints(directory)  # read-only: a running node's temp directory is left alone
     if not found:
         return Check("checkpoint", "ok", f"none yet in {directory}")
