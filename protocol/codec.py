@@ -8,11 +8,14 @@ None, bool, int, float (finite), str, bytes, list and dict with str/bytes keys.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, TypeVar
 
 import msgpack
 
 from .verdict import Reason, Verdict
+
+T = TypeVar("T", bound=Sized)
 
 _SCALARS = (type(None), bool, int, str, bytes)
 
@@ -31,17 +34,32 @@ class _ExtTypeRefused(Exception):
     pass
 
 
-class _TooManyItems(Exception):
-    pass
+class TooManyItems(Exception):
+    """A message holds more arrays, maps and entries than its `counting_hook`'s budget."""
+
+
+def counting_hook(budget: int) -> Callable[[T], T]:
+    """A msgpack ``list_hook`` / ``object_hook`` that counts each container and its entries as it is decoded and
+    raises `TooManyItems` past `budget`: 4 MiB of one-byte empty maps is 4 million Python objects (570 MiB, seconds
+    of CPU) before any schema check could refuse them."""
+    left = budget
+
+    def count(container: T) -> T:
+        nonlocal left
+        left -= 1 + len(container)  # an empty container is an object too
+        if left < 0:
+            raise TooManyItems(f"more than {budget} arrays, maps and entries in them")
+        return container
+
+    return count
 
 
 def safe_unpack(data: bytes, *, max_size: int, max_depth: int, max_items: int | None = None) -> tuple[Verdict, object | None]:
     """Decode untrusted msgpack under limits; returns (verdict, obj), obj is None when rejected.
 
     `max_depth` counts containers: a scalar is depth 0, `[1]` depth 1, `{"a": [1]}` depth 2.
-    `max_items` bounds the entries of all arrays and maps together, counted while decoding: a
-    4 MiB message of one-byte empty maps is 4 million Python objects (570 MiB, seconds of CPU)
-    before any schema check could refuse it. Pass what the message's schema can hold.
+    `max_items` bounds the entries of all arrays and maps together, counted while decoding
+    (`counting_hook`). Pass what the message's schema can hold.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         return Verdict.reject(Reason.BAD_TYPE, f"expected bytes, got {type(data).__name__}"), None
@@ -51,15 +69,7 @@ def safe_unpack(data: bytes, *, max_size: int, max_depth: int, max_items: int | 
     if n == 0:
         return Verdict.reject(Reason.MALFORMED, "empty message"), None
     budget = n if max_items is None else min(n, max_items)
-    left = budget
-
-    def count(container: Any) -> Any:
-        nonlocal left
-        left -= 1 + len(container)  # an empty map is an object too
-        if left < 0:
-            raise _TooManyItems(f"more than {budget} arrays, maps and entries in them")
-        return container
-
+    count = None if max_items is None else counting_hook(budget)
     try:
         # Every length header is bounded by the buffer size, so a forged header that claims
         # 2**32 elements cannot make msgpack allocate before it runs out of input.
@@ -69,8 +79,8 @@ def safe_unpack(data: bytes, *, max_size: int, max_depth: int, max_items: int | 
             strict_map_key=True,
             use_list=True,
             ext_hook=_reject_ext,
-            list_hook=None if max_items is None else count,
-            object_hook=None if max_items is None else count,
+            list_hook=count,
+            object_hook=count,
             max_str_len=n,
             max_bin_len=n,
             max_array_len=budget,
@@ -79,7 +89,7 @@ def safe_unpack(data: bytes, *, max_size: int, max_depth: int, max_items: int | 
         )
     except _ExtTypeRefused as exc:
         return Verdict.reject(Reason.BAD_TYPE, str(exc)), None
-    except _TooManyItems as exc:
+    except TooManyItems as exc:
         return Verdict.reject(Reason.TOO_LARGE, str(exc)), None
     except msgpack.ExtraData as exc:
         return Verdict.reject(Reason.MALFORMED, f"trailing bytes after the message ({exc})"), None

@@ -46,7 +46,7 @@ from hivespec.protocol.announce import (
     is_peer_id,
     protocol_and_key,
 )
-from hivespec.protocol.codec import safe_unpack
+from hivespec.protocol.codec import counting_hook, safe_unpack
 from hivespec.protocol.envelope import Envelope, Kind, open_envelope
 from hivespec.protocol.limits import DEFAULT_LIMITS, Limits
 from hivespec.protocol.private import OVERHEAD, PrivateSwarm
@@ -297,19 +297,10 @@ def _unpack(data: bytes, *, allow_ext: bool, max_items: int | None = None) -> An
 
     n = len(data)
     budget = n if max_items is None else min(n, max_items)
-    left = budget
-
-    def count(array: list) -> list:
-        nonlocal left
-        left -= 1 + len(array)
-        if left < 0:
-            raise ValueError(f"more than {budget} arrays and entries")
-        return array
-
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, ext_hook=hook, max_str_len=n, max_bin_len=n,
-            max_array_len=budget, max_map_len=0, max_ext_len=n, list_hook=None if max_items is None else count,
+            max_array_len=budget, max_map_len=0, max_ext_len=n, list_hook=None if max_items is None else counting_hook(budget),
         )
     except Exception:  # noqa: BLE001 - any decoding failure makes the value invalid
         return None
