@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from hivespec.node.config import default_home
@@ -72,15 +73,7 @@ def _load(path: Path) -> Identity:
 def _create(path: Path) -> Identity:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     identity = Identity.generate()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    # O_EXCL + 0600 from the start: the key is never on disk with wider permissions.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            os.write(fd, KEY_FILE_MAGIC + identity.private_bytes())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with private_temp_file(path, KEY_FILE_MAGIC + identity.private_bytes(), mode=0o600) as tmp:
         try:
             # link() refuses to overwrite, so a concurrent creator's key is never replaced.
             os.link(tmp, path)
@@ -90,10 +83,27 @@ def _create(path: Path) -> Identity:
             # Filesystems without hard links: an atomic replace is the next best thing.
             os.replace(tmp, path)
         _fsync_dir(path.parent)
+    return identity
+
+
+@contextlib.contextmanager
+def private_temp_file(path: Path, data: bytes, *, mode: int) -> Iterator[Path]:
+    """`data` in a new file beside `path`, with `mode` from the start (O_EXCL: a key is never on disk with wider
+    permissions) and fsynced, for the caller to link or rename into place; removed on exit where it is still there."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):  # left by a killed process that had our pid
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        yield tmp
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    return identity
 
 
 def _fsync_dir(directory: Path) -> None:

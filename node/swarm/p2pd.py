@@ -33,6 +33,8 @@ from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
+from hivespec.node.identity_file import private_temp_file
+
 log = logging.getLogger(__name__)
 
 # The longest socket name we make below our directory: "<pid>-p2pclient-<11 characters>.sock".
@@ -85,20 +87,8 @@ def ensure_p2p_key(path: Path) -> None:
             return
         log.warning("%s holds no libp2p key (%s; a write cut short?): writing a new one, so this node gets a new libp2p address", path, problem)
     key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes()).SerializeToString()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):  # left by a killed process that had our pid
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)  # p2pd only reads it; never readable by others
-    try:
-        try:
-            os.write(fd, key)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with private_temp_file(path, key, mode=0o400) as tmp:  # p2pd only reads it; never readable by others
         os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 def _p2p_key_problem(data: bytes) -> str | None:
