@@ -94,9 +94,13 @@ class RoundExchange:
         self._seq = int(time.time() * 1000)  # monotonic across restarts without a stored counter
         self.informative_per_batch: float | None = None  # moving average over fetched batches (a refused one brings 0)
 
-    def publish(self, gossip: Gossip, round_index: int, rollouts: Sequence[Rollout], policy_version: int) -> None:
+    def publish(self, gossip: Gossip, round_index: int, rollouts: Sequence[Rollout], policy_version: int) -> bool:
         """Journal our round's rollouts, then sign the batch and offer it to the swarm, saying how many of its samples
-        carry a gradient (readers fetching for room to train skip a batch that has none)."""
+        carry a gradient (readers fetching for room to train skip a batch that has none). A round without rollouts
+        (every prompt skipped as too long for the model) publishes nothing: False."""
+        if not rollouts:  # an empty batch would only take a slot of each peer's K and be ignored there
+            log.warning("round %d: no own rollouts (every prompt was skipped): nothing published to the swarm", round_index)
+            return False
         batch = RolloutBatch(round=round_index, policy_version=policy_version, fingerprint=self.fingerprint, rollouts=tuple(rollouts))
         self._seq += 1
         body = seal(self.identity, Kind.ROLLOUTS, self._seq, encode_batch(batch))
@@ -108,6 +112,7 @@ class RoundExchange:
         ])
         # journaled first: a crash here loses nothing we made
         gossip.publish_rollouts(body, version=policy_version, informative=informative_samples(rollouts))
+        return True
 
     def collect(self, gossip: Gossip, round_index: int, policy_version: int, *, need: int | None = None) -> list[Admission]:
         """Admit fresh peers' batches: enough for `need` more informative samples (None: as many as allowed), at most

@@ -74,3 +74,28 @@ def test_a_node_resumed_past_its_rounds_says_why_none_runs(tmp_path, caplog):
         finally:
             node.close()
     assert caplog.text.count("resumed at round 1: the 1 rounds asked for (rounds counts from the first) are done") == 1
+
+
+@pytest.mark.timeout(600)
+def test_a_round_whose_every_prompt_was_skipped_publishes_nothing(tmp_path, caplog):
+    """A user's task file of long questions only: every prompt is skipped as too long for the model, and the round had
+    published an empty batch, which took a slot of each peer's fetch and was ignored there."""
+    import json
+
+    from hivespec.node.build import build_node
+
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"question": "word " * 2100, "answer": 1}) + "\n")
+    config = load_config("tiny", overrides={
+        "home": str(tmp_path / "home"), "model.name": "tiny", "rounds": "1", "swarm.swarm": "test-all-skipped",
+        "swarm.bootstrap_timeout": "0", "status.enabled": "false", "checkpoint.every_rounds": "0", "checkpoint.at_exit": "false",
+        "checkpoint.resume": "false", "speculation.enabled": "false", "rollout.prompts_per_round": "2",
+        "tasks.mix": "[{family: jsonl}]", "tasks.jsonl_path": str(tmp_path / "tasks.jsonl"),
+    })
+    node = build_node(config)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hivespec.node.exchange"):
+            [report] = node.run()
+        assert report.rollouts.made == 0 and node.gossip.stats()["published"] == 0
+        assert "round 0: no own rollouts (every prompt was skipped): nothing published" in caplog.text
+    finally:
+        node.close()
