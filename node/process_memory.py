@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hivespec.node import control_groups
+
 
 def resident_mb() -> float | None:
     """This process's resident memory in MB (from /proc/self/statm; None where there is none)."""
@@ -52,32 +54,11 @@ def available_bytes() -> int:
     import psutil
 
     available = psutil.virtual_memory().available
-    rooms = [room for room in map(_room_in, _memory_cgroups()) if room is not None]
+    rooms = [room for room in map(_room_in, control_groups.folders("memory")) if room is not None]
     return min([available, *rooms])
 
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number
-
-
-def _memory_cgroups() -> list[Path]:
-    """The folders of this process's memory control group and its ancestors, as mounted here (v2 and v1)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    folders = []
-    for line in lines:
-        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if hierarchy == "0" and not controllers:
-            root = Path("/sys/fs/cgroup")
-        elif "memory" in controllers.split(","):
-            root = Path("/sys/fs/cgroup/memory")
-        else:
-            continue
-        group = root / path.strip("/")
-        # A container sees its own group at the mount's root: the path named here may not exist inside it.
-        folders += [folder for folder in (group, *group.parents) if folder.is_relative_to(root) and folder.is_dir()]
-    return folders
 
 
 def _room_in(folder: Path) -> int | None:

@@ -44,6 +44,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from hivespec.node import control_groups
 from hivespec.node.file_lock import flock_within
 from hivespec.node.hub import Snapshot, looks_like_repo_id, resolve_snapshot
 from hivespec.node.model.device import check_device
@@ -389,7 +390,8 @@ def node_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:
     """The torch intra-op threads a node runs with: `requested`, else cores / local nodes, at least 1.
 
     Oversubscribing cores made CPU forwards 10-30x slower, so nodes sharing a machine split it.
-    The cores are those this process may run on (taskset, a container's cpuset), not the machine's.
+    The cores are those this process may run on (taskset, a container's cpuset), not the machine's, and at most
+    the cores' worth of time its control group's CPU quota allows (`docker --cpus`).
     """
     if requested is not None and requested < 1:
         raise ValueError(f"thread count must be >= 1, got {requested}")
@@ -399,6 +401,7 @@ def node_threads(requested: int | None = None, *, local_nodes: int = 1) -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity on macOS
         cores = os.cpu_count() or 1
+    cores = min(cores, control_groups.quota_cores() or cores)
     return requested if requested is not None else max(1, cores // local_nodes)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hivespec.node.process_memory import _memory_cgroups, _room_in, available_bytes
+from hivespec.node import control_groups
+from hivespec.node.process_memory import _room_in, available_bytes
 
 GIB = 1 << 30
 _CHILD = (
@@ -34,7 +35,7 @@ _CHILD = (
 def _writable_group():
     if not sys.platform.startswith("linux"):
         return None, None
-    for folder in _memory_cgroups():
+    for folder in control_groups.folders("memory"):
         limit = "memory.max" if (folder / "memory.max").exists() else "memory.limit_in_bytes"
         if (folder / limit).exists() and os.access(folder, os.W_OK):
             return folder, limit
