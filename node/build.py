@@ -367,7 +367,8 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         attention=attention_plan.describe(),
         calibration=calibration,
         on_phase=on_phase,
-        heldout=HeldoutProbe.from_config(config, tasks, tokenizer),
+        heldout=HeldoutProbe.from_config(config, tasks, tokenizer,
+                                         max_positions=getattr(trainer_model.config, "max_position_embeddings", None)),
         memory=None if config.model.device.startswith("cuda") else memory,
         trackers=RoundTrackers.from_config(config, home),
     )

@@ -16,6 +16,10 @@ An accuracy is the mean over questions; its standard error the sample standard d
 questions / sqrt(questions). A difference between two models is paired by question (same
 questions, same sampling keys): its standard error comes from the per-question differences.
 
+A question whose chat prompt leaves less than ``max_new_tokens`` of the model's positions is
+skipped, as a training round skips it (`fitting_questions`; the engine refuses such a prompt): the
+scores are over the questions that fit, and the caller says how many were skipped.
+
 `score_model` runs a model (any `TorchEngine`-able causal LM), saying how it goes every `PROGRESS_EVERY_S` to whoever
 asks (a CPU takes minutes for the defaults); `compare` and `format_table` are pure.
 """
@@ -81,10 +85,22 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0)
 
 
+def fitting_questions(tasks, tokenizer, questions: Sequence, max_new_tokens: int,
+                      max_positions: int | None) -> tuple[list, list]:
+    """``questions`` split into (those that fit, those skipped): a question fits when its chat prompt and
+    ``max_new_tokens`` fit in ``max_positions`` (None: the model states no limit, every question fits)."""
+    fit, skipped = [], []
+    for task in questions:
+        length = len(tasks.chat_prompt_ids(tokenizer, task))
+        (fit if max_positions is None or length + max_new_tokens <= max_positions else skipped).append(task)
+    return fit, skipped
+
+
 def score_model(model, tokenizer, tasks, questions: Sequence, settings: EvalSettings, *, label: str, name: str,
                 on_progress: Callable[[str], None] | None = None) -> ModelScores:
     """Generate and score the greedy and sampled completions of ``model`` on ``questions`` (Task objects of ``tasks``).
 
+    Every question must fit the model's positions with ``settings.max_new_tokens`` (`fitting_questions`).
     ``on_progress`` hears a line such as "greedy: 512 of at most 1536 tokens in 10 s" every `PROGRESS_EVERY_S`.
     """
     import torch
@@ -181,12 +197,14 @@ def format_table(rows: Sequence[ModelScores], settings: EvalSettings, descriptio
     return "\n".join(lines)
 
 
-def to_json(rows: Sequence[ModelScores], settings: EvalSettings, questions: Sequence) -> dict:
-    """What `hivespec eval --json` prints: settings, questions, every metric (mean, se) and the paired difference."""
+def to_json(rows: Sequence[ModelScores], settings: EvalSettings, questions: Sequence, skipped: Sequence = ()) -> dict:
+    """What `hivespec eval --json` prints: settings, the questions scored and those skipped (`fitting_questions`),
+    every metric (mean, se) and the paired difference."""
     ks = settings.ks if settings.samples else []
     result: dict = {
         "settings": {**settings.__dict__, "ks": ks},
         "questions": [t.prompt_id for t in questions],
+        "skipped": [t.prompt_id for t in skipped],
         "models": {r.label: {"model": r.model, **{n: f.__dict__ for n, f in metrics(r, ks).items()},
                              "greedy_per_question": r.greedy, "correct_per_question": r.correct} for r in rows},
     }

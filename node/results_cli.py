@@ -104,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from hivespec.node.config import InputError, default_home
-    from hivespec.node.evaluate import EvalSettings, format_table, score_model, to_json
+    from hivespec.node.evaluate import EvalSettings, fitting_questions, format_table, score_model, to_json
     from hivespec.node.export import EVAL_ADVICE, find_policy, load_policy_model, read_export_record
     from hivespec.node.model.device import check_device
     from hivespec.node.model.loader import (
@@ -163,6 +163,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if fingerprint != base_fingerprint:
         raise InputError(f"{trained_name} has model fingerprint {fingerprint}, the base {base_name} {base_fingerprint}: "
                          "they are not the same architecture and tokenizer; pass the base it was trained from with --base")
+    positions = getattr(trained.config, "max_position_embeddings", None)
+    questions, skipped = fitting_questions(source_tasks, tokenizer, questions, settings.max_new_tokens, positions)
+    too_long = (f"too long for the model's {positions} positions with --max-new-tokens {settings.max_new_tokens} (a "
+                "training round skips them too)")
+    if not questions:
+        raise InputError(f"every one of the {len(skipped)} held-out questions is {too_long}: nothing to score; lower "
+                         "--max-new-tokens, or ask other questions with --seed or --config")
+    if skipped:
+        print(f"skipped {len(skipped)} of {len(questions) + len(skipped)} held-out questions, {too_long}: "
+              f"{', '.join(t.prompt_id for t in skipped[:5])}{' ...' if len(skipped) > 5 else ''}",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
     dtype = getattr(torch, args.dtype)
 
     def score(label: str, name: str, model, tokenizer):
@@ -180,11 +191,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rows = [score("base", base_name, load_model(base_name, revision=base_revision), base_tokenizer), trained_scores]
     mix = ", ".join(f"{m.family}:d{m.difficulty}" + (f":{m.name}" if m.name else "") for m in task_config.mix)
     if args.json:
-        print(json.dumps(to_json(rows, settings, questions), indent=1))
+        print(json.dumps(to_json(rows, settings, questions, skipped), indent=1))
     else:
         print(format_table(rows, settings, f"held-out accuracy on {len(questions)} questions of {mix} (held-out share "
                            f"{task_config.heldout_fraction:g}, question seed {settings.seed}), {args.dtype}, at most "
-                           f"{settings.max_new_tokens} new tokens"))
+                           f"{settings.max_new_tokens} new tokens"
+                           + (f"; {len(skipped)} more skipped, too long for the model" if skipped else "")))
     return 0
 
 

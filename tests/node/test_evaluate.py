@@ -47,14 +47,14 @@ def _eval(*argv: str) -> argparse.Namespace:
     return args
 
 
-def _home(tmp_path, *, nudge: float, heldout: float = 0.5, base: str = "tiny"):
+def _home(tmp_path, *, nudge: float, heldout: float = 0.5, base: str = "tiny", mix: list[dict] = MIX):
     model, tokenizer = load_model(base), load_tokenizer(base)
     with torch.no_grad():
         model.lm_head.weight.add_(nudge)  # tied to the embeddings: a different policy unless 0
     record = PolicyRecord(node="n0", peer_id="p", swarm="s", model=base, revision=None,
                           commit=getattr(model.config, "_commit_hash", None),
                           fingerprint=model_fingerprint(model.config, tokenizer), policy_version=1, rounds=1, policy_hash="",
-                          weights="", weights_sha256="", train_dtype="float32", tasks=MIX, heldout_fraction=heldout)
+                          weights="", weights_sha256="", train_dtype="float32", tasks=mix, heldout_fraction=heldout)
     home = tmp_path / "home"
     keep_latest_policy(home, record, model_tensors(model))
     return home
@@ -128,6 +128,32 @@ def test_eval_refuses_a_damaged_or_mismatched_trained_model_before_it_scores_any
     with pytest.raises(InputError, match="the file is damaged or was replaced") as refused:
         args.func(args)
     assert "then `hivespec eval --model OUT`" in str(refused.value) and "with --checkpoint" not in str(refused.value)  # eval has none
+
+
+def _task_file(path, *, short: int, long: int):
+    """A user's task file: `short` questions, and `long` ones too long for the tiny model's positions with any completion."""
+    words = "word " * load_model("tiny").config.max_position_embeddings
+    rows = [{"question": f"What is {i} + 3?", "answer": i + 3} for i in range(short)]
+    rows += [{"question": f"{words}{i}", "answer": 1} for i in range(long)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [{"family": "jsonl", "name": str(path)}]
+
+
+def test_eval_skips_a_question_too_long_for_the_model_as_training_does_and_says_so(tmp_path, capsys):
+    # A user's task file with a long question: the engine refused its prompt, and eval ended in a ValueError traceback.
+    home = _home(tmp_path, nudge=0.05, mix=_task_file(tmp_path / "tasks.jsonl", short=20, long=20))
+    args = _eval("--home", str(home))
+    assert args.func(args) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["skipped"] and len(result["questions"]) + len(result["skipped"]) == 4
+    # Every score is over the questions it names, and those alone.
+    assert all(len(m["greedy_per_question"]) == len(result["questions"]) for m in result["models"].values())
+    assert f"skipped {len(result['skipped'])} of 4 held-out questions, too long for the model's 2048 positions" in captured.err
+    only_long = _home(tmp_path / "long", nudge=0.05, mix=_task_file(tmp_path / "long.jsonl", short=0, long=20))
+    args = _eval("--home", str(only_long))
+    with pytest.raises(InputError, match="every one of the 4 held-out questions is too long .* nothing to score"):
+        args.func(args)
 
 
 HUB_REPO, HUB_COMMIT = "hivespec-test/tiny-chat", "c" * 40

@@ -66,3 +66,28 @@ def test_no_held_out_share_is_a_config_error_naming_the_fix(tmp_path):
     config = load_config(None, overrides={"eval.every_rounds": "1", "tasks.heldout_fraction": "0"})
     with pytest.raises(ConfigError, match="tasks.heldout_fraction > 0"):
         HeldoutProbe.from_config(config, TaskSource.from_config(config.tasks), tokenizer=None)
+
+
+def test_a_question_too_long_for_the_model_is_left_out_at_start_and_none_left_is_a_config_error(tmp_path, caplog):
+    # A user's task file with a long question: the engine refused its prompt, and the first probe ended the node.
+    import json
+    import logging
+
+    from hivespec.node.model.loader import load_model, load_tokenizer
+
+    model, tokenizer = load_model("tiny"), load_tokenizer("tiny")
+    positions = model.config.max_position_embeddings
+    rows = [{"question": f"What is {i} + 3?", "answer": i + 3} for i in range(20)]
+    rows += [{"question": "word " * positions + str(i), "answer": 1} for i in range(20)]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, overrides={"eval.every_rounds": "1", "eval.questions": "4", "eval.max_new_tokens": "4",
+                                          "tasks.heldout_fraction": "0.5", "tasks.jsonl_path": str(tmp_path / "tasks.jsonl"),
+                                          "tasks.mix": "[{family: jsonl}]"})
+    tasks = TaskSource.from_config(config.tasks)
+    with caplog.at_level(logging.WARNING):
+        probe = HeldoutProbe.from_config(config, tasks, tokenizer, max_positions=positions)
+    assert 0 < len(probe.questions) < 4 and f"{4 - len(probe.questions)} of 4 questions are too long" in caplog.text
+    assert 0.0 <= probe.score(model) <= 1.0  # a mean over the questions that fit (the engine had refused the others)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[20:]))
+    with pytest.raises(ConfigError, match="every one of the 4 held-out questions is too long"):
+        HeldoutProbe.from_config(config, TaskSource.from_config(config.tasks), tokenizer, max_positions=positions)
