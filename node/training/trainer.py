@@ -210,6 +210,8 @@ class Trainer:
         self.share_prompts = share_prompts
         self.version = 0
         self.device = next(model.parameters()).device
+        # What the model's forward does to its head's logits before the engine samples from them.
+        self._logit_scale, self._logit_softcap = logit_transform(model.config)
         # Eager attention where `eager_attention` (`hivespec.node.model.attention` measures whether it is faster on this
         # machine) and a micro batch's probabilities fit its budget; the model's own elsewhere.
         self._attention = MicroBatchAttention.for_model(model, eager=eager_attention)
@@ -441,13 +443,14 @@ class Trainer:
     def _logprobs(self, batch: _MicroBatch) -> Tensor:
         """Float32 log-prob of every completion token of the micro batch, flat."""
         backbone = getattr(self.model, self.model.base_model_prefix)
-        head = self.model.get_output_embeddings().weight
+        head = self.model.get_output_embeddings()
         with running(self.model, batch.attention_impl), \
                 torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             hidden = hidden_states(backbone, batch.input_ids, batch.attention, batch.prompt)
             selected = hidden[batch.rows, batch.cols]
             # The head's backward matmuls follow autocast's dtype; its forward stays float32.
-            logp = token_logprobs(selected, head, batch.targets, temperature=self.temperature, grad_dtype=self.autocast_dtype)
+            logp = token_logprobs(selected, head.weight, batch.targets, temperature=self.temperature, bias=getattr(head, "bias", None),
+                                  scale=self._logit_scale, softcap=self._logit_softcap, grad_dtype=self.autocast_dtype)
         return logp.float()
 
     def _weights(self, old: Tensor, batch: _MicroBatch) -> ImportanceWeights:
@@ -511,6 +514,28 @@ class Trainer:
         *per_source, foreign_stats = importance_stats_where(merged, [source_ids == i for i in range(len(sources))] + [foreign])
         by_source = dict(zip(sources, per_source, strict=True))
         return {k: v for k, v in by_source.items() if v.tokens > 0}, foreign_stats if foreign_stats.tokens > 0 else None
+
+
+# Model types whose forward scales the head's logits, and the config key (divisor or factor) it scales them by.
+_LOGIT_DIVISORS = {t: "logits_scaling" for t in (
+    "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid", "minicpm3")}
+_LOGIT_FACTORS = {"hyperclovax": "logits_scaling", "cohere": "logit_scale", "cohere2": "logit_scale",
+                  "cohere2_moe": "logit_scale", "falcon_h1": "lm_head_multiplier"}
+
+
+def logit_transform(config: object) -> tuple[float, float | None]:
+    """(scale, softcap) of a transformers model's logits: its forward returns cap(scale * head(h)), cap(x) = softcap *
+    tanh(x / softcap) (softcap None: no cap), as Granite (logits / logits_scaling), Cohere (* logit_scale), Falcon-H1
+    (* lm_head_multiplier) and Gemma 2/3 (final_logit_softcapping) do. The trainer's log-probs must be the engine's."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kind = getattr(text, "model_type", "")
+    scale = 1.0
+    if kind in _LOGIT_DIVISORS:
+        scale = 1.0 / float(getattr(text, _LOGIT_DIVISORS[kind]))
+    elif kind in _LOGIT_FACTORS:
+        scale = float(getattr(text, _LOGIT_FACTORS[kind]))
+    softcap = getattr(text, "final_logit_softcapping", None)
+    return scale, None if softcap is None else float(softcap)
 
 
 def _length(pair: tuple[TrainSample, float]) -> int:

@@ -106,3 +106,41 @@ def test_bf16_backward_keeps_forward_values_and_approximates_gradients():
     assert h16.dtype == torch.float32 and w16.dtype == torch.float32
     for exact, approx in ((h32, h16), (w32, w16)):
         assert (approx - exact).norm() / exact.norm() < 2e-2
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+@pytest.mark.parametrize("scale, softcap", [(1.0, 2.0), (0.125, None), (3.0, 1.5)], ids=["gemma-cap", "granite-scale", "both"])
+def test_model_logit_transforms_match_reference_float64(chunk_size, scale, softcap):
+    """A head with a bias, its logits scaled and soft-capped before the temperature (Phi, Granite, Cohere, Gemma 2/3):
+    values and every gradient (bias included) are the full-logits reference's."""
+    hidden, weight, targets = _inputs()
+    bias = torch.randn(weight.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    grad_out = torch.randn(targets.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    results = []
+    for kernel in (True, False):
+        h, w, b = hidden.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        if kernel:
+            out = token_logprobs(h, w, targets, temperature=0.7, bias=b, scale=scale, softcap=softcap, chunk_size=chunk_size)
+        else:
+            logits = (h @ w.T + b) * scale
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            out = F.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+        (out * grad_out).sum().backward()
+        results.append((out.detach(), h.grad, w.grad, b.grad))
+    for got, want in zip(*results):
+        assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: token_logprobs(h, w, targets[0], temperature=0.9, bias=b, scale=scale, softcap=softcap, chunk_size=2),
+        (hidden[0].clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()),
+    )
+
+
+def test_bad_head_arguments():
+    hidden, weight, targets = _inputs()
+    with pytest.raises(ValueError, match="scale and softcap"):
+        token_logprobs(hidden, weight, targets, scale=0.0)
+    with pytest.raises(ValueError, match="scale and softcap"):
+        token_logprobs(hidden, weight, targets, softcap=float("inf"))
+    with pytest.raises(ValueError, match="bias"):
+        token_logprobs(hidden, weight, targets, bias=torch.zeros(weight.shape[0] + 1, dtype=weight.dtype))

@@ -4,9 +4,21 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
+)
 
 from hivespec.kernels.importance import importance_weights
+from hivespec.node.model.engine import GenerationRequest, SamplingParams, TorchEngine
 from hivespec.node.model.loader import load_model
 from hivespec.node.training.trainer import (
     OWN,
@@ -318,3 +330,37 @@ def test_bad_settings_and_samples():
         _trainer(_tiny(), ppo_epochs=0)
     with pytest.raises(ValueError, match="pair one to one"):
         _trainer(_tiny()).step([TrainSample([1], [2, 3], [0.0], 1.0, "g"), TrainSample([1], [4], [0.0], 0.0, "g")])
+
+
+def _head_transform_model(kind: str):
+    """A tiny model of an architecture whose forward changes its head's logits (scaled, capped, or a head bias)."""
+    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    torch.manual_seed(0)
+    model = {
+        "granite": lambda: GraniteForCausalLM(GraniteConfig(**small, logits_scaling=8.0)),
+        "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**small, head_dim=8, final_logit_softcapping=2.0)),
+        "cohere": lambda: CohereForCausalLM(CohereConfig(**small, logit_scale=0.0625)),
+        "phi": lambda: PhiForCausalLM(PhiConfig(**{k: v for k, v in small.items() if k != "num_key_value_heads"})),
+    }[kind]().double().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)  # logits of a trained model's size, where the transform matters
+        if model.get_output_embeddings().bias is not None:
+            torch.nn.init.normal_(model.get_output_embeddings().bias, std=1.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["granite", "gemma2", "cohere", "phi"])
+def test_own_samples_are_on_policy_on_models_that_transform_their_logits(kind):
+    """The trainer's log-probs are those of the logits the engine sampled from: Granite divides its head's logits by
+    logits_scaling, Cohere multiplies them by logit_scale, Gemma 2 caps them and Phi's head has a bias. The trainer had
+    read hidden @ lm_head.weight alone, so own samples were off-policy by nats (all masked on the capped model)."""
+    model = _head_transform_model(kind)
+    requests = [GenerationRequest((1, 2, 3), seed=1, sample_index=i) for i in range(4)]
+    drawn = TorchEngine(model).generate(requests, SamplingParams(temperature=0.8, max_new_tokens=8))
+    samples = [TrainSample(list(s.prompt_ids), list(s.completion_ids), list(s.logprobs), float(i % 2), "g") for i, s in enumerate(drawn)]
+    trainer = _trainer(model, temperature=0.8)
+    for sample, logprobs in zip(samples, trainer.logprobs(samples)):
+        assert logprobs == pytest.approx(sample.behaviour_logprobs, abs=1e-5)
+    stats = trainer.step(samples)
+    assert stats.own.kept_fraction == 1.0 and stats.own.mean_weight == pytest.approx(1.0, abs=1e-4)
