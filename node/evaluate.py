@@ -97,11 +97,12 @@ def fitting_questions(tasks, tokenizer, questions: Sequence, max_new_tokens: int
 
 
 def score_model(model, tokenizer, tasks, questions: Sequence, settings: EvalSettings, *, label: str, name: str,
-                on_progress: Callable[[str], None] | None = None) -> ModelScores:
+                on_progress: Callable[[str], None] | None = None, check_stop: Callable[[], None] | None = None) -> ModelScores:
     """Generate and score the greedy and sampled completions of ``model`` on ``questions`` (Task objects of ``tasks``).
 
     Every question must fit the model's positions with ``settings.max_new_tokens`` (`fitting_questions`).
-    ``on_progress`` hears a line such as "greedy: 512 of at most 1536 tokens in 10 s" every `PROGRESS_EVERY_S`.
+    ``on_progress`` hears a line such as "greedy: 512 of at most 1536 tokens in 10 s" every `PROGRESS_EVERY_S`;
+    ``check_stop`` is called after every decode step and may raise to end the scoring there.
     """
     import torch
 
@@ -118,7 +119,13 @@ def score_model(model, tokenizer, tasks, questions: Sequence, settings: EvalSett
                     for q, prompt in enumerate(prompts) for j in range(per_question)]
         params = SamplingParams(temperature=temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens,
                                 stop_token_ids=stops)
-        on_tokens = _reporting(on_progress, what, len(requests) * settings.max_new_tokens) if on_progress else None
+        report = _reporting(on_progress, what, len(requests) * settings.max_new_tokens) if on_progress else None
+
+        def on_tokens(added: int) -> None:
+            if check_stop is not None:
+                check_stop()
+            if report is not None:
+                report(added)
         with torch.inference_mode():
             out = engine.generate(requests, params, speculative=False, on_tokens=on_tokens)
         rewards = [tasks.reward(questions[i // per_question], tokenizer.decode(o.completion_ids, skip_special_tokens=True))

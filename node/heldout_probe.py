@@ -54,13 +54,15 @@ class HeldoutProbe:
         """Whether the probe runs after ``rounds_done`` rounds."""
         return rounds_done > 0 and rounds_done % self.every_rounds == 0
 
-    def score(self, model, *, on_progress: Callable[[str], None] | None = None) -> float:
+    def score(self, model, *, on_progress: Callable[[str], None] | None = None,
+              check_stop: Callable[[], None] | None = None) -> float:
         """The mean greedy reward of ``model`` over the questions (1.0: every one right); ``on_progress`` hears how far
-        it is every few seconds (`score_model`'s lines)."""
+        it is every few seconds (`score_model`'s lines); ``check_stop`` runs after every decode step and may raise to
+        end the scoring (a stop request: the node's own stop switch)."""
         was_training = model.training
         try:
             scores = score_model(model, self._tokenizer, self._tasks, self.questions, self.settings,
-                                 label="policy", name=self._name, on_progress=on_progress)
+                                 label="policy", name=self._name, on_progress=on_progress, check_stop=check_stop)
         finally:
             model.train(was_training)
         return sum(scores.greedy) / len(scores.greedy)

@@ -367,8 +367,9 @@ class Node:
             return False
         return True
 
-    def _heldout_accuracy(self) -> float:
-        """The trainer's greedy accuracy on the probe's held-out questions (between rounds, on this thread)."""
+    def _heldout_accuracy(self) -> float | None:
+        """The trainer's greedy accuracy on the probe's held-out questions (between rounds, on this thread); None when a
+        stop request ended the scoring (the round is trained: the loop stops before the next one)."""
         questions = len(self.heldout.questions)
         about = f"held-out accuracy after {self.next_round} rounds"
         self.progress.beat("eval")
@@ -379,7 +380,12 @@ class Node:
             self.progress.phase("evaluating", f"{about}: {line}")
 
         started = time.perf_counter()
-        accuracy = self.heldout.score(self.trainer.model, on_progress=on_progress)
+        try:
+            accuracy = self.heldout.score(self.trainer.model, on_progress=on_progress,
+                                          check_stop=lambda: self.control.check(f"scoring {about}"))
+        except RoundStopped:
+            log.info("%s: not scored, stopped after %.1f s", about, time.perf_counter() - started)
+            return None
         log.info("held-out accuracy after %d rounds: %.3f (%d questions, %.1f s)", self.next_round, accuracy, questions,
                  time.perf_counter() - started)
         return accuracy

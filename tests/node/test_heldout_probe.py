@@ -62,6 +62,29 @@ def test_a_node_scores_itself_every_n_rounds_as_hivespec_eval_would(tmp_path):
         node.close()
 
 
+@pytest.mark.timeout(600)
+def test_a_stop_during_the_probe_ends_it_at_the_next_decode_step_and_the_trained_round_is_kept(tmp_path):
+    # A stop (Ctrl-C, SIGTERM, the dashboard) had waited for the whole probe: a minute at 256 questions of 512 tokens
+    # on the tiny model, far longer on a real one.
+    from hivespec.node.build import build_node
+
+    node = None
+
+    def on_phase(phase: str, detail: str) -> None:
+        if phase == "evaluating":
+            node.control.stop()
+
+    node = build_node(_config(tmp_path, "tiny", rounds="3", **{"eval.every_rounds": "1", "eval.max_new_tokens": "64"}),
+                      on_phase=on_phase)
+    try:
+        mode = node.trainer.model.training
+        reports = node.run()
+        assert [(r.round, r.heldout_accuracy) for r in reports] == [(0, None)]  # round 0 trained, its probe not finished
+        assert node.next_round == 1 and node.trainer.model.training == mode and node.stop_report == ""
+    finally:
+        node.close()
+
+
 def test_no_held_out_share_is_a_config_error_naming_the_fix(tmp_path):
     config = load_config(None, overrides={"eval.every_rounds": "1", "tasks.heldout_fraction": "0"})
     with pytest.raises(ConfigError, match="tasks.heldout_fraction > 0"):
