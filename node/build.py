@@ -309,6 +309,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     sync = WeightSync(trainer_model, engine.sync_parameters())
     trainer = Trainer.from_config(trainer_model, config.train, temperature=config.rollout.temperature, autocast_dtype=precision.trainer.dtype,
                                   eager_attention=attention_plan.trainer.eager, share_prompts=attention_plan.sharing.share)
+    trainer.check_logits()  # a model whose forward changes its logits in a way the trainer does not know is refused
     # Better said now than the kernel stopping the node minutes into its first round; a CPU node fits it again before
     # every step (a GPU's device memory is the out-of-memory retry's).
     memory = MicroBatchFit(config, shape_of(trainer_model.config.to_dict(), sum(p.numel() for p in trainer_model.parameters())))

@@ -38,15 +38,23 @@ from hivespec.kernels.importance import (
 from hivespec.kernels.logprobs import token_logprobs
 from hivespec.node.model.attention import SHARED_PROMPT_MIN_SAMPLES, MicroBatchAttention, hidden_states, running
 from hivespec.protocol.advantages import group_advantages
+from hivespec.protocol.errors import UserError
 
 if TYPE_CHECKING:
     from hivespec.node.config import TrainConfig
     from hivespec.protocol.rollout import Rollout
 
 OWN = "own"
+# The most the trainer's float32 log-probs may differ from the model's own forward's (`Trainer.check_logits`): float32
+# sums in another order differ by 1e-6-1e-5; a scale or cap the trainer missed, by tenths to nats.
+LOGITS_TOLERANCE = 1e-3
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel for every float dtype we train in
 
 MaskLevel = Literal["none", "token", "sequence"]
+
+
+class LogitsNotReproduced(UserError):
+    """The trainer's log-probs are not the model's own (`Trainer.check_logits`); the message names the model type."""
 
 
 @dataclass(frozen=True)
@@ -370,6 +378,34 @@ class Trainer:
                 out[id(sample)] = values[start:stop]
                 start = stop
         return [out.get(id(s), []) for s in samples]
+
+    def check_logits(self, tokens: int = 8) -> None:
+        """Raise `LogitsNotReproduced` where the trainer's log-probs are not those of the model's own forward.
+
+        The trainer reads them from the backbone's hidden states and the head (`logit_transform`: the scales and caps
+        of the architectures it knows); a model whose forward does something else to its logits (remote code, a later
+        architecture) would make every own sample off-policy and every gradient another policy's. One forward of
+        `tokens` tokens each way, in float32, before a node starts.
+        """
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        ids = [(7919 * i + 11) % vocab for i in range(tokens)]
+        sample = TrainSample(ids[:2], ids[2:], [0.0] * (tokens - 2), 0.0, "check")
+        autocast, self.autocast_dtype = self.autocast_dtype, None
+        try:
+            with torch.no_grad():
+                ours = torch.tensor(self.logprobs([sample])[0], dtype=torch.float64)
+                logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, 1:-1]
+        finally:
+            self.autocast_dtype = autocast
+        theirs = torch.log_softmax(logits.double() / self.temperature, dim=-1).gather(-1, torch.tensor(ids[2:], device=logits.device)[:, None])
+        gap = float((ours - theirs.squeeze(-1).cpu()).abs().max())
+        if not gap <= LOGITS_TOLERANCE:
+            kind = getattr(self.model.config, "model_type", type(self.model).__name__)
+            raise LogitsNotReproduced(
+                f"hivespec's trainer cannot reproduce the log-probs of model type {kind!r}: its forward changes the "
+                f"output head's logits in a way the trainer does not know (log-probs {gap:.3g} apart); training it "
+                "would take every own sample as off-policy. Use a model of a supported architecture."
+            )
 
     def _plan(self, samples: Sequence[TrainSample], sources: list[str], *, flat: bool) -> Iterator[_MicroBatch]:
         """Micro batches: samples with an advantage first (with autograd), then, where `flat`, those

@@ -23,6 +23,7 @@ from hivespec.node.model.loader import load_model
 from hivespec.node.training.trainer import (
     OWN,
     ImportanceSettings,
+    LogitsNotReproduced,
     Trainer,
     TrainSample,
 )
@@ -364,3 +365,22 @@ def test_own_samples_are_on_policy_on_models_that_transform_their_logits(kind):
         assert logprobs == pytest.approx(sample.behaviour_logprobs, abs=1e-5)
     stats = trainer.step(samples)
     assert stats.own.kept_fraction == 1.0 and stats.own.mean_weight == pytest.approx(1.0, abs=1e-4)
+    trainer.check_logits()  # a known transform: the node starts
+
+
+class _ScaledLlama(LlamaForCausalLM):
+    """A model whose forward changes its logits in a way the trainer has no entry for (as remote code may)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 3.0
+        return out
+
+
+def test_a_model_whose_logits_the_trainer_cannot_reproduce_is_refused():
+    """The trainer's table of logit transforms names the architectures it knows; a model that changes its logits
+    otherwise (remote code, a later architecture) had started and trained every own sample as off-policy."""
+    _trainer(_tiny(), temperature=0.7).check_logits()  # the model's own forward, reproduced
+    scaled = _ScaledLlama(_tiny().config).double().eval()
+    with pytest.raises(LogitsNotReproduced, match="model type 'llama'.*cannot|cannot.*model type 'llama'"):
+        _trainer(scaled).check_logits()
