@@ -71,6 +71,10 @@ def _eval_tasks(args: argparse.Namespace, record):
     from hivespec.node.tasks.source import TaskSource
 
     overrides = {}
+    if not args.config and record is not None and any(e.get("family") == "jsonl" and not e.get("name") for e in record.tasks):
+        # The entry read tasks.jsonl_path, a file the record does not name (tasks.mix's own error would say to set it).
+        raise InputError("the policy trained on a jsonl task file given as tasks.jsonl_path, which its record does not "
+                         "name; pass --config with the config it trained with (its tasks.jsonl_path and tasks.mix)")
     if not args.config and record is not None and record.tasks:
         overrides = {"tasks.mix": json.dumps(record.tasks), "tasks.heldout_fraction": str(record.heldout_fraction)}
     if args.heldout_fraction is not None:

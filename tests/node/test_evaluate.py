@@ -156,6 +156,20 @@ def test_eval_skips_a_question_too_long_for_the_model_as_training_does_and_says_
         args.func(args)
 
 
+def test_eval_of_a_policy_trained_on_tasks_jsonl_path_asks_for_its_config_and_takes_it(tmp_path, capsys):
+    # The record keeps tasks.mix, whose jsonl entry has no name (it read tasks.jsonl_path): eval's rebuilt mix ended in
+    # "set a jsonl_path (tasks.jsonl_path)", a key eval has no flag for.
+    [jsonl] = _task_file(tmp_path / "tasks.jsonl", short=40, long=0)
+    home = _home(tmp_path, nudge=0.05, mix=[{"family": "jsonl", "name": None}])
+    args = _eval("--home", str(home))
+    with pytest.raises(InputError, match="tasks.jsonl_path, which its record does not name; pass --config"):
+        args.func(args)
+    config = tmp_path / "trained.yaml"
+    config.write_text(f"tasks:\n  jsonl_path: {jsonl['name']}\n  mix: [{{family: jsonl}}]\n  heldout_fraction: 0.5\n")
+    args = _eval("--home", str(home), "--config", str(config))
+    assert args.func(args) == 0 and len(json.loads(capsys.readouterr().out)["questions"]) == 4
+
+
 HUB_REPO, HUB_COMMIT = "hivespec-test/tiny-chat", "c" * 40
 
 
