@@ -33,6 +33,7 @@ from pathlib import Path
 
 from hivespec.node.config import InputError
 from hivespec.node.credits import Credits, peer_credits
+from hivespec.node.durable import sync_dir, sync_folder
 from hivespec.node.latest_policy import PolicyRecord, file_sha256, hivespec_version, read_record
 from hivespec.node.model_card import BaseModel, CardFacts, WeightFile, render_model_card
 from hivespec.node.training.checkpoint import MODEL_FILE, CorruptCheckpoint, list_checkpoints, verify_checkpoint
@@ -304,9 +305,13 @@ def export_policy(
         single = files[0] if len(files) == 1 else WeightFile("", "", 0)
         exported = dataclasses.replace(record, weights=single.name, weights_sha256=single.sha256)
         (staging / EXPORT_RECORD).write_text(exported.to_json())
+        # On disk before the rename publishes the folder: after a power cut a renamed folder could hold whole-looking
+        # weights of zeros, which `hivespec eval --model` would score.
+        sync_folder(staging)
         if out.is_dir():
             out.rmdir()  # empty (checked above): os.replace cannot replace a folder
         os.replace(staging, out)
+        sync_dir(out.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

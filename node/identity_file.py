@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hivespec.node.config import default_home
+from hivespec.node.durable import sync_dir
 from hivespec.protocol.errors import UserError
 from hivespec.protocol.identity import PRIVATE_KEY_BYTES, Identity
 
@@ -82,7 +83,7 @@ def _create(path: Path) -> Identity:
         except OSError:
             # Filesystems without hard links: an atomic replace is the next best thing.
             os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        sync_dir(path.parent)
     return identity
 
 
@@ -104,13 +105,3 @@ def private_temp_file(path: Path, data: bytes, *, mode: int) -> Iterator[Path]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the new directory entry durable; not possible (nor needed) on every platform.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

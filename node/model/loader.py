@@ -45,6 +45,7 @@ from transformers import (
 )
 
 from hivespec.node import control_groups
+from hivespec.node.durable import sync_folder
 from hivespec.node.file_lock import flock_within
 from hivespec.node.hub import Snapshot, looks_like_repo_id, resolve_snapshot
 from hivespec.node.model.device import check_device
@@ -158,13 +159,9 @@ def _export_embedded(gguf: Path, target: Path, identity: dict[str, Any]) -> None
         with bars_fit_for_a_log():
             model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        sizes = {}
-        for path in sorted(p for p in staging.iterdir() if p.is_file()):
-            # On disk before the folder is renamed into place: after a power cut the rename can
-            # outlive the files' data, leaving a marked folder of empty files.
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-            sizes[path.name] = path.stat().st_size
+        # On disk before the folder is renamed into place: after a power cut the rename can
+        # outlive the files' data, leaving a marked folder of empty files.
+        sizes = sync_folder(staging)
         (staging / _MARKER).write_text(json.dumps({**identity, "files": sizes}))
         if target.exists():
             # A stale export (other wheel version): move it aside first, since os.replace
