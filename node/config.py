@@ -27,6 +27,7 @@ from hivespec.protocol.errors import UserError
 ENV_PREFIX = "HIVESPEC_"
 MAX_STALENESS_S = 270.0  # protocol's clock window (300 s) less a margin for fetching and intake
 HOME_ENV = "HIVESPEC_HOME"
+MAX_FLOAT = 1e9  # the largest float key: seconds (31 years) that every wait, tripled or summed, still holds
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -109,6 +110,9 @@ class _Section:
                 continue
             if math.isinf(value):  # within most ranges, but a wait of inf overflows (Event.wait, Future.result)
                 raise ConfigError(f"{self.SECTION}{f.name} must be a finite number {bounds}, got {value!r}")
+            if isinstance(value, float) and abs(value) > MAX_FLOAT:  # so does one past the platform's ~9.2e9 s
+                raise ConfigError(f"{self.SECTION}{f.name} must be {bounds} and at most {MAX_FLOAT:g} (a longer wait "
+                                  f"overflows the platform's timers), got {value:g}")
             if math.isnan(value) or not bounds.holds(value):  # NaN is in no range
                 raise ConfigError(f"{self.SECTION}{f.name} must be {bounds}, got {value!r}")
         self.check()

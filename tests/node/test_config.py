@@ -45,6 +45,10 @@ def test_unknown_keys_are_errors_naming_the_valid_ones():
         ("swarm.bootstrap_timeout", "inf", r"swarm.bootstrap_timeout must be a finite number >= 0, got inf"),
         ("train.tis_mask_high", ".inf", "tis_mask_high must be a finite number >= 1"),
         ("supervise.stall_after", "-.inf", "stall_after must be a finite number > 0"),
+        # so does one past the platform's timers (~9.2e9 s): a follower's poll_interval ended in time.sleep's
+        # OverflowError, start_timeout in gossip's, request_timeout at the first publish and again at shutdown
+        ("sync.poll_interval", "1e10", r"sync.poll_interval must be > 0 and at most 1e\+09 \(a longer wait overflows the platform's timers\), got 1e\+10"),
+        ("swarm.request_timeout", "10000000000", "request_timeout must be > 0 and at most 1e"),
         # gossip is heard from at each probe only: a healthy one was reported stalled (thread stacks) every 15 s
         ("supervise.stall_after", "10", r"stall_after \(10 s\) must be more than supervise.gossip_probe_every \(15 s\) \+ 10 s"),
     ],
