@@ -45,6 +45,7 @@ from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.supervise import MicroBatchFit, Watchdog
 from hivespec.node.swarm.bootstrap import (
     CACHE_FILE,
+    LOCK_FILE,
     P2P_KEY_FILE,
     HomeLock,
     IdentityInUse,
@@ -157,6 +158,24 @@ def claim_home(config: NodeConfig) -> tuple[Path, HomeLock, Identity]:
         lock.close()
         raise
     return home, lock, identity
+
+
+def claim_checkpoints(config: NodeConfig, home: Path) -> HomeLock:
+    """A lock on the node's checkpoint folder (``checkpoint.dir``, else <home>/checkpoints), as on its home.
+
+    Two nodes with their own homes and one checkpoint.dir had resumed from each other's checkpoints,
+    pruned them and removed each other's saves in progress as leftovers; the second is refused with
+    `HomeInUse` naming the folder.
+    """
+    folder = config.checkpoint.folder(home)
+    try:
+        return HomeLock(folder)
+    except IdentityInUse:
+        holder = (folder / LOCK_FILE).read_text(errors="replace").strip() or "unknown"
+        raise HomeInUse(
+            f"checkpoint.dir {str(folder)!r} is in use by another running hivespec node (pid {holder}); two nodes saving "
+            "there would resume from and prune each other's checkpoints. Give each node its own checkpoint.dir, or leave "
+            "it unset (<home>/checkpoints)") from None
 
 
 # ----- a bootstrap peer and a follower ------------------------------------------------------
@@ -282,6 +301,11 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
     if config.model.engine == "vllm":
         require_vllm()  # before the model loads and the home is locked
     home, home_lock, identity = claim_home(config)  # HomeInUse if another node runs with this home's identity
+    try:
+        checkpoint_lock = claim_checkpoints(config, home)  # HomeInUse if another node saves its checkpoints there
+    except BaseException:
+        home_lock.close()
+        raise
     peer_scores = PeerScores(home / "peers.json")
     # A leader serves several delta chunks per version, snapshots and its head.
     start_gossip = make_gossip(config.swarm, identity, home, peers=peer_scores)
@@ -361,6 +385,7 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         gossip_supervisor=supervisor,
         peer_scores=peer_scores,
         home_lock=home_lock,
+        checkpoint_lock=checkpoint_lock,
         # Built before any resume: snapshots are deltas from the base checkpoint (version 0).
         publisher=PolicyPublisher(gossip, identity, sync.engine, snapshot_every=config.sync.snapshot_every) if config.sync.publish else None,
         trace=_trace_writer(config, identity) if config.speculation.trace_file else None,

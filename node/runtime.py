@@ -91,6 +91,7 @@ class Node:
         gossip_supervisor: GossipSupervisor | None = None,
         peer_scores: PeerScores | None = None,
         home_lock: HomeLock | None = None,
+        checkpoint_lock: HomeLock | None = None,
         publisher: PolicyPublisher | None = None,
         trace: TraceWriter | None = None,
         precision: PrecisionPlan | None = None,
@@ -114,6 +115,7 @@ class Node:
         self.publisher = publisher
         self.peer_scores = peer_scores
         self.home_lock = home_lock
+        self.checkpoint_lock = checkpoint_lock  # held while the node runs: one node saves in a checkpoint folder
         self.identity = identity
         self.name = config.name or identity.name
         self.gossip = gossip
@@ -481,5 +483,7 @@ class Node:
         self.store.close()
         if self.peer_scores is not None:
             self.peer_scores.save()
+        if self.checkpoint_lock is not None:
+            self.checkpoint_lock.close()
         if self.home_lock is not None:
             self.home_lock.close()

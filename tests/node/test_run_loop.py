@@ -99,3 +99,25 @@ def test_a_round_whose_every_prompt_was_skipped_publishes_nothing(tmp_path, capl
         assert "round 0: no own rollouts (every prompt was skipped): nothing published" in caplog.text
     finally:
         node.close()
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_with_one_checkpoint_dir_are_refused(tmp_path):
+    """Two `hivespec join` with their own homes and one checkpoint.dir: the second had resumed from the first's
+    checkpoint (another identity's weights, a pool its journal lacks), and the two pruned each other's saves."""
+    from hivespec.node.build import HomeInUse, build_node
+
+    def config(home):
+        return load_config("tiny", overrides={
+            "home": str(tmp_path / home), "model.name": "tiny", "rounds": "1", "swarm.swarm": "test-one-ckpt-dir",
+            "swarm.bootstrap_timeout": "0", "status.enabled": "false", "checkpoint.dir": str(tmp_path / "ckpts"),
+            "speculation.enabled": "false", "model.attention": "sdpa", "train.share_prompts": "false",
+        })
+
+    first = build_node(config("a"))
+    try:
+        with pytest.raises(HomeInUse, match=r"checkpoint.dir '.*ckpts' is in use by another running hivespec node \(pid \d+\)"):
+            build_node(config("b"))
+    finally:
+        first.close()
+    build_node(config("b")).close()  # once the first has stopped, the folder is free again
