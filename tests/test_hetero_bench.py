@@ -36,3 +36,41 @@ def test_rate_ceiling_adds_one_sample_and_the_syncs_a_solo_step_skips_to_the_sha
     # A fit needs two trained-sample counts; a ceiling needs solo steps.
     assert hetero_swarm.rate_ceiling([_step(2, 7.0)], [_step(2, 6.0)]) is None
     assert hetero_swarm.rate_ceiling(shared, []) is None
+
+
+# A stand-in for `hivespec join` that the harness drives the same way: a ready event, a round event every 0.1 s, and
+# on SIGTERM it notes when (CLOCK_MONOTONIC is the machine's, the same in every process) and takes a second to exit, as
+# a slow node finishing its round does.
+_STEPPING_NODE = r'''
+import json, signal, sys, time
+from pathlib import Path
+home = Path(sys.argv[1])
+events = (home / "events.jsonl").open("a")
+def emit(event):
+    events.write(json.dumps(event) + "\n")
+    events.flush()
+def stop(*_):
+    (home / "sigterm").write_text(repr(time.monotonic()))
+    time.sleep(1.0)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+emit({"event": "ready", "maddrs": ["/ip4/127.0.0.1/tcp/1/p2p/x"]})
+for i in range(10**6):
+    time.sleep(0.1)
+    emit({"event": "round", "round": i, "foreign_trained": 0})
+'''
+
+
+class _SteppingNode(hetero_swarm.PublicNode):
+    def command(self, initial_peers: list[str]) -> list[str]:
+        return [sys.executable, "-c", _STEPPING_NODE, str(self.home)]
+
+
+def test_a_phase_window_ends_where_its_steps_were_watched_not_after_the_nodes_stopped(tmp_path, monkeypatch):
+    # The window's seconds divide the steps per minute: stopping the three nodes (up to 30 s each while a slow node
+    # finishes its round) counted as seconds in which no step could be counted, and cut the rate by a random share.
+    monkeypatch.setattr(hetero_swarm, "PublicNode", _SteppingNode)
+    phase = hetero_swarm.run_phase(tmp_path, 0.02, shared=True, fast_sets=[])
+    stopped = [float(path.read_text()) for path in (tmp_path / "shared").glob("*/sigterm")]
+    assert len(stopped) == 3 and phase["arrivals"]["fast"]
+    assert phase["end"] <= min(stopped)
