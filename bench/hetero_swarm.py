@@ -41,7 +41,8 @@ Counted over each phase's steady window, which starts once every node has publis
                         nothing). Arithmetic from the run's own steps: where it is under 0.9, both targets cannot hold
                         on this machine at these speeds, whatever the swarm layer does
   foreign_age_s         age of the foreign samples the steps took (s since their author signed them), median and p95
-  foreign_version_lag   our policy version minus theirs for those samples, median and p95 (negative: theirs is ahead)
+  foreign_version_lag   the policy-version distance of those samples, |ours - theirs| (what train.staleness_versions
+                        bounds), median and p95, and ahead_share: the share of them whose author was ahead of us
   foreign_use           per node (shared phase): batches received, foreign rollouts accepted, foreign samples taken
                         by steps and trained on (with a gradient), and taken / accepted (below 1: fetched and
                         verified, then aged out of the pool unused);
@@ -141,6 +142,19 @@ def rate_ceiling(shared: list[dict], apart: list[dict], share: float = SHARE_TAR
     return round(apart_round / (apart_round + share * (per_sample + still * statistics.mean(synced))), 3)
 
 
+def foreign_mix(steps: dict[str, list[dict]]) -> dict:
+    """Age (s) and policy-version distance of the foreign samples the steps took: median and p95 over the samples.
+
+    A version counts its node's own steps, so a slow node takes the fast one's samples far ahead of its own (ours minus
+    theirs below 0) and the fast node takes theirs far behind: percentiles of the signed lag set the two sides at either
+    end, a median near 0 and a p95 that sees one side only. The distance is what train.staleness_versions bounds."""
+    ages = [a for s in steps.values() for e in s for a in e["foreign_ages_s"]]
+    lags = [float(v) for s in steps.values() for e in s for v in e["foreign_version_lags"]]
+    distance = median_p95([abs(v) for v in lags])
+    distance["ahead_share"] = round(sum(v < 0 for v in lags) / len(lags), 3) if lags else None
+    return {"foreign_age_s": median_p95(ages), "foreign_version_lag": distance}
+
+
 def trained_per_min(steps: list[dict], seconds: float) -> float:
     """Samples trained with a gradient (own and foreign) per minute of a phase's steady window."""
     return round(sum(e["trained_samples"] for e in steps) / (seconds / 60), 2) if seconds > 0 else 0.0
@@ -171,8 +185,6 @@ def main() -> int:
 
     seconds, steps = phases["shared"]
     share = {name: round(sum(e["foreign_trained"] > 0 for e in s) / len(s), 3) if s else 0.0 for name, s in steps.items()}
-    ages = [a for s in steps.values() for e in s for a in e["foreign_ages_s"]]
-    lags = [float(v) for s in steps.values() for e in s for v in e["foreign_version_lags"]]
     apart_seconds, apart_steps = phases["apart"]
     rate_shared = len(steps["fast"]) / (seconds / 60) if seconds > 0 else 0.0
     rate_apart = len(apart_steps["fast"]) / (apart_seconds / 60) if apart_seconds > 0 else 0.0
@@ -203,8 +215,7 @@ def main() -> int:
         "fast_step": profiles,
         "steps": {name: len(s) for name, s in steps.items()},
         "steady_seconds": {"shared": round(seconds), "apart": round(apart_seconds)},
-        "foreign_age_s": median_p95(ages),
-        "foreign_version_lag": median_p95(lags),
+        **foreign_mix(steps),
         "foreign_use": use,
         "minutes_per_phase": minutes,
         "fast_set": args.fast_set,

@@ -74,3 +74,14 @@ def test_a_phase_window_ends_where_its_steps_were_watched_not_after_the_nodes_st
     stopped = [float(path.read_text()) for path in (tmp_path / "shared").glob("*/sigterm")]
     assert len(stopped) == 3 and phase["arrivals"]["fast"]
     assert phase["end"] <= min(stopped)
+
+
+def test_foreign_version_lag_is_the_distance_either_way():
+    # Versions count each node's own steps: the fast node takes a slow node's samples 40 versions behind, the slow nodes
+    # take the fast node's 40 ahead and each other's level. The signed lags' median was 0 and their p95 saw one side.
+    fast = [{"foreign_ages_s": [3.0, 5.0], "foreign_version_lags": [40, 40]}]
+    slow = [{"foreign_ages_s": [20.0] * 4, "foreign_version_lags": [-40, -40, 0, 0]}]
+    mix = hetero_swarm.foreign_mix({"fast": fast, "slow-0": slow, "slow-1": slow})
+    assert mix["foreign_version_lag"] == {"median": 40.0, "p95": 40.0, "samples": 10, "ahead_share": 0.4}
+    assert mix["foreign_age_s"] == {"median": 20.0, "p95": 20.0, "samples": 10}
+    assert hetero_swarm.foreign_mix({"fast": [], "slow-0": []})["foreign_version_lag"]["median"] is None
