@@ -95,11 +95,13 @@ class GossipSupervisor:
             log.debug("shutting the dead gossip down raised", exc_info=True)
         try:
             fresh = self.factory()
-        except Exception:
+        except Exception as exc:  # GossipError's own line says what to check; the traceback only at debug
             self.failures += 1
             delay = self.backoff.next_delay()
             self._next_try = self._clock() + delay
-            log.exception("gossip rebuild failed; next try in %.0f s, rounds run solo meanwhile", delay)
+            log.error("gossip rebuild failed (%s: %s); next try in %.0f s, rounds run solo meanwhile", type(exc).__name__,
+                      " ".join(str(exc).split()), delay)
+            log.debug("gossip rebuild failure", exc_info=True)
             return self.gossip
         self.gossip = fresh
         self.restarts += 1

@@ -214,6 +214,35 @@ def test_a_failing_rebuild_backs_off_without_blocking_the_caller():
     assert supervisor.failures == 5 and supervisor.restarts == 0
 
 
+def test_a_failing_rebuild_is_one_line_at_each_try(caplog):
+    """A swarm port taken by another program: each try of the rebuild had logged gossip's whole traceback, where the
+    error's own line says what to check."""
+    from hivespec.node.swarm.gossip import GossipError
+
+    clock = _Clock()
+    why = "could not start hivemind on /ip4/0.0.0.0/tcp/31337 (start_timeout=30 s, initial peers=[]): Check that the port is free"
+
+    class _Dead:
+        def healthy(self, timeout: float) -> bool:
+            return False
+
+        def shutdown(self) -> None:
+            pass
+
+    def factory():
+        raise GossipError(why)
+
+    supervisor = GossipSupervisor(factory, _Dead(), backoff=Backoff(initial=2, factor=2, maximum=8), clock=clock)
+    with caplog.at_level(logging.DEBUG, logger="hivespec.node.swarm.supervisor"):
+        for _ in range(3):  # tries at 0 and 2 s; at 4 s the next (6 s) is not due
+            supervisor.check()
+            clock.now += 2
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR and "rebuild failed" in r.getMessage()]
+    assert supervisor.failures == 2 and all(record.exc_info is None for record in failed)
+    assert [r.getMessage() for r in failed] == [
+        f"gossip rebuild failed (GossipError: {why}); next try in {delay} s, rounds run solo meanwhile" for delay in (2, 4)]
+
+
 def test_is_out_of_memory_recognises_cpu_cuda_and_python_errors():
     import torch
 
