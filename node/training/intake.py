@@ -256,8 +256,13 @@ class Intake:
             )
             for r in usable
         ]
-        known = self.store.existing([row.content_hash for row in rows])
-        fresh = [r for r, row in zip(usable, rows) if row.content_hash not in known]
+        # A rollout already journaled, or twice in this batch, is admitted once: copies would each be trained on.
+        seen = set(self.store.existing([row.content_hash for row in rows]))
+        fresh = []
+        for r, row in zip(usable, rows):
+            if row.content_hash not in seen:
+                seen.add(row.content_hash)
+                fresh.append(r)
         self.store.add_rollouts(rows)
         if not fresh:
             return Admission("ignore", AdmissionReason.DUPLICATE, "", author)

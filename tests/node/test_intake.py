@@ -81,6 +81,19 @@ def test_replays_and_duplicates_are_ignored_not_penalised(world, tokenizer):
     assert (again.outcome, again.reason) == ("ignore", "duplicate")
 
 
+def test_a_rollout_sent_twice_in_one_batch_is_admitted_once(world, tokenizer):
+    """A peer repeating its right answer in a batch had each copy pooled (the journal kept one) and drawn into one step."""
+    tasks, intake, store = world
+    peer = Identity.generate()
+    right, wrong = _rollouts(tasks, tokenizer, count=1)[0], _rollouts(tasks, tokenizer, answer_right=False, count=2)[1]
+    admission = intake.admit(peer.peer_id, _envelope(peer, [right, right, right, wrong]))
+    assert admission.outcome == "accept" and [r.sample_index for r in admission.rollouts] == [0, 1]
+    pool = ForeignPool(foreign_fraction=0.5, still_fresh=intake.still_fresh)
+    pool.admit(admission.author, 0, admission.rollouts, admission.policy_version, born=admission.born)
+    assert sorted(p.rollout.sample_index for p in pool.select(0, own_count=8, policy_version=5)) == [0, 1]
+    assert store.counts()["foreign"] == 2
+
+
 @pytest.mark.parametrize(
     "mutate, outcome, reason",
     [
