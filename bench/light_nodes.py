@@ -35,6 +35,7 @@ PROGRESS_S = 20.0
 COUNTERS = ("bytes_in", "bytes_out", "bodies_served", "bodies_fetched", "bodies_fetched_from_relay", "dht_gets", "dht_stores",
             "dht_get_timeouts", "records_read", "index_keys_read", "sample_candidates", "sample_chosen", "fetch_failures",
             "peer_hangups", "reannounced", "relay_records", "published", "announce_store_failed", "bad_records", "bad_bodies",
+            "replica_lookups",
             "dht_key_full_refused", "unfetchable_skipped", "circuit_retries", "false_informative_claims")
 RPCS = ("call_find", "call_store", "call_ping")
 SERVED = {"rpc_find": "find_bytes", "rpc_store": "store_bytes", "rpc_ping": "ping_bytes"}  # handler -> its counter

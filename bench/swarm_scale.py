@@ -28,7 +28,8 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
   bytes_per_node_step        wire bytes in+out per node-step: twice the bytes the swarm's interfaces sent
                              (DHT, bodies, TLS, yamux, TCP/IP headers), over node-steps; body_bytes_per_node_step is
                              gossip's own bytes_in+bytes_out (bodies only)
-  dht_requests_per_node_step gossip's dht_gets + dht_stores (each a hivemind traversal) per node-step;
+  dht_requests_per_node_step gossip's dht_gets + dht_stores + replica_lookups per node-step (index reads, stores, and
+                             the lookup of a key's replicas before a store, at most once per key and 30 s: each a traversal);
                              hivemind_rpcs_per_node_step counts the RPCs under them (DHTProtocol.call_find/call_store/call_ping)
   dht_payload_bytes_per_node_step  the DHT RPCs' protobuf payload (request + reply, in + out) by kind: find (index
                              reads, placement counts, replica lookups), store, ping; the rest of the wire bytes
@@ -359,9 +360,10 @@ def summarize(n: int, network: Network, done: list[dict], byes: list[dict], peer
         "body_bytes_per_node_step": round(body_bytes / node_steps),
         "bytes_per_fetched_batch": round((wire if wire is not None else body_bytes) / max(1, fetched)),
         "mean_fetched_batch_bytes": round(sum(s["bytes"] for s in steps) / max(1, fetched)),
-        "dht_requests_per_node_step": round((delta["dht_gets"] + delta["dht_stores"]) / node_steps, 2),
+        "dht_requests_per_node_step": round((delta["dht_gets"] + delta["dht_stores"] + delta["replica_lookups"]) / node_steps, 2),
         "dht_gets_per_node_step": round(delta["dht_gets"] / node_steps, 2),
         "dht_stores_per_node_step": round(delta["dht_stores"] / node_steps, 2),
+        "replica_lookups_per_node_step": round(delta["replica_lookups"] / node_steps, 2),
         "index_keys_read_per_node_step": round(delta["index_keys_read"] / node_steps, 2),
         "hivemind_rpcs_per_node_step": round(sum(delta[name] for name in RPCS) / node_steps, 1),
         "hivemind_rpcs_by_kind_per_node_step": {name: round(delta[name] / node_steps, 1) for name in RPCS},
