@@ -10,7 +10,7 @@ jittered step period. Nobody waits for anybody.
 The parent starts a worker as `python -P bench/light_nodes.py --host ADDR --plan JSON [--bootstrap MADDR]`, inside the
 network namespace its run asks for, and they talk in JSON lines. Out: `boot` (the swarm's first node's address), `up`
 per node, `ready`, `progress` every PROGRESS_S / 2, `done` (every step, counter deltas over the window, RSS, CPU),
-`census` (the index trees, from the bootstrap node's worker), `bye`. In: the start (t0, measure_from, until), then quit.
+`census` (the index trees, from the bootstrap node's worker), `bye` (with each p2pd's exit status). In: the start (t0, measure_from, until), then quit.
 """
 
 from __future__ import annotations
@@ -268,7 +268,8 @@ def worker(argv: list[str]) -> None:
             bootstrap = node.gossip.visible_maddrs[0]
             _emit({"op": "boot", "maddr": bootstrap})
         _emit({"op": "up", "index": node.index})
-    p2pd = [node.gossip._p2p._child.pid for node in nodes]
+    children = [node.gossip._p2p._child for node in nodes]  # each node's p2pd (asyncio Process)
+    p2pd = [child.pid for child in children]
     _emit({"op": "ready", "peers": {node.index: node.identity.peer_id for node in nodes}})
 
     command = json.loads(sys.stdin.readline())
@@ -322,7 +323,8 @@ def worker(argv: list[str]) -> None:
         closer.start()
     for closer in closers:
         closer.join()
-    _emit({"op": "bye", "shutdown_s": round(time.monotonic() - clock, 2)})
+    # A p2pd that crashed (a Go panic: its stack goes to hivemind's log at debug) shows only in its exit status.
+    _emit({"op": "bye", "shutdown_s": round(time.monotonic() - clock, 2), "p2pd_exits": [child.returncode for child in children]})
 
 
 if __name__ == "__main__":

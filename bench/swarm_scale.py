@@ -47,7 +47,8 @@ Counted over a window after a warm-up (steps that start inside it, counter delta
                              (its floor while N = 8's k_fill is below 1), flat_per_fetched_batch of bytes per batch fetched,
                              flat_at_equal_batch_mix with the largest N's bodies scaled to N = 8's mean fetched batch
   clean_shutdowns            no worker log holds a traceback, "Task was destroyed", "was never retrieved",
-                             "gossip shutdown was not clean" or "did not stop within"; shutdown_stages_cut_short counts
+                             "gossip shutdown was not clean" or "did not stop within", every worker exited 0 and
+                             every p2pd as stopped (0 or SIGTERM's; or killed at the deadline); shutdown_stages_cut_short counts
                              shutdown stages that ran into the node's deadline (p2pd slow to exit while every peer
                              hangs up at once) and tasks still unwinding there, each then bounded and p2pd killed
   tcp_per_node_step          the private loopback's kernel TCP counters (/proc/net/snmp) over node-steps: `connects`
@@ -252,12 +253,10 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
                 worker.process.kill()
                 worker.process.wait()
     unclean, cut_short = [], 0
-    for worker in workers:
+    for slot, worker in enumerate(workers):
         text = worker.log.read_text(errors="replace")
         cut_short += text.count("gossip shutdown: ")  # a stage or a task's unwinding that ran past the deadline: bounded, counted
-        unclean += [f"{worker.log.name}: {line.strip()[:200]}" for line in text.splitlines() if any(p in line for p in UNCLEAN)]
-        if worker.process.returncode != 0:
-            unclean.append(f"{worker.log.name}: exit code {worker.process.returncode}")
+        unclean += unclean_stops(worker.log.name, text, worker.process.returncode, byes[slot].get("p2pd_exits", []))
     summary = summarize(n, network, done, byes, peers, measure_from, until, wire_before, wire_after, drops, unclean, startup_s)
     summary["idle_bytes_per_node_s"] = None if idle_rate is None else round(idle_rate)
     summary["shutdown_stages_cut_short"] = cut_short
@@ -280,6 +279,20 @@ def run_swarm(n: int, network: Network, *, per_worker: int, warmup_s: float, win
         # The idle traffic that falls on one node-step: a node pays it whatever it shares.
         summary["idle_bytes_per_node_step"] = round(idle_rate * n * summary["window_s"] / summary["node_steps"])
     return summary
+
+
+def unclean_stops(name: str, log: str, exit_code: int | None, p2pd_exits: list[int | None]) -> list[str]:
+    """What in one worker's stop was not clean: its log's lines matching UNCLEAN, its own exit status, and each p2pd's.
+
+    A stopped p2pd exits 0, or 143 / -SIGTERM on hivemind's SIGTERM, or is killed at the shutdown's deadline (-SIGKILL,
+    logged as a stage cut short and counted there); any other status is a crash (a Go panic exits 2), whose stack
+    hivemind logs at debug only."""
+    found = [f"{name}: {line.strip()[:200]}" for line in log.splitlines() if any(p in line for p in UNCLEAN)]
+    if exit_code != 0:
+        found.append(f"{name}: exit code {exit_code}")
+    stopped = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL, None)
+    found += [f"{name}: p2pd exit code {code}" for code in p2pd_exits if code not in stopped]
+    return found
 
 
 def _fill_ceiling(nodes: list[dict], measure_from: float, until: float) -> float | None:

@@ -52,3 +52,16 @@ def test_summary_counts_every_dht_traversal_and_delivery_over_the_window_steps_c
     # Delivery: batches fetched over batches chosen by the window's steps (the step before it, 0 of 4, is not one).
     assert summary["delivery"] == round(9 / 10, 4)
     assert summary["clean_shutdowns"] is True
+
+
+def test_a_p2pd_that_crashed_is_an_unclean_stop_though_its_worker_logged_nothing_unclean():
+    # A light node whose p2pd died with a Go stack dump (SIGQUIT; a panic prints the same way and exits 2): hivemind logs
+    # p2pd's own lines at debug, so its worker's log held only a shutdown stage cut short, and clean_shutdowns stayed true.
+    log = ("2026-11-29 23:46:54,551 hivespec.node.swarm.gossip INFO gossip up: swarm 'p2pd-probe', peer hs886cc9899e1fc267\n"
+           "2026-11-29 23:47:06,553 hivespec.node.swarm.gossip INFO gossip shutdown: removing the DHT handlers cut short after 10.0 s\n")
+    assert swarm_scale.unclean_stops("w0.log", log, 0, [0, 2]) == ["w0.log: p2pd exit code 2"]
+    # Stopped (0; 143 exiting on hivemind's SIGTERM, as a light node's p2pd did), killed at the shutdown's deadline
+    # (counted as cut short), or not known: clean here.
+    assert swarm_scale.unclean_stops("w0.log", log, 0, [0, 143, -15, -9, None]) == []
+    assert swarm_scale.unclean_stops("w0.log", log + "Traceback (most recent call last):\n", -9, []) == [
+        "w0.log: Traceback (most recent call last):", "w0.log: exit code -9"]
