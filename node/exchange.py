@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from hivespec.node.training.store import StoredRollout
 from hivespec.protocol.advantages import informative_samples
 from hivespec.protocol.envelope import Kind, seal
+from hivespec.protocol.limits import DEFAULT_LIMITS
 from hivespec.protocol.rollout import Rollout, RolloutBatch, encode_batch
 
 if TYPE_CHECKING:
@@ -97,13 +98,18 @@ class RoundExchange:
     def publish(self, gossip: Gossip, round_index: int, rollouts: Sequence[Rollout], policy_version: int) -> bool:
         """Journal our round's rollouts, then sign the batch and offer it to the swarm, saying how many of its samples
         carry a gradient (readers fetching for room to train skip a batch that has none). A round without rollouts
-        (every prompt skipped as too long for the model) publishes nothing: False."""
+        (every prompt skipped as too long for the model) publishes nothing: False.
+
+        A batch over gossip's body cap (4 MiB) or readers' rollouts a batch goes out as several, each prompt's group
+        whole in one (a reader computes advantages over the group it admits); a group too large alone is left out, said.
+        """
         if not rollouts:  # an empty batch would only take a slot of each peer's K and be ignored there
             log.warning("round %d: no own rollouts (every prompt was skipped): nothing published to the swarm", round_index)
             return False
-        batch = RolloutBatch(round=round_index, policy_version=policy_version, fingerprint=self.fingerprint, rollouts=tuple(rollouts))
-        self._seq += 1
-        body = seal(self.identity, Kind.ROLLOUTS, self._seq, encode_batch(batch))
+        groups: dict[str, list[Rollout]] = {}
+        for rollout in rollouts:
+            groups.setdefault(rollout.prompt_id, []).append(rollout)
+        bodies = self._bodies(round_index, list(groups.values()), policy_version, gossip.max_body_bytes)
         now = time.time()
         self.store.add_rollouts([
             StoredRollout.from_rollout(r, author=self.identity.peer_id, round=round_index, policy_version=policy_version,
@@ -111,8 +117,26 @@ class RoundExchange:
             for r in rollouts
         ])
         # journaled first: a crash here loses nothing we made
-        gossip.publish_rollouts(body, version=policy_version, informative=informative_samples(rollouts))
-        return True
+        for body, part in bodies:
+            gossip.publish_rollouts(body, version=policy_version, informative=informative_samples(part))
+        return bool(bodies)
+
+    def _bodies(self, round_index: int, groups: list[list[Rollout]], policy_version: int, max_bytes: int) -> list[tuple[bytes, list[Rollout]]]:
+        """Sealed batches of `groups` (whole), each within `max_bytes` and readers' rollouts a batch, with their rollouts."""
+        part = [r for group in groups for r in group]
+        batch = RolloutBatch(round=round_index, policy_version=policy_version, fingerprint=self.fingerprint, rollouts=tuple(part))
+        self._seq += 1
+        body = seal(self.identity, Kind.ROLLOUTS, self._seq, encode_batch(batch))
+        if len(body) <= max_bytes and len(part) <= DEFAULT_LIMITS.max_rollouts_per_batch:
+            return [(body, part)]
+        if len(groups) == 1:
+            log.warning("round %d: prompt %s's group of %d rollouts is %d bytes as a batch, over the %d a body may hold (or "
+                        "readers' %d rollouts): not published (lower rollout.num_generations or max_completion_length)",
+                        round_index, part[0].prompt_id, len(part), len(body), max_bytes, DEFAULT_LIMITS.max_rollouts_per_batch)
+            return []
+        half = len(groups) // 2
+        return (self._bodies(round_index, groups[:half], policy_version, max_bytes)
+                + self._bodies(round_index, groups[half:], policy_version, max_bytes))
 
     def collect(self, gossip: Gossip, round_index: int, policy_version: int, *, need: int | None = None) -> list[Admission]:
         """Admit fresh peers' batches: enough for `need` more informative samples (None: as many as allowed), at most

@@ -164,3 +164,32 @@ def test_a_step_that_waits_for_its_peers_takes_one_batch_an_author(swarm: list[G
         admissions = ours.collect(reader, step, 5)
         assert sorted(a.author for a in admissions) == sorted(a.identity.peer_id for a in authors)
         assert all(a.outcome == "accept" for a in admissions)
+
+
+def test_a_batch_over_the_body_cap_goes_out_as_several_each_group_whole(swarm: list[Gossip]) -> None:
+    """A lab's round (32 prompts x 16 completions of 1024 tokens) is over gossip's 4 MiB a body: publish had raised
+    ValueError out of the round, and the node ended after generating it. Here the cap holds two of the four groups."""
+    from hivespec.protocol.envelope import Kind, seal
+    from hivespec.protocol.rollout import RolloutBatch, encode_batch
+
+    tokenizer, tasks = load_tokenizer("smollm2-135m-instruct"), TaskSource()
+    reader = swarm[-1]
+    groups = [_group(tasks, tokenizer, seed) for seed in range(500, 504)]
+    identity = Identity.generate()
+    two = seal(identity, Kind.ROLLOUTS, 1, encode_batch(RolloutBatch(0, 0, FINGERPRINT, tuple(groups[0] + groups[1]))))
+    author = Gossip(identity, _swarm_config(swarm[0].visible_maddrs), max_body_bytes=len(two) + 64)
+    author.start()
+    try:
+        public = SwarmConfig(swarm="test-exchange", request_timeout=5.0)
+        assert _exchange(identity, tasks, tokenizer, public).publish(author, 0, [r for g in groups for r in g], 0)
+        assert author.stats()["published"] == 2
+        ours = _exchange(reader.identity, tasks, tokenizer, public)
+        admissions = [a for a in ours.collect(reader, 0, 0) if a.author == identity.peer_id]
+        assert [a.outcome for a in admissions] == ["accept", "accept"]
+        got = sorted(r.prompt_id for a in admissions for r in a.rollouts)
+        assert got == sorted(r.prompt_id for g in groups for r in g)
+        for admission in admissions:  # each group whole in one batch or the other
+            prompts = [r.prompt_id for r in admission.rollouts]
+            assert all(prompts.count(p) == 2 for p in prompts)
+    finally:
+        author.shutdown()
