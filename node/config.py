@@ -486,6 +486,14 @@ class NodeConfig(_Section):
         unknown = [name for name in self.report_to if name not in TRACKERS]
         if unknown:
             raise ConfigError(f"report_to names {unknown}; the trackers are {list(TRACKERS)} (or [] for none)")
+        train, rollout = self.train, self.rollout
+        # The trainer's policy is the whole tempered distribution and the engine samples its nucleus: an own token's
+        # weight is the mass of the nucleus it was drawn from, at least top_p. Under tis_mask_low it is masked.
+        if train.importance_sampling and train.tis_mask != "none" and rollout.temperature > 0 and rollout.top_p < train.tis_mask_low:
+            raise ConfigError(
+                f"rollout.top_p {rollout.top_p:g} is under train.tis_mask_low {train.tis_mask_low:g}: an own sample's "
+                "importance weight is the mass of the nucleus it was drawn from (at least top_p), so the mask would drop "
+                f"own samples; set rollout.top_p >= {train.tis_mask_low:g} or lower train.tis_mask_low")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

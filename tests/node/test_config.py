@@ -58,6 +58,17 @@ def test_bad_values_say_what_is_wrong(key, value, message):
         load_config(None, overrides={key: value}, environ={})
 
 
+def test_a_nucleus_under_the_mask_s_lower_bound_is_refused():
+    """An own token's importance weight is the mass of the nucleus the engine drew it from (the trainer's policy is
+    the whole distribution): with top_p 0.4 under tis_mask_low 0.5 the node had masked every own sample and trained on
+    none of them."""
+    with pytest.raises(ConfigError, match=r"rollout.top_p 0.4 is under train.tis_mask_low 0.5.*set rollout.top_p >= 0.5"):
+        load_config(None, overrides={"rollout.top_p": "0.4"}, environ={})
+    for fine in ({"rollout.top_p": "0.5"}, {"rollout.top_p": "0.4", "train.tis_mask_low": "0.3"},
+                 {"rollout.top_p": "0.4", "train.tis_mask": "none"}, {"rollout.top_p": "0.4", "rollout.temperature": "0"}):
+        load_config(None, overrides=fine, environ={})
+
+
 def test_list_of_task_mixes_and_peers():
     config = load_config(
         None,
