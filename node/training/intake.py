@@ -249,10 +249,13 @@ class Intake:
         if self._admitted % _PRUNE_EVERY == 0:
             # Older envelopes fail the clock check before the replay log is read: forget them.
             self.store.prune_envelopes(now - self.limits.max_clock_skew_s - 60.0)
+        # A peer whose clock runs ahead signs up to the clock window (300 s) in the future: its batch is no younger than
+        # now, else it would stay fresh (and be trained on) that much past staleness_seconds.
+        born = min(envelope.timestamp, now)
         rows = [
             StoredRollout.from_rollout(
                 r, author=author, round=batch.round, policy_version=batch.policy_version, own=False, received_at=now,
-                born=envelope.timestamp,
+                born=born,
             )
             for r in usable
         ]
@@ -266,7 +269,7 @@ class Intake:
         self.store.add_rollouts(rows)
         if not fresh:
             return Admission("ignore", AdmissionReason.DUPLICATE, "", author)
-        return Admission("accept", "ok", "", author, tuple(fresh), batch.policy_version, born=envelope.timestamp)
+        return Admission("accept", "ok", "", author, tuple(fresh), batch.policy_version, born=born)
 
     def _verified(self, rollout: Rollout, task: Task) -> Rollout | tuple[str, str]:
         """`rollout` carrying the reward we computed, or (reason, detail) refusing it.

@@ -94,6 +94,18 @@ def test_a_rollout_sent_twice_in_one_batch_is_admitted_once(world, tokenizer):
     assert store.counts()["foreign"] == 2
 
 
+def test_a_batch_signed_in_the_future_is_no_younger_than_its_arrival(world, tokenizer):
+    """A peer whose clock runs 250 s fast signs within the clock window: its batch had stayed fresh, and been trained on,
+    250 s past staleness_seconds (in the pool and in the journal a resume rebuilds the pool from)."""
+    tasks, intake, store = world
+    peer = Identity.generate()
+    before = time.time()
+    admission = intake.admit(peer.peer_id, _envelope(peer, _rollouts(tasks, tokenizer), age=-250))
+    assert admission.outcome == "accept" and before <= admission.born <= time.time()
+    assert not intake.still_fresh(admission.born, 5, current_version=5, now=time.time() + intake.staleness_seconds + 1)
+    assert {row.born for row in store.foreign_after(0)} == {admission.born}
+
+
 @pytest.mark.parametrize(
     "mutate, outcome, reason",
     [
