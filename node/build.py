@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from hivespec.node.config import ConfigError, InputError, NodeConfig, SwarmConfig
+from hivespec.node.file_lock import FolderLock
 from hivespec.node.heldout_probe import HeldoutProbe
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.inputs import check_home
@@ -45,7 +46,6 @@ from hivespec.node.speculation.trace import TraceWriter
 from hivespec.node.supervise import MicroBatchFit, Watchdog
 from hivespec.node.swarm.bootstrap import (
     CACHE_FILE,
-    LOCK_FILE,
     P2P_KEY_FILE,
     HomeLock,
     IdentityInUse,
@@ -160,8 +160,8 @@ def claim_home(config: NodeConfig) -> tuple[Path, HomeLock, Identity]:
     return home, lock, identity
 
 
-def claim_checkpoints(config: NodeConfig, home: Path) -> HomeLock:
-    """A lock on the node's checkpoint folder (``checkpoint.dir``, else <home>/checkpoints), as on its home.
+def claim_checkpoints(config: NodeConfig, home: Path) -> FolderLock:
+    """A lock on the node's checkpoint folder (``checkpoint.dir``, else <home>/checkpoints) while the node runs.
 
     Two nodes with their own homes and one checkpoint.dir had resumed from each other's checkpoints,
     pruned them and removed each other's saves in progress as leftovers; the second is refused with
@@ -169,13 +169,12 @@ def claim_checkpoints(config: NodeConfig, home: Path) -> HomeLock:
     """
     folder = config.checkpoint.folder(home)
     try:
-        return HomeLock(folder)
-    except IdentityInUse:
-        holder = (folder / LOCK_FILE).read_text(errors="replace").strip() or "unknown"
+        return FolderLock(folder)
+    except BlockingIOError:
         raise HomeInUse(
-            f"checkpoint.dir {str(folder)!r} is in use by another running hivespec node (pid {holder}); two nodes saving "
-            "there would resume from and prune each other's checkpoints. Give each node its own checkpoint.dir, or leave "
-            "it unset (<home>/checkpoints)") from None
+            f"checkpoint.dir {str(folder)!r} is in use by another running hivespec node; two nodes saving there would "
+            "resume from and prune each other's checkpoints. Give each node its own checkpoint.dir, or leave it unset "
+            "(<home>/checkpoints)") from None
 
 
 # ----- a bootstrap peer and a follower ------------------------------------------------------

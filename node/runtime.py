@@ -32,6 +32,7 @@ from pathlib import Path
 
 from hivespec.node.config import NodeConfig, node_home
 from hivespec.node.exchange import RoundExchange
+from hivespec.node.file_lock import FolderLock
 from hivespec.node.heldout_probe import HeldoutProbe
 from hivespec.node.latest_policy import keep_node_policy
 from hivespec.node.model.engine import SamplingParams, SpeculationStats, TorchEngine
@@ -91,7 +92,7 @@ class Node:
         gossip_supervisor: GossipSupervisor | None = None,
         peer_scores: PeerScores | None = None,
         home_lock: HomeLock | None = None,
-        checkpoint_lock: HomeLock | None = None,
+        checkpoint_lock: FolderLock | None = None,
         publisher: PolicyPublisher | None = None,
         trace: TraceWriter | None = None,
         precision: PrecisionPlan | None = None,

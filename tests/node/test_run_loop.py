@@ -116,8 +116,9 @@ def test_two_nodes_with_one_checkpoint_dir_are_refused(tmp_path):
 
     first = build_node(config("a"))
     try:
-        with pytest.raises(HomeInUse, match=r"checkpoint.dir '.*ckpts' is in use by another running hivespec node \(pid \d+\)"):
+        with pytest.raises(HomeInUse, match=r"checkpoint.dir '.*ckpts' is in use by another running hivespec node; two nodes saving there"):
             build_node(config("b"))
     finally:
         first.close()
     build_node(config("b")).close()  # once the first has stopped, the folder is free again
+    assert not [p for p in (tmp_path / "ckpts").iterdir() if not p.name.startswith("ckpt-")]  # the lock leaves no file
