@@ -141,7 +141,7 @@ def keep_node_policy(node: Any) -> Path | None:
         weights="",
         weights_sha256="",
         train_dtype=config.model.train_dtype,
-        tasks=[dataclasses.asdict(entry) for entry in config.tasks.mix],
+        tasks=recorded_mix(config.tasks),
         heldout_fraction=config.tasks.heldout_fraction,
         rollout=dataclasses.asdict(config.rollout),
         train={key: getattr(config.train, key) for key in (
@@ -149,6 +149,16 @@ def keep_node_policy(node: Any) -> Path | None:
     )
     checkpoints = node.checkpoints.directory if getattr(node, "checkpoints", None) is not None else None
     return keep_latest_policy(node_home(config), facts, model_tensors(model), checkpoints=checkpoints)
+
+
+def recorded_mix(tasks: Any) -> list[dict[str, Any]]:
+    """``tasks.mix`` as a policy record keeps it: a jsonl entry that read ``tasks.jsonl_path`` names that file (its absolute
+    path), so `hivespec eval` asks the held-out questions of the file the policy trained on without the config."""
+    mix = [dataclasses.asdict(entry) for entry in tasks.mix]
+    if tasks.jsonl_path is not None:
+        path = str(Path(tasks.jsonl_path).expanduser().resolve())
+        mix = [{**entry, "name": path} if entry["family"] == "jsonl" and entry["name"] is None else entry for entry in mix]
+    return mix
 
 
 def keep_latest_policy(

@@ -12,7 +12,7 @@ import torch
 from hivespec.node.config import InputError, load_config
 from hivespec.node.evaluate import EvalSettings, ModelScores, compare, format_table, mean_and_se, pass_at_k
 from hivespec.node.export import export_policy, find_policy
-from hivespec.node.latest_policy import PolicyRecord, keep_latest_policy
+from hivespec.node.latest_policy import PolicyRecord, keep_latest_policy, recorded_mix
 from hivespec.node.model.loader import load_model, load_tokenizer, model_fingerprint
 from hivespec.node.results_cli import add_result_commands
 from hivespec.node.tasks.source import TaskSource
@@ -168,6 +168,22 @@ def test_eval_of_a_policy_trained_on_tasks_jsonl_path_asks_for_its_config_and_ta
     config.write_text(f"tasks:\n  jsonl_path: {jsonl['name']}\n  mix: [{{family: jsonl}}]\n  heldout_fraction: 0.5\n")
     args = _eval("--home", str(home), "--config", str(config))
     assert args.func(args) == 0 and len(json.loads(capsys.readouterr().out)["questions"]) == 4
+
+
+def test_a_policy_trained_on_tasks_jsonl_path_records_the_file_and_eval_asks_its_questions(tmp_path, capsys, monkeypatch):
+    """A node records tasks.mix with the file tasks.jsonl_path named (relative to where it ran): eval needs no config."""
+    _task_file(tmp_path / "tasks.jsonl", short=40, long=0)
+    monkeypatch.chdir(tmp_path)
+    trained = load_config(None, overrides={"tasks.jsonl_path": "tasks.jsonl", "tasks.mix": "[{family: jsonl}]",
+                                           "tasks.heldout_fraction": "0.5"}, environ={}).tasks
+    mix = recorded_mix(trained)
+    assert mix[0]["name"] == str(tmp_path / "tasks.jsonl")
+    expected = [t.prompt_id for t in TaskSource.from_config(trained).heldout(seed=0, count=4)]
+    home = _home(tmp_path, nudge=0.05, mix=mix)
+    monkeypatch.chdir(tmp_path.parent)  # eval runs elsewhere
+    args = _eval("--home", str(home))
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["questions"] == expected
 
 
 HUB_REPO, HUB_COMMIT = "hivespec-test/tiny-chat", "c" * 40
