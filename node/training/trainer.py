@@ -20,6 +20,7 @@ step is the decoupled PPO objective (verl's "decoupled" rollout correction, ARea
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter, defaultdict
@@ -45,6 +46,8 @@ from hivespec.protocol.errors import UserError
 if TYPE_CHECKING:
     from hivespec.node.config import TrainConfig
     from hivespec.protocol.rollout import Rollout
+
+log = logging.getLogger(__name__)
 
 OWN = "own"
 # The most the trainer's float32 log-probs may differ from the model's own forward's (`Trainer.check_logits`): float32
@@ -330,6 +333,12 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.div_(kept_tokens)
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm).double()
+            if not bool(torch.isfinite(grad_norm)):  # one host read an update
+                # A NaN or inf gradient (an overflow under autocast, a poisoned sample) would be every weight's NaN from
+                # here on, synced to the engine and published: the update is skipped, the weights kept as they were.
+                log.warning("training step %d: the gradient norm is %s: update skipped, the weights kept (epoch %d of %d)",
+                            self.version + 1, float(grad_norm), epoch + 1, self.ppo_epochs)
+                break
             self.optimizer_steps_in_call += 1
             self.optimizer.step()
         # The gradients (one fp32 copy of the weights) are not needed until the next step: free them now, not at its

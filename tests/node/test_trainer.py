@@ -384,3 +384,22 @@ def test_a_model_whose_logits_the_trainer_cannot_reproduce_is_refused():
     scaled = _ScaledLlama(_tiny().config).double().eval()
     with pytest.raises(LogitsNotReproduced, match="model type 'llama'.*cannot|cannot.*model type 'llama'"):
         _trainer(scaled).check_logits()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_step_whose_gradient_is_not_finite_moves_no_weight(bad, caplog):
+    """A NaN or inf gradient (an overflow under autocast; here one weight's gradient made so by a hook) was applied by
+    AdamW: every weight NaN from then on, synced to the engine and published. The update is skipped, the weights kept,
+    and the next step trains."""
+    model = _tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    samples = _group(model, [1], [[2, 3], [4]], [1.0, 0.0])
+    trainer = _trainer(model)
+    handle = next(model.parameters()).register_hook(lambda grad: torch.full_like(grad, bad))
+    stats = trainer.step(samples)
+    handle.remove()
+    assert stats.optimizer_steps == 0 and not math.isfinite(stats.grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert "update skipped, the weights kept" in caplog.text
+    assert trainer.step(samples).optimizer_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
