@@ -109,7 +109,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from hivespec.node.config import InputError, default_home
     from hivespec.node.evaluate import EvalSettings, fitting_questions, format_table, score_model, to_json
-    from hivespec.node.export import EVAL_ADVICE, find_policy, load_policy_model, read_export_record
+    from hivespec.node.export import EVAL_ADVICE, EXPORT_RECORD, find_policy, load_policy_model, read_export_record
+    from hivespec.node.latest_policy import file_sha256
     from hivespec.node.model.device import check_device
     from hivespec.node.model.loader import (
         ModelSourceError,
@@ -128,6 +129,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         folder = _model_folder(Path(args.model).expanduser())
         record = read_export_record(folder)
         trained_name = str(folder)
+        if record is not None and record.weights and (folder / record.weights).is_file() \
+                and file_sha256(folder / record.weights) != record.weights_sha256:
+            # Not refused: a user may have changed the folder's weights on purpose (trained it further in place).
+            print(f"note: --model {folder}: {record.weights} is not the file hivespec export wrote (its sha256 differs "
+                  f"from {EXPORT_RECORD}'s): scoring the weights as they are; if you did not change them, export again",
+                  file=sys.stderr, flush=True)
 
         def load_trained():
             try:

@@ -65,7 +65,9 @@ def test_eval_asks_held_out_questions_of_the_trained_mix_and_an_unchanged_policy
     out = export_policy(find_policy(home), tmp_path / "exported").out
     args = _eval("--model", str(out))
     assert args.func(args) == 0
-    result = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert "is not the file hivespec export wrote" not in captured.err  # the export as written
+    result = json.loads(captured.out)
     tasks = TaskSource.from_config(load_config(None, overrides={"tasks.mix": json.dumps(MIX), "tasks.heldout_fraction": "0.5"}).tasks)
     expected = [t.prompt_id for t in tasks.heldout(seed=0, count=4)]
     assert result["questions"] == expected
@@ -216,3 +218,21 @@ def test_an_export_of_a_policy_trained_from_a_hub_model_is_evaluated_and_rejoins
     # `hivespec join --model DIR`: the fingerprint the node trained under (its swarm's), hub commit and all.
     trained_under = find_policy(home).record.fingerprint
     assert model_fingerprint(load_model(str(out)).config, load_tokenizer(str(out))) == trained_under
+
+
+def test_eval_of_an_export_whose_weights_changed_since_says_so_and_scores_them(tmp_path, capsys):
+    """An export's weights are hashed into its record; a file changed since (by the user on purpose, or a copy gone
+    wrong) was scored without a word. eval now says so on stderr and scores the folder as it is."""
+    from safetensors.torch import load_file, save_file
+
+    out = export_policy(find_policy(_home(tmp_path, nudge=0.05)), tmp_path / "exported").out
+    [weights] = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 0.01
+    save_file(tensors, weights, metadata={"format": "pt"})
+    args = _eval("--model", str(out))
+    assert args.func(args) == 0
+    captured = capsys.readouterr()
+    assert f"{weights.name} is not the file hivespec export wrote" in captured.err
+    assert json.loads(captured.out)["models"]["trained"]["model"] == str(out)
