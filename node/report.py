@@ -135,9 +135,10 @@ class RoundReport:
     def importance_by_source(self) -> dict[str, dict]:
         """Importance sampling of the step per source ("own" and each author peer id): an
         ImportanceStats dict plus "samples", those of the source it trained on (with a gradient;
-        node/credits.py sums them). Empty when train.importance_sampling is off."""
+        node/credits.py sums them). With train.importance_sampling off there are no statistics: "samples" alone."""
         counts = self.train.source_samples
-        return {source: {**asdict(stats), "samples": counts.get(source, 0)} for source, stats in self.train.sources.items()}
+        by_source = {source: {**asdict(stats), "samples": counts.get(source, 0)} for source, stats in self.train.sources.items()}
+        return by_source | {source: {"samples": samples} for source, samples in counts.items() if source not in by_source}
 
     @property
     def spec_acceptance(self) -> float | None:

@@ -1,5 +1,6 @@
 """RoundReport: nested from the parts' own records, flat and stable as a JSON event, and what the status board makes of it."""
 
+import dataclasses
 import json
 import sys
 
@@ -94,6 +95,15 @@ def test_a_round_without_peers_or_drafts_reports_none_not_zero():
     assert event["own_weight_mean"] is None and event["importance_foreign"] is None and event["importance_by_source"] == {}
     line = format_report_line(event)
     assert line.split()[:2] == ["0", "solo"] and " - " in line
+
+
+def test_a_step_without_importance_sampling_still_says_what_each_source_gave():
+    """With train.importance_sampling off a step has no per-source statistics, and the event's importance_by_source was
+    empty: `hivespec export`'s model card credited every peer, and the node itself, with 0 samples trained on."""
+    report = _report()
+    plain = dataclasses.replace(report.train, sources={}, source_samples={"own": 4, "peer-a": 2}, own=None, foreign=None)
+    event = dataclasses.replace(report, train=plain).to_dict()
+    assert event["importance_by_source"] == {"own": {"samples": 4}, "peer-a": {"samples": 2}}
 
 
 def test_the_printed_row_lines_up_with_its_header():
