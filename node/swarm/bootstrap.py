@@ -225,7 +225,15 @@ def load_private_swarm(
             raise ValueError("a swarm secret is set but swarm.private.allowlist_file is not: a private swarm needs both")
         return None
     if secret_file:
-        secret_text = Path(secret_file).expanduser().read_text()
+        path = Path(secret_file).expanduser()
+        secret_text = path.read_text()
+        mode = path.stat().st_mode & 0o777
+        if os.name == "posix" and mode & 0o007:
+            raise ValueError(
+                f"swarm.private.secret_file {str(path)!r} has mode {mode:04o}: every user of this machine can read the swarm "
+                f"secret; run `chmod 600 {path}` (640 to share it with a group), and make a new secret for every member if "
+                "others could have read it"
+            )
     elif env.get(SECRET_ENV):
         secret_text = env[SECRET_ENV]
     else:

@@ -101,6 +101,21 @@ def test_private_swarm_settings_are_checked(tmp_path: Path) -> None:
         load_private_swarm("lab", allowlist_file=str(allow), secret_file=None, environ={"HIVESPEC_SWARM_SECRET": "ab" * 32})
 
 
+def test_a_secret_file_every_user_can_read_is_refused(tmp_path: Path) -> None:
+    """`print(secrets.token_hex(32)) > secret` under the usual umask 022 leaves it 0644: any user of a shared lab machine
+    could read the swarm's secret, and the node had started with it without a word."""
+    allow, secret = tmp_path / "allow.txt", tmp_path / "secret.txt"
+    allow.write_text(Identity.generate().public_key.hex() + "\n")
+    secret.write_text("ab" * 32 + "\n")
+    for mode in (0o644, 0o604):
+        secret.chmod(mode)
+        with pytest.raises(ValueError, match=rf"secret_file '{secret}' has mode {mode:04o}: every user .* `chmod 600 {secret}`"):
+            load_private_swarm("lab", allowlist_file=str(allow), secret_file=str(secret), environ={})
+    for mode in (0o600, 0o640):  # the owner only, or a lab's group
+        secret.chmod(mode)
+        assert load_private_swarm("lab", allowlist_file=str(allow), secret_file=str(secret), environ={}) is not None
+
+
 @pytest.mark.timeout(120)
 def test_bootstrap_command_prints_maddrs_and_refuses_a_second_instance(tmp_path: Path) -> None:
     command = [sys.executable, "-P", "-m", "hivespec.node.cli", "bootstrap", "--config", "tiny", "--home", str(tmp_path),

@@ -48,6 +48,7 @@ def test_follow_in_a_private_swarm_through_a_bootstrap_peer(tmp_path: Path) -> N
     allowlist, secret = tmp_path / "allowlist.txt", tmp_path / "secret.txt"
     allowlist.write_text("".join(f"{m.public_key.hex()}  # {name}\n" for name, m in members.items()))
     secret.write_text("22" * 32)
+    secret.chmod(0o600)
     private = {"allowlist": allowlist, "secret": secret}
 
     with open_bootstrap_peer(_config(homes["bootstrap"], **private)) as bootstrap:
