@@ -115,8 +115,8 @@ def check_swarm_inputs(config: NodeConfig) -> None:
         raise InputError(
             f"swarm.private: cannot read {exc.filename!r} ({exc.strerror}); fix swarm.private.allowlist_file / secret_file"
         ) from None
-    except ValueError as exc:
-        raise InputError(f"swarm.private: {exc}") from None
+    except ValueError as exc:  # it names the key and the file
+        raise InputError(str(exc)) from None
 
 
 def check_leader(leader: str) -> None:

@@ -226,19 +226,41 @@ def load_private_swarm(
         return None
     if secret_file:
         path = Path(secret_file).expanduser()
-        secret_text = path.read_text()
+        where = f"swarm.private.secret_file {str(path)!r}"
+        secret_text = _read_swarm_file(path, where)
         mode = path.stat().st_mode & 0o777
         if os.name == "posix" and mode & 0o007:
             raise ValueError(
-                f"swarm.private.secret_file {str(path)!r} has mode {mode:04o}: every user of this machine can read the swarm "
-                f"secret; run `chmod 600 {path}` (640 to share it with a group), and make a new secret for every member if "
-                "others could have read it"
+                f"{where} has mode {mode:04o}: every user of this machine can read the swarm secret; run "
+                f"`chmod 600 {path}` (640 to share it with a group), and make a new secret for every member if others "
+                "could have read it"
             )
     elif env.get(SECRET_ENV):
-        secret_text = env[SECRET_ENV]
+        secret_text, where = env[SECRET_ENV], f"${SECRET_ENV}"
     else:
         raise ValueError(f"swarm.private.allowlist_file is set but no secret: set swarm.private.secret_file or ${SECRET_ENV}")
-    return PrivateSwarm.create(swarm, parse_secret(secret_text), parse_allowlist(Path(allowlist_file).expanduser().read_text()))
+    try:
+        secret = parse_secret(secret_text)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    path = Path(allowlist_file).expanduser()
+    where = f"swarm.private.allowlist_file {str(path)!r}"
+    text = _read_swarm_file(path, where)
+    try:
+        return PrivateSwarm.create(swarm, secret, parse_allowlist(text))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _read_swarm_file(path: Path, where: str) -> str:
+    """The text of a private swarm's file; ValueError naming it where it is not text (a raw 32-byte secret from
+    `openssl rand 32` had ended in UnicodeDecodeError's words, naming neither the file nor the form expected)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} is not text: it must hold hex digits (the secret: 64, as "
+                         "`python -c 'import secrets; print(secrets.token_hex(32))'` prints; the allowlist: one "
+                         "public key a line, as `hivespec identity show` prints)") from None
 
 
 async def dial(p2p: P2P, peer: PeerID, maddrs: Sequence[str], timeout: float) -> None:

@@ -116,6 +116,28 @@ def test_a_secret_file_every_user_can_read_is_refused(tmp_path: Path) -> None:
         assert load_private_swarm("lab", allowlist_file=str(allow), secret_file=str(secret), environ={}) is not None
 
 
+def test_a_bad_swarm_file_is_named(tmp_path: Path) -> None:
+    """A raw secret (`openssl rand 32 > secret`) had ended in "'utf-8' codec can't decode byte ...", naming no file; a
+    short secret or a bad allowlist line named no file either, where a lab has several."""
+    allow, secret = tmp_path / "allow.txt", tmp_path / "secret.bin"
+    allow.write_text(Identity.generate().public_key.hex() + "\n")
+    secret.write_bytes(b"\xa3" * 32)
+    secret.chmod(0o600)
+    with pytest.raises(ValueError, match=rf"swarm.private.secret_file '{secret}' is not text: it must hold hex digits"):
+        load_private_swarm("lab", allowlist_file=str(allow), secret_file=str(secret), environ={})
+    secret.write_text("ab" * 16)
+    with pytest.raises(ValueError, match=rf"swarm.private.secret_file '{secret}': the swarm secret is 16 bytes, expected 32"):
+        load_private_swarm("lab", allowlist_file=str(allow), secret_file=str(secret), environ={})
+    with pytest.raises(ValueError, match=r"\$HIVESPEC_SWARM_SECRET: the swarm secret is not hex"):
+        load_private_swarm("lab", allowlist_file=str(allow), secret_file=None, environ={"HIVESPEC_SWARM_SECRET": "secret"})
+    allow.write_bytes(b"\xff\xfe" + allow.read_bytes())
+    with pytest.raises(ValueError, match=rf"swarm.private.allowlist_file '{allow}' is not text"):
+        load_private_swarm("lab", allowlist_file=str(allow), secret_file=None, environ={"HIVESPEC_SWARM_SECRET": "ab" * 32})
+    allow.write_text("deadbeef\n")
+    with pytest.raises(ValueError, match=rf"swarm.private.allowlist_file '{allow}': allowlist line 1"):
+        load_private_swarm("lab", allowlist_file=str(allow), secret_file=None, environ={"HIVESPEC_SWARM_SECRET": "ab" * 32})
+
+
 @pytest.mark.timeout(120)
 def test_bootstrap_command_prints_maddrs_and_refuses_a_second_instance(tmp_path: Path) -> None:
     command = [sys.executable, "-P", "-m", "hivespec.node.cli", "bootstrap", "--config", "tiny", "--home", str(tmp_path),
