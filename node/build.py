@@ -66,7 +66,7 @@ from hivespec.node.weights.follower import Follower
 from hivespec.node.weights.publisher import PolicyPublisher
 from hivespec.node.weights.sync import EngineWeights, WeightSync
 from hivespec.protocol.errors import UserError
-from hivespec.protocol.identity import Identity
+from hivespec.protocol.identity import Identity, peer_id_of
 from hivespec.protocol.private import PrivateSwarm
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,38 @@ def make_gossip(
         cache=PeerCache.load(home / CACHE_FILE),
     )
     return GossipFactory(swarm, identity, home, private, bootstrap, peers=peers, require_peers=require_peers)
+
+
+def check_member(private: PrivateSwarm | None, identity: Identity, swarm: SwarmConfig, *, trains: bool = False,
+                 leader: str | None = None) -> None:
+    """`InputError` where the private swarm's allowlist leaves this process nothing to do (None: a public swarm).
+
+    A training node (`trains`) not on it: every member, its own DHT storage too, refuses its records, so its batches
+    reach nobody; on it alone, a warning (it shares nothing, which a leader with followers may mean). A follower of a `leader` not on it: it refuses the leader's records. A bootstrap peer on it alone: it
+    refuses every member's records. A follower or bootstrap peer publishes nothing, so it need not be on it.
+    """
+    if private is None:
+        return
+    allowlist = f"swarm.private.allowlist_file {swarm.private.allowlist_file!r}"
+    if trains and not private.allows(identity.public_key):
+        raise InputError(
+            f"this node's public_key {identity.public_key.hex()} is not on {allowlist}: every member would refuse its "
+            "batches; add that line to the allowlist of every member (or run `hivespec follow` to mirror a policy "
+            "without training)"
+        )
+    if trains and private.allowlist == {identity.public_key}:
+        log.warning("%s lists only this node's own public_key: it refuses every peer's batches and trains on its own "
+                    "(enough for a leader that followers mirror); list the members' public_keys to share with them", allowlist)
+    if leader is not None and all(peer_id_of(key) != leader for key in private.allowlist):
+        raise InputError(
+            f"the leader {leader} is not on {allowlist}: this follower would refuse its records; add the leader's "
+            "public_key (`hivespec identity show` on the leader's machine)"
+        )
+    if not trains and leader is None and private.allowlist == {identity.public_key}:
+        raise InputError(
+            f"{allowlist} lists only this bootstrap peer's own public_key, so it would refuse every member's records; "
+            "list the members' public_keys (`hivespec identity show` on each member's machine), one a line"
+        )
 
 
 class HomeInUse(IdentityInUse, UserError):
@@ -199,6 +231,7 @@ def open_bootstrap_peer(config: NodeConfig) -> Iterator[BootstrapPeer]:
     try:
         # The first bootstrap peer of a swarm has nobody to reach: it never requires peers.
         factory = make_gossip(config.swarm, identity, home, require_peers=False)
+        check_member(factory.private, identity, config.swarm)
         gossip = factory()
         try:
             yield BootstrapPeer(identity, gossip, factory.private)
@@ -218,13 +251,15 @@ def open_follower(config: NodeConfig, leader: str) -> Iterator[Follower]:
     configure_threads(config.model.threads)
     home, lock, identity = claim_home(config)
     try:
+        factory = make_gossip(config.swarm, identity, home)
+        check_member(factory.private, identity, config.swarm, leader=leader)  # before the model loads
         model = load_model(
             config.model.name, dtype=torch.float32, device=config.model.device,
             revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
         )
         model = model.to(follower_engine_dtype(config, model.config)).eval()
         engine = EngineWeights(TorchEngine(model).sync_parameters())
-        gossip = make_gossip(config.swarm, identity, home)()
+        gossip = factory()
         try:
             yield Follower(gossip, engine, leader, fetch_timeout=config.sync.fetch_timeout, max_lag=config.sync.max_lag)
         finally:
@@ -307,7 +342,13 @@ def build_node(config: NodeConfig, *, local_nodes: int = 1, on_phase: PhaseListe
         raise
     peer_scores = PeerScores(home / "peers.json")
     # A leader serves several delta chunks per version, snapshots and its head.
-    start_gossip = make_gossip(config.swarm, identity, home, peers=peer_scores)
+    try:
+        start_gossip = make_gossip(config.swarm, identity, home, peers=peer_scores)
+        check_member(start_gossip.private, identity, config.swarm, trains=True)
+    except BaseException:
+        checkpoint_lock.close()
+        home_lock.close()
+        raise
     log.info("node %s (%s), %d torch threads, home %s", identity.name, identity.peer_id, threads, home)
 
     tasks = TaskSource.from_config(config.tasks)  # before the model: a bad task mix fails in seconds

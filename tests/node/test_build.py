@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from hivespec.node.build import claim_home, make_gossip, open_bootstrap_peer, open_follower
-from hivespec.node.config import NodeConfig
+from hivespec.node.build import build_node, check_member, claim_home, make_gossip, open_bootstrap_peer, open_follower
+from hivespec.node.config import InputError, NodeConfig
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.model.loader import TINY_MODEL, load_model
 from hivespec.node.swarm.bootstrap import IdentityInUse
 from hivespec.node.weights.follower import follow
 from hivespec.node.weights.publisher import PolicyPublisher
 from hivespec.node.weights.sync import WeightSync
+from hivespec.protocol.identity import Identity
+from hivespec.protocol.private import PrivateSwarm
 
 SWARM = "test-build-private"
 pytestmark = pytest.mark.timeout(300)
@@ -99,3 +102,46 @@ def test_follow_in_a_private_swarm_through_a_bootstrap_peer(tmp_path: Path) -> N
 def _give_up(reports: list) -> None:
     if len(reports) > 20:
         raise AssertionError(f"the follower did not reach the leader's version in 20 polls: {reports[-1]}")
+
+
+def test_who_runs_is_checked_against_the_allowlist_before_anything_starts(tmp_path: Path, caplog) -> None:
+    """An outsider with the lab's files (or a member the allowlist forgot) had trained with every batch refused by every
+    member and nothing said; a follower of a leader not on its allowlist, or a bootstrap peer listing only itself,
+    refused every record the same way. Each is now one line at start, before the model loads or gossip starts."""
+    homes = {name: tmp_path / name for name in ("member", "outsider", "follower", "bootstrap")}
+    people = {name: _member(home) for name, home in homes.items()}
+    allowlist, secret = tmp_path / "allowlist.txt", tmp_path / "secret.txt"
+    allowlist.write_text(f"{people['member'].public_key.hex()}  # the lab's only training node\n")
+    secret.write_text("33" * 32)
+    secret.chmod(0o600)
+    private = {"allowlist": allowlist, "secret": secret}
+
+    outsider = _config(homes["outsider"], **private)
+    with pytest.raises(InputError, match=f"public_key {people['outsider'].public_key.hex()} is not on swarm.private.allowlist_file"):
+        build_node(outsider)
+    claim_home(outsider)[1].close()  # the refused node let go of its home
+    leader_unknown = f"the leader {people['outsider'].peer_id} is not on swarm.private.allowlist_file"
+    with pytest.raises(InputError, match=leader_unknown), open_follower(_config(homes["follower"], **private), people["outsider"].peer_id):
+        pass
+    alone = tmp_path / "bootstrap-only.txt"
+    alone.write_text(people["bootstrap"].public_key.hex() + "\n")
+    only_itself = "lists only this bootstrap peer's own public_key"
+    with pytest.raises(InputError, match=only_itself), open_bootstrap_peer(_config(homes["bootstrap"], allowlist=alone, secret=secret)):
+        pass
+
+    # Who may: a member (a leader alone on it, too); a follower of a member and a bootstrap peer, neither listed.
+    swarm = PrivateSwarm.create(SWARM, b"\x33" * 32, {people["member"].public_key})
+    config = _config(homes["member"], **private).swarm
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hivespec.node.build"):
+        check_member(swarm, people["member"], config, trains=True)  # a leader alone: said, not refused
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and said[0].startswith(
+            f"swarm.private.allowlist_file {str(allowlist)!r} lists only this node's own public_key: it refuses every peer's batches")
+        caplog.clear()
+        both = PrivateSwarm.create(SWARM, b"\x33" * 32, {people["member"].public_key, people["outsider"].public_key})
+        check_member(both, people["member"], config, trains=True)
+        assert not caplog.records
+    check_member(swarm, people["follower"], config, leader=people["member"].peer_id)
+    check_member(swarm, people["bootstrap"], config)
+    check_member(None, Identity.generate(), config, trains=True)  # a public swarm
