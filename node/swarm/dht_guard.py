@@ -95,6 +95,7 @@ class AnnounceValidator(RecordValidatorBase):
         )
         self.rejected: Counter[str] = Counter()
         self.other_protocols: dict[int, set[str]] = {}  # swarm protocol -> holders whose signed records speak it
+        self._warned_secret = False  # a member's record that does not decrypt here was logged
         self._valid: OrderedDict[bytes, None] = OrderedDict()
 
     def validate(self, record: DHTRecord) -> bool:
@@ -148,6 +149,7 @@ class AnnounceValidator(RecordValidatorBase):
                 return "not_on_allowlist", None
             verdict, body = self.private.open_index(body, context=key.hex())
             if not verdict.ok or body is None:
+                self._secret_mismatch(envelope.peer_id)
                 return "index_not_decryptable", None
         verdict, announce = decode_announce(body, max_body_bytes=self.max_body_bytes)
         if verdict.reason is Reason.BAD_VERSION:
@@ -161,6 +163,19 @@ class AnnounceValidator(RecordValidatorBase):
         if announce.expires != expiration:
             return "expiration_not_bound", None
         return "", (envelope, announce)
+
+    def _secret_mismatch(self, member: str) -> None:
+        """Warn once that a member's signed record does not decrypt here: its swarm secret or name is not ours (only a
+        member signs a record that gets this far), so nothing is shared between us, which nothing else would say."""
+        if self._warned_secret:
+            return
+        self._warned_secret = True
+        assert self.private is not None
+        logger.warning(
+            "index records of swarm member %s do not decrypt with this node's swarm secret (fingerprint %s) for swarm %r: "
+            "one of you has another swarm.private.secret_file (or $HIVESPEC_SWARM_SECRET) or swarm name, and nothing is "
+            "shared between you; give every member the same secret and swarm name (the fingerprint is the same where "
+            "the secret is)", member, self.private.secret_fingerprint, self.private.swarm_id)
 
     def other_protocol_peers(self) -> dict[int, int]:
         """Swarm protocol -> holders seen announcing under it; safe to call from any thread (the DHT's loop adds to it)."""

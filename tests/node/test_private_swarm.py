@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -113,6 +114,38 @@ def test_an_outsider_can_neither_inject_nor_read(tmp_path: Path) -> None:
         refused = a.validator.rejected + b.validator.rejected
         assert refused["not_on_allowlist"] >= 1, refused
         assert a.stats()["bodies_fetched"] == 0
+    finally:
+        b.shutdown()
+        a.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_members_with_different_secrets_are_told_so(caplog) -> None:
+    """A member whose secret file is stale (or whose swarm name differs) shared nothing, and nothing said why: each
+    side's records were refused at debug. Each side now warns once, naming the member and its own secret's fingerprint."""
+    alice, bob = Identity.generate(), Identity.generate()
+    ours, stale = lab(alice, bob), lab(alice, bob, secret=b"\x22" * 32)
+    caplog.set_level(logging.WARNING, logger="hivespec.node.swarm.dht_guard")
+    a = Gossip(alice, SwarmConfig(swarm=SWARM, request_timeout=5.0), private=ours)
+    a.start()
+    b = Gossip(bob, SwarmConfig(swarm=SWARM, initial_peers=a.visible_maddrs, request_timeout=5.0), private=stale)
+    b.start()
+    try:
+        a.publish_rollouts(seal(alice, Kind.ROLLOUTS, 1, b"alice" * 100), version=1)
+        b.publish_rollouts(seal(bob, Kind.ROLLOUTS, 1, b"bob" * 100), version=1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert a.sample_rollouts(k=4, max_age_s=600.0, timeout=5.0) == []  # nothing crosses
+            assert b.sample_rollouts(k=4, max_age_s=600.0, timeout=5.0) == []
+            told = [r.getMessage() for r in caplog.records if "do not decrypt with this node's swarm secret" in r.getMessage()]
+            if len(told) >= 2:
+                break
+            time.sleep(0.5)
+        assert len(told) == 2, told  # once each, however many records each refuses
+        by_alice = next(m for m in told if bob.peer_id in m)
+        by_bob = next(m for m in told if alice.peer_id in m)
+        assert f"fingerprint {ours.secret_fingerprint}" in by_alice and f"fingerprint {stale.secret_fingerprint}" in by_bob
+        assert a.validator.rejected["index_not_decryptable"] >= 1 and b.validator.rejected["index_not_decryptable"] >= 1
     finally:
         b.shutdown()
         a.shutdown()
