@@ -7,10 +7,13 @@ log_softmax(hidden @ W.T)[target], then backward. The naive path is what
 logits (805 MB), the log-softmax output (another 805 MB) and their gradients.
 
 Method: every variant runs in its own fresh Python process (``--variant``), so allocator state
-and caches cannot leak between them. The process builds its inputs, reads its peak resident set
-size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the kernel's high-water mark of resident
-pages), runs forward + backward, and reads the peak again; the difference is the step's peak
-extra memory, gradients of hidden and W included. torch's CPU allocator hands large tensors
+and caches cannot leak between them. The process builds its inputs, resets the kernel's
+high-water mark of resident pages to what is resident now (Linux: ``/proc/self/clear_refs``),
+reads that resident set size, runs forward + backward, and reads the high-water mark
+(``VmHWM``); the difference is the step's peak extra memory, gradients of hidden and W
+included. (The mark is reset because building the inputs raised it above what stays resident:
+scaling W made a W-sized temporary, which a mark read without the reset took off every
+variant's figure.) torch's CPU allocator hands large tensors
 straight to malloc/mmap, so resident pages follow live tensors closely; tracemalloc cannot see
 them (it only traces Python's allocator) and torch has no CPU peak counter. Time is the best of
 ``--repeats`` forward + backward runs in that process.
@@ -25,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 VARIANTS = ("naive", "chunked_1024", "chunked_256", "chunked_1024_bf16_grad")
 
@@ -52,8 +55,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+def _status_mb(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0  # reported in kB
+    raise SystemExit(f"logprob_memory: no {field} in /proc/self/status; it measures on Linux only")
+
+
+def _reset_peak_mb() -> float:
+    """Reset the high-water mark of resident pages to the resident set now, and return that (MB)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as exc:
+        raise SystemExit(f"logprob_memory: cannot reset the peak resident set ({exc}); it needs Linux's /proc/self/clear_refs") from exc
+    return _status_mb("VmRSS")
 
 
 def _child(args: argparse.Namespace) -> dict:
@@ -81,13 +97,13 @@ def _child(args: argparse.Namespace) -> dict:
         (out * grad_out).sum().backward()
         return out.detach()
 
-    before = _peak_mb()
+    before = _reset_peak_mb()
     seconds = []
     for _ in range(args.repeats):
         started = time.perf_counter()
         out = run()
         seconds.append(time.perf_counter() - started)
-    peak = _peak_mb() - before
+    peak = _status_mb("VmHWM") - before
     return {"variant": args.variant, "peak_extra_mb": round(peak, 1), "seconds": round(min(seconds), 3),
             "logp_checksum": float(out.double().sum()), "grad_w_norm": float(weight.grad.norm())}
 
