@@ -51,10 +51,10 @@ from hivespec.node.swarm.bootstrap import (
     IdentityInUse,
     PeerCache,
     bootstrap_candidates,
-    load_private_swarm,
 )
 from hivespec.node.swarm.gossip import Gossip
 from hivespec.node.swarm.peers import PeerScores
+from hivespec.node.swarm.private_files import check_member, load_private_swarm
 from hivespec.node.swarm.supervisor import GossipSupervisor
 from hivespec.node.tasks.source import TaskSource
 from hivespec.node.trackers import RoundTrackers
@@ -66,7 +66,7 @@ from hivespec.node.weights.follower import Follower
 from hivespec.node.weights.publisher import PolicyPublisher
 from hivespec.node.weights.sync import EngineWeights, WeightSync
 from hivespec.protocol.errors import UserError
-from hivespec.protocol.identity import Identity, peer_id_of
+from hivespec.protocol.identity import Identity
 from hivespec.protocol.private import PrivateSwarm
 
 log = logging.getLogger(__name__)
@@ -129,38 +129,6 @@ def make_gossip(
         cache=PeerCache.load(home / CACHE_FILE),
     )
     return GossipFactory(swarm, identity, home, private, bootstrap, peers=peers, require_peers=require_peers)
-
-
-def check_member(private: PrivateSwarm | None, identity: Identity, swarm: SwarmConfig, *, trains: bool = False,
-                 leader: str | None = None) -> None:
-    """`InputError` where the private swarm's allowlist leaves this process nothing to do (None: a public swarm).
-
-    A training node (`trains`) not on it: every member, its own DHT storage too, refuses its records, so its batches
-    reach nobody; on it alone, a warning (it shares nothing, which a leader with followers may mean). A follower of a `leader` not on it: it refuses the leader's records. A bootstrap peer on it alone: it
-    refuses every member's records. A follower or bootstrap peer publishes nothing, so it need not be on it.
-    """
-    if private is None:
-        return
-    allowlist = f"swarm.private.allowlist_file {swarm.private.allowlist_file!r}"
-    if trains and not private.allows(identity.public_key):
-        raise InputError(
-            f"this node's public_key {identity.public_key.hex()} is not on {allowlist}: every member would refuse its "
-            "batches; add that line to the allowlist of every member (or run `hivespec follow` to mirror a policy "
-            "without training)"
-        )
-    if trains and private.allowlist == {identity.public_key}:
-        log.warning("%s lists only this node's own public_key: it refuses every peer's batches and trains on its own "
-                    "(enough for a leader that followers mirror); list the members' public_keys to share with them", allowlist)
-    if leader is not None and all(peer_id_of(key) != leader for key in private.allowlist):
-        raise InputError(
-            f"the leader {leader} is not on {allowlist}: this follower would refuse its records; add the leader's "
-            "public_key (`hivespec identity show` on the leader's machine)"
-        )
-    if not trains and leader is None and private.allowlist == {identity.public_key}:
-        raise InputError(
-            f"{allowlist} lists only this bootstrap peer's own public_key, so it would refuse every member's records; "
-            "list the members' public_keys (`hivespec identity show` on each member's machine), one a line"
-        )
 
 
 class HomeInUse(IdentityInUse, UserError):

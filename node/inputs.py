@@ -92,7 +92,8 @@ def check_model_inputs(model: ModelConfig) -> None:
 
 def check_swarm_inputs(config: NodeConfig) -> None:
     """Raise `InputError` for a malformed bootstrap peer (flag, env or peers file) or an unreadable swarm file."""
-    from hivespec.node.swarm.bootstrap import PEERS_ENV, load_private_swarm, read_peers_file
+    from hivespec.node.swarm.bootstrap import PEERS_ENV, read_peers_file
+    from hivespec.node.swarm.private_files import load_private_swarm
 
     swarm = config.swarm
     for maddr in swarm.initial_peers:

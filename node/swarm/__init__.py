@@ -23,8 +23,9 @@ a hivemind type; import-linter holds that line (`pyproject.toml`). Only
 - `dht_guard.py`: `AnnounceValidator` (a hivemind `RecordValidatorBase` for our index records)
   and `harden` (size and shape checks on hivemind's own DHT requests and replies).
 - `bootstrap.py`: where to join from (`bootstrap_candidates`: config, env, peers file,
-  `PeerCache`), `Joiner`, `HomeLock` / `IdentityInUse` (one process per home),
-  `load_private_swarm`.
+  `PeerCache`), `Joiner`, `HomeLock` / `IdentityInUse` (one process per home).
+- `private_files.py`: a private swarm's allowlist and secret (`load_private_swarm`) and whether the allowlist
+  leaves a process anything to do (`check_member`); no hivemind, so the doctor reads them offline.
 - `p2pd.py`: `start_p2pd` (p2pd in a session of its own, its sockets in a directory of ours,
   stale ones swept; static relays behind NAT).
 - `nat.py`: behind NAT: relay and circuit addresses, `ReachService` / `check_reachability`

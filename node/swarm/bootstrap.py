@@ -52,12 +52,10 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from hivespec.node.swarm.clock import ClockCheck, ask_time
 from hivespec.node.swarm.nat import Reach, check_reachability, listen_ports, to_transport
-from hivespec.protocol.private import PrivateSwarm, parse_allowlist, parse_secret
 
 logger = logging.getLogger(__name__)
 
 PEERS_ENV = "HIVESPEC_INITIAL_PEERS"
-SECRET_ENV = "HIVESPEC_SWARM_SECRET"
 CACHE_FILE = "peers.cache.json"
 P2P_KEY_FILE = "p2p.key"  # libp2p private key (hivemind writes it on first start): a stable peer id across restarts
 LOCK_FILE = "node.lock"
@@ -213,54 +211,6 @@ def bootstrap_candidates(
                 seen.add(m)
                 out.append((source, m))
     return out
-
-
-def load_private_swarm(
-    swarm: str, *, allowlist_file: str | None, secret_file: str | None, environ: Mapping[str, str] | None = None
-) -> PrivateSwarm | None:
-    """The private swarm described by the config (None for a public swarm); raises ValueError with the fix."""
-    env = os.environ if environ is None else environ
-    if allowlist_file is None:
-        if secret_file or env.get(SECRET_ENV):
-            raise ValueError("a swarm secret is set but swarm.private.allowlist_file is not: a private swarm needs both")
-        return None
-    if secret_file:
-        path = Path(secret_file).expanduser()
-        where = f"swarm.private.secret_file {str(path)!r}"
-        secret_text = _read_swarm_file(path, where)
-        mode = path.stat().st_mode & 0o777
-        if os.name == "posix" and mode & 0o007:
-            raise ValueError(
-                f"{where} has mode {mode:04o}: every user of this machine can read the swarm secret; run "
-                f"`chmod 600 {path}` (640 to share it with a group), and make a new secret for every member if others "
-                "could have read it"
-            )
-    elif env.get(SECRET_ENV):
-        secret_text, where = env[SECRET_ENV], f"${SECRET_ENV}"
-    else:
-        raise ValueError(f"swarm.private.allowlist_file is set but no secret: set swarm.private.secret_file or ${SECRET_ENV}")
-    try:
-        secret = parse_secret(secret_text)
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    path = Path(allowlist_file).expanduser()
-    where = f"swarm.private.allowlist_file {str(path)!r}"
-    text = _read_swarm_file(path, where)
-    try:
-        return PrivateSwarm.create(swarm, secret, parse_allowlist(text))
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-
-
-def _read_swarm_file(path: Path, where: str) -> str:
-    """The text of a private swarm's file; ValueError naming it where it is not text (a raw 32-byte secret from
-    `openssl rand 32` had ended in UnicodeDecodeError's words, naming neither the file nor the form expected)."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{where} is not text: it must hold hex digits (the secret: 64, as "
-                         "`python -c 'import secrets; print(secrets.token_hex(32))'` prints; the allowlist: one "
-                         "public key a line, as `hivespec identity show` prints)") from None
 
 
 async def dial(p2p: P2P, peer: PeerID, maddrs: Sequence[str], timeout: float) -> None:

@@ -16,10 +16,10 @@ from hivespec.node.swarm.bootstrap import (
     IdentityInUse,
     PeerCache,
     bootstrap_candidates,
-    load_private_swarm,
     read_peers_file,
 )
 from hivespec.node.swarm.gossip import Gossip
+from hivespec.node.swarm.private_files import load_private_swarm
 from hivespec.protocol.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[2]

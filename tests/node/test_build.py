@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivespec.node.build import build_node, check_member, claim_home, make_gossip, open_bootstrap_peer, open_follower
+from hivespec.node.build import build_node, claim_home, make_gossip, open_bootstrap_peer, open_follower
 from hivespec.node.config import InputError, NodeConfig
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.model.loader import TINY_MODEL, load_model
 from hivespec.node.swarm.bootstrap import IdentityInUse
+from hivespec.node.swarm.private_files import check_member
 from hivespec.node.weights.follower import follow
 from hivespec.node.weights.publisher import PolicyPublisher
 from hivespec.node.weights.sync import WeightSync
