@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from hivespec.node.config import NodeConfig, node_home
+from hivespec.node.config import InputError, NodeConfig, node_home
 from hivespec.node.model.footprint import ModelShape, config_peak_bytes, fit_micro_batch, model_shape
 from hivespec.node.process_memory import available_bytes
 from hivespec.node.swarm.ports import port_in_use
@@ -312,6 +312,39 @@ def check_identity(home: Path) -> Check:
     return Check("identity", "ok", f"{identity.name} ({identity.peer_id}), {path} mode 0600")
 
 
+def check_private_swarm(config: NodeConfig, home: Path) -> Check:
+    """The private swarm's files as `hivespec join` reads them, and whether this home's key is on the allowlist."""
+    from hivespec.node.identity_file import load_or_create_identity
+    from hivespec.node.swarm.private_files import check_member, load_private_swarm
+
+    swarm = config.swarm
+    try:
+        private = load_private_swarm(swarm.swarm, allowlist_file=swarm.private.allowlist_file, secret_file=swarm.private.secret_file)
+    except OSError as exc:
+        return Check("private swarm", "fail", f"cannot read {exc.filename!r} ({exc.strerror}); fix swarm.private.allowlist_file / secret_file")
+    except ValueError as exc:  # it names the key and the file
+        return Check("private swarm", "fail", str(exc))
+    if private is None:
+        return Check("private swarm", "skip", f"swarm {swarm.swarm!r} is public (no swarm.private.allowlist_file)")
+    members = f"swarm {swarm.swarm!r}: {len(private.allowlist)} public key(s) on the allowlist"
+    path = home / "identity.key"
+    if not path.is_file():
+        return Check("private swarm", "warn", f"{members}; this home has no key yet: run `hivespec identity show --home "
+                     f"{home}` and add its public_key to every member's allowlist before the node trains")
+    try:
+        identity = load_or_create_identity(path)
+    except ValueError:
+        return Check("private swarm", "skip", f"{members}; this home's key is unreadable (see the identity line)")
+    if private.allowlist == {identity.public_key}:  # what `check_member` would log as a warning
+        return Check("private swarm", "warn", f"{members}, only this node's: it shares with nobody (enough for a leader "
+                     "that followers mirror); list the members' public_keys")
+    try:
+        check_member(private, identity, swarm, trains=True)
+    except InputError as exc:
+        return Check("private swarm", "fail", str(exc))
+    return Check("private swarm", "ok", f"{members}, this node's among them")
+
+
 def _existing_parent(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -570,5 +603,5 @@ def run_checks(config: NodeConfig, *, network: bool = True, timeout: float = 10.
     else:
         add(Check("p2pd", "skip", "--offline"), Check("peers", "skip", "--offline"), Check("clock", "skip", "--offline"),
             Check("reachability", "skip", "--offline"))
-    add(check_identity(home), check_disk(config, home, params), check_checkpoints(config, home))
+    add(check_identity(home), check_private_swarm(config, home), check_disk(config, home, params), check_checkpoints(config, home))
     return checks

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hivespec.node.config import InputError, SwarmConfig, load_config
-from hivespec.node.doctor import check_checkpoints, check_disk, check_identity, check_ports, run_checks
+from hivespec.node.doctor import check_checkpoints, check_disk, check_identity, check_ports, check_private_swarm, run_checks
 from hivespec.node.identity_file import load_or_create_identity
 from hivespec.node.inputs import check_home
 from hivespec.node.swarm.gossip import Gossip
@@ -29,6 +29,34 @@ def test_identity_line_says_chmod_when_the_key_is_readable_by_others(tmp_path):
     os.chmod(key, 0o644)
     check = check_identity(tmp_path)
     assert check.status == "fail" and f"chmod 600 {key}" in check.detail
+
+
+def test_the_private_swarm_line_reads_the_files_as_join_does_and_finds_this_node_on_the_allowlist(tmp_path):
+    """A lab admin checking a member's setup: the doctor had no word on the private swarm's files, so a world-readable
+    secret, a key missing from the allowlist or a member listed alone showed only when `join` refused, or never."""
+    home, secret, allow = tmp_path / "home", tmp_path / "secret.txt", tmp_path / "allowlist.txt"
+    public = _config(home)
+    assert check_private_swarm(public, home).status == "skip"
+    secret.write_text("ab" * 32 + "\n")
+    os.chmod(secret, 0o600)
+    other = Identity.generate()
+    allow.write_text(other.public_key.hex() + "\n")
+    private = _config(home, **{"swarm.swarm": "lab", "swarm.private.allowlist_file": str(allow),
+                               "swarm.private.secret_file": str(secret)})
+    check = check_private_swarm(private, home)
+    assert check.status == "warn" and "no key yet" in check.detail  # join makes the key: it must be listed first
+    me = load_or_create_identity(home / "identity.key")
+    check = check_private_swarm(private, home)
+    assert check.status == "fail" and me.public_key.hex() in check.detail and "not on swarm.private.allowlist_file" in check.detail
+    allow.write_text(me.public_key.hex() + "\n")
+    assert check_private_swarm(private, home).status == "warn"  # listed alone: shares with nobody
+    allow.write_text(f"{me.public_key.hex()}\n{other.public_key.hex()}\n")
+    check = check_private_swarm(private, home)
+    assert check.status == "ok" and "2 public key(s)" in check.detail
+    os.chmod(secret, 0o644)
+    check = check_private_swarm(private, home)
+    assert check.status == "fail" and "chmod 600" in check.detail
+    assert check in run_checks(private, network=False)
 
 
 def test_identity_line_fails_where_join_could_not_make_the_home(tmp_path):
