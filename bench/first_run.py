@@ -38,6 +38,13 @@ def _cpu() -> str:
     return f"{name} ({os.cpu_count()} cpus; {' '.join(wanted)})"
 
 
+def longest_silence(times: list[float], wall: float) -> float:
+    """The longest stretch without a line: from the start to the first line, between lines, and from the last line to
+    the demo's exit (a demo gone quiet before it exits is as silent as one quiet between rounds)."""
+    edges = [0.0, *times, wall]
+    return max(b - a for a, b in itertools.pairwise(edges))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds instead of 5")
@@ -71,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
                 detail = event.get("detail", "")
                 if event.get("phase") == "calibrating" and (m := re.match(r"done in ([\d.]+)s", detail)):
                     calibration[events.parent.name] = float(m.group(1))
-        times = [0.0] + [t for t, _ in stamps]
         result = {
             "cpu": _cpu(),
             "command": " ".join(["hivespec", *command[4:]]),
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_row_s": round(rows[0][0], 1) if rows else None,
             "round_s": rounds_s,
             "calibration_s": calibration,
-            "longest_silence_s": round(max(b - a for a, b in itertools.pairwise(times)), 1),
+            "longest_silence_s": round(longest_silence([t for t, _ in stamps], wall), 1),
         }
     print("RESULT " + json.dumps(result), flush=True)
     return 0 if demo.returncode == 0 else 1
