@@ -315,14 +315,13 @@ def check_identity(home: Path) -> Check:
 def check_private_swarm(config: NodeConfig, home: Path) -> Check:
     """The private swarm's files as `hivespec join` reads them, and whether this home's key is on the allowlist."""
     from hivespec.node.identity_file import load_or_create_identity
-    from hivespec.node.swarm.private_files import check_member, load_private_swarm
+    from hivespec.node.inputs import private_swarm
+    from hivespec.node.swarm.private_files import check_member
 
     swarm = config.swarm
     try:
-        private = load_private_swarm(swarm.swarm, allowlist_file=swarm.private.allowlist_file, secret_file=swarm.private.secret_file)
-    except OSError as exc:
-        return Check("private swarm", "fail", f"cannot read {exc.filename!r} ({exc.strerror}); fix swarm.private.allowlist_file / secret_file")
-    except ValueError as exc:  # it names the key and the file
+        private = private_swarm(swarm)
+    except InputError as exc:
         return Check("private swarm", "fail", str(exc))
     if private is None:
         return Check("private swarm", "skip", f"swarm {swarm.swarm!r} is public (no swarm.private.allowlist_file)")

@@ -19,13 +19,17 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hivespec.node.config import HOME_ENV, InputError, ModelConfig, NodeConfig, node_home
+from hivespec.node.config import HOME_ENV, InputError, ModelConfig, NodeConfig, SwarmConfig, node_home
 from hivespec.protocol.identity import PEER_ID_PREFIX
+
+if TYPE_CHECKING:
+    from hivespec.protocol.private import PrivateSwarm
 
 __all__ = [
     "MADDR_FORM", "InputError", "check_folder", "check_home", "check_leader", "check_model_inputs", "check_node_inputs",
-    "check_swarm_inputs", "check_trace_file",
+    "check_swarm_inputs", "check_trace_file", "private_swarm",
 ]
 
 MADDR_FORM = "/ip4/<address>/tcp/<port>/p2p/<peer id>, as `hivespec join` and `hivespec bootstrap` print it"
@@ -93,7 +97,6 @@ def check_model_inputs(model: ModelConfig) -> None:
 def check_swarm_inputs(config: NodeConfig) -> None:
     """Raise `InputError` for a malformed bootstrap peer (flag, env or peers file) or an unreadable swarm file."""
     from hivespec.node.swarm.bootstrap import PEERS_ENV, read_peers_file
-    from hivespec.node.swarm.private_files import load_private_swarm
 
     swarm = config.swarm
     for maddr in swarm.initial_peers:
@@ -109,9 +112,17 @@ def check_swarm_inputs(config: NodeConfig) -> None:
             raise InputError(f"swarm.peers_file {str(path)!r}: cannot read it ({exc.strerror}); fix the path or drop the setting") from None
         except ValueError as exc:
             raise InputError(f"swarm.peers_file: {exc}; each line must be {MADDR_FORM}") from None
+    private_swarm(swarm)
+
+
+def private_swarm(swarm: SwarmConfig) -> PrivateSwarm | None:
+    """The private swarm the `swarm` section names (None: a public swarm); `InputError` for a file that cannot be read or
+    holds the wrong thing (`hivespec doctor`'s private swarm line reads it so too)."""
+    from hivespec.node.swarm.private_files import load_private_swarm
+
     private = swarm.private
     try:
-        load_private_swarm(swarm.swarm, allowlist_file=private.allowlist_file, secret_file=private.secret_file)
+        return load_private_swarm(swarm.swarm, allowlist_file=private.allowlist_file, secret_file=private.secret_file)
     except OSError as exc:
         raise InputError(
             f"swarm.private: cannot read {exc.filename!r} ({exc.strerror}); fix swarm.private.allowlist_file / secret_file"
