@@ -4,8 +4,8 @@ Every sample carries the log-prob of each completion token under the policy that
 behaviour policy mu: our bf16 engine for own samples (the ratio then corrects engine vs trainer
 numerics and, with rollout.top_p < 1, the nucleus: an own token's ratio is at most 1, the mass of the
 nucleus it was drawn from, so config refuses a top_p under tis_mask_low), another peer's policy a few
-versions away for foreign ones. The loss of one
-step is the decoupled PPO objective (verl's "decoupled" rollout correction, AReaL):
+versions away for foreign ones. The loss of one step is the decoupled PPO objective (verl's "decoupled"
+rollout correction, AReaL):
 
     L = - 1/K  sum_t  w_t * min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)  +  kl_coef * KL_t
 

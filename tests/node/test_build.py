@@ -134,7 +134,7 @@ def test_who_runs_is_checked_against_the_allowlist_before_anything_starts(tmp_pa
     swarm = PrivateSwarm.create(SWARM, b"\x33" * 32, {people["member"].public_key})
     config = _config(homes["member"], **private).swarm
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hivespec.node.build"):
+    with caplog.at_level(logging.WARNING, logger="hivespec.node.swarm.private_files"):
         check_member(swarm, people["member"], config, trains=True)  # a leader alone: said, not refused
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 1 and said[0].startswith(
